@@ -1,0 +1,24 @@
+"""ray-trainer: distributed PyTorch training on Ray Train, built around callbacks.
+
+The public API. Everything else lives in ``_``-prefixed modules. The callback API is re-exported
+here too, for users whose own project has a ``callbacks.py`` that shadows the ``callbacks``
+package.
+"""
+
+from callbacks import *  # noqa: F403  (re-export the callback API; see callbacks.__all__)
+from callbacks import __all__ as _callbacks_all
+from ray_trainer._checkpoint import CheckpointError
+from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._launch import ResourceRequestError, RunFailedError, run_training
+from ray_trainer._result import TrainingResult
+
+__all__ = [
+    "CheckpointError",
+    "ResourceRequestError",
+    "RunFailedError",
+    "TrainingArgs",
+    "TrainingArgsError",
+    "TrainingResult",
+    "run_training",
+    *_callbacks_all,
+]

@@ -1,0 +1,287 @@
+"""`TrainingArgs`: everything a run needs, validated before any Ray resource is taken.
+
+Runs in the driver. The validated args travel to the workers (and to the callback actor) as a
+plain dict; the objects in them (model factories, datasets, callbacks) travel cloudpickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from callbacks import ALIASES, EVENTS
+
+HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class TrainingArgsError(ValueError):
+    """Bad arguments for a run: the message names each field, the bad value and the fix."""
+
+
+class TrainingArgs(BaseModel):
+    """Arguments of one training run.
+
+    Args:
+        model: ``None`` or ``"tiny-lm"`` for the built-in demo transformer; a callable returning
+            an ``nn.Module``; or a Hugging Face causal LM name or local path (``ray-trainer[hf]``).
+        data: ``None`` for the built-in addition task; a JSONL file of text; a torch ``Dataset``;
+            or a callable returning one.
+        max_steps: optimizer steps to train for (``None``: ``num_epochs`` passes over the data).
+        batch_size: micro-batch size per worker; the global batch is
+            ``batch_size * grad_accum_steps * num_workers``.
+        callbacks: callback instances or functions; ``on_<event>`` fields take a function or a list.
+
+    Example:
+        >>> args = TrainingArgs(max_steps=200, num_workers=2, save_every_steps=50)
+        >>> args.batch_size
+        32
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=False)
+
+    # What to train.
+    model: str | Callable[..., Any] | None = None
+    data: str | Any | None = None
+    val_data: str | Any | None = None
+    loss_fn: Callable[..., Any] | None = None
+    tokenizer: str | None = None
+    text_field: str = "text"
+    max_length: int = Field(128, gt=0)
+    demo: dict[str, Any] = Field(default_factory=dict)
+
+    # How long and how.
+    max_steps: int | None = Field(None, gt=0)
+    num_epochs: int = Field(1, gt=0)
+    batch_size: int = Field(32, gt=0)
+    grad_accum_steps: int = Field(1, gt=0)
+    learning_rate: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    seed: int = 42
+
+    # Scaling.
+    num_workers: int = Field(2, gt=0)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+
+    # Checkpoints, evaluation, logging.
+    save_every_steps: int | None = Field(None, gt=0)
+    save_at_end: bool = True
+    num_checkpoints_to_keep: int | None = Field(None, gt=0)
+    eval_every_steps: int | None = Field(None, gt=0)
+    eval_max_batches: int | None = Field(None, gt=0)
+    log_every_steps: int = Field(10, gt=0)
+    storage_path: str = "~/ray_trainer_runs"
+    run_name: str | None = None
+    resume_from: str | None = None
+
+    # Callback machinery (see the README, "Forwarding to the callback actor").
+    callback_timeout_s: float = Field(60.0, gt=0)
+    eval_timeout_s: float = Field(600.0, gt=0)
+    actor_queue_size: int = Field(10_000, gt=0)
+    event_batch_size: int = Field(64, gt=0)
+    event_flush_interval_s: float = Field(0.2, gt=0)
+    event_max_in_flight: int = Field(4, gt=0)
+
+    # Cluster and faults.
+    max_failures: int = Field(0, ge=0)
+    ray_address: str | None = None
+
+    # Callbacks: instances or functions, and one flat field per event and alias.
+    callbacks: list[Any] = Field(default_factory=list)
+    on_init_end: HookSpec = None
+    on_train_begin: HookSpec = None
+    on_epoch_begin: HookSpec = None
+    on_step_begin: HookSpec = None
+    on_before_forward: HookSpec = None
+    on_after_forward: HookSpec = None
+    on_before_backward: HookSpec = None
+    on_after_backward: HookSpec = None
+    on_before_optimizer_step: HookSpec = None
+    on_after_optimizer_step: HookSpec = None
+    on_log: HookSpec = None
+    on_evaluate: HookSpec = None
+    on_save: HookSpec = None
+    on_load_checkpoint: HookSpec = None
+    on_step_end: HookSpec = None
+    on_epoch_end: HookSpec = None
+    on_train_end: HookSpec = None
+    on_exception: HookSpec = None
+    on_pre_optimizer_step: HookSpec = None
+    on_optimizer_step: HookSpec = None
+    on_checkpoint: HookSpec = None
+    on_validation_loss: HookSpec = None
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, v: str | None) -> str | None:
+        if v is not None and not _RUN_NAME.match(v):
+            raise ValueError(
+                f"run_name {v!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit (it names a folder and a Ray actor)"
+            )
+        return v
+
+    @field_validator("data", "val_data")
+    @classmethod
+    def _check_data(cls, v: Any) -> Any:
+        if isinstance(v, (str, os.PathLike)):
+            return os.fspath(v)
+        if v is None or callable(v) or hasattr(v, "__getitem__"):
+            return v
+        raise ValueError(
+            f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
+            "returning a Dataset"
+        )
+
+    @field_validator("callbacks", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: Any) -> Any:
+        return v if isinstance(v, (list, tuple)) else [v]
+
+    @field_validator(*sorted(EVENTS | set(ALIASES)), mode="before")
+    @classmethod
+    def _check_hook(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        fns = list(v) if isinstance(v, (list, tuple)) else [v]
+        for fn in fns:
+            if not callable(fn) or isinstance(fn, type):
+                raise ValueError(
+                    f"got {fn!r}; pass a function taking (context) or a list of such functions"
+                )
+        return fns
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> TrainingArgs:
+        if self.val_data is not None and self.data is None:
+            raise ValueError("val_data needs data: set data too, or drop val_data")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError("max_grad_norm must be positive, or None to turn clipping off")
+        return self
+
+    # ---- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def coerce(cls, args: TrainingArgs | dict | None = None, **fields: Any) -> TrainingArgs:
+        """Build from a TrainingArgs, a dict, or keyword fields; raise `TrainingArgsError`."""
+        if args is None:
+            data: dict[str, Any] = {}
+        elif isinstance(args, TrainingArgs):
+            data = dict(args.__dict__)
+        elif isinstance(args, dict):
+            data = dict(args)
+        else:
+            raise TrainingArgsError(
+                f"run_training() takes a TrainingArgs, a dict or keyword fields, not "
+                f"{type(args).__name__}"
+            )
+        data.update(fields)
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise TrainingArgsError(format_validation_error(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainingArgs:
+        """Load args from a YAML file, then apply ``key=value`` overrides (values parsed as YAML).
+
+        Callbacks in YAML are import strings (``"callbacks:EarlyStopping"``) or mappings with a
+        ``class`` key and constructor arguments (``{class: callbacks:EarlyStopping, metric: loss}``).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise TrainingArgsError(f"{path}: config file not found")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise TrainingArgsError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise TrainingArgsError(
+                f"{path}: the top level must be a mapping of TrainingArgs fields"
+            )
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise TrainingArgsError(f"--set {item!r}: expected key=value, e.g. max_steps=100")
+            raw[key.strip()] = yaml.safe_load(value)
+        try:
+            raw["callbacks"] = [_import_callback(spec) for spec in raw.get("callbacks") or []]
+            for name in EVENTS | set(ALIASES):
+                if isinstance(raw.get(name), (str, list)):
+                    specs = raw[name] if isinstance(raw[name], list) else [raw[name]]
+                    raw[name] = [_import_object(s) for s in specs]
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            raise TrainingArgsError(f"{path}: {e}") from None
+        return cls.coerce(raw)
+
+    def resolved_run_name(self) -> str:
+        return self.run_name or "run"
+
+    def to_public_dict(self) -> dict[str, Any]:
+        """The args as a dict of plain values (objects shown by their repr), for contexts/logs."""
+        out: dict[str, Any] = {}
+        for k, v in self.__dict__.items():
+            if v is None or isinstance(v, (str, int, float, bool)):
+                out[k] = v
+            elif isinstance(v, dict):
+                out[k] = dict(v)
+            elif k == "callbacks" or k in EVENTS or k in ALIASES:
+                out[k] = [getattr(c, "__qualname__", type(c).__name__) for c in v]
+            else:
+                out[k] = repr(v)
+        return out
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = [f"invalid TrainingArgs ({e.error_count()} problem(s)):"]
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(args)"
+        if err["type"] == "extra_forbidden":
+            import difflib
+
+            close = difflib.get_close_matches(field, TrainingArgs.model_fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"  - {field}: unknown field{hint}")
+            continue
+        value = err.get("input")
+        shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+        lines.append(f"  - {field}: {err['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+def _import_object(spec: str) -> Any:
+    module, sep, attr = spec.partition(":")
+    if not sep:
+        module, _, attr = spec.rpartition(".")
+    if not module or not attr:
+        raise ValueError(f"{spec!r} is not an import string like 'package.module:Name'")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import_callback(spec: Any) -> Any:
+    if isinstance(spec, str):
+        obj = _import_object(spec)
+        return obj() if isinstance(obj, type) else obj
+    if isinstance(spec, dict) and "class" in spec:
+        kwargs = {k: v for k, v in spec.items() if k != "class"}
+        return _import_object(spec["class"])(**kwargs)
+    raise TypeError(
+        f"callback entry {spec!r}: use an import string 'module:Name' or a mapping with a "
+        "'class' key and the constructor arguments"
+    )

@@ -1,0 +1,189 @@
+"""Evaluation tasks launched from the callback actor, and their results.
+
+Runs inside the callback actor process. `EvalOnSave.on_save` (on the actor's dispatcher thread)
+calls `EvalTracker.launch`, which starts ``eval_fn(checkpoint_path, step)`` as a Ray task with
+the requested resources and returns at once. A watcher thread collects finished tasks, cancels
+the ones past their timeout, records every outcome, and fires ``on_evaluate`` on the actor-side
+callbacks for each success.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from callbacks import CallbackManager, TrainingContext
+
+logger = logging.getLogger("ray_trainer")
+
+
+@dataclass
+class _Pending:
+    step: int
+    checkpoint_path: str
+    source: str
+    deadline: float | None
+
+
+class EvalTracker:
+    """Launches and watches evaluation tasks; keeps their results (bounded by `max_results`)."""
+
+    def __init__(self, manager: CallbackManager, run_name: str, max_results: int = 10_000) -> None:
+        self.manager = manager
+        self.run_name = run_name
+        self.max_results = max_results
+        self.results: list[dict[str, Any]] = []
+        self.results_dropped = 0
+        self._in_flight: dict[Any, _Pending] = {}
+        self._remote_fns: dict[int, Any] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def launch(
+        self,
+        eval_fn: Any,
+        checkpoint_path: str,
+        step: int,
+        *,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        resources: dict[str, float] | None = None,
+        timeout_s: float | None = None,
+        max_in_flight: int | None = None,
+        source: str = "EvalOnSave",
+    ) -> None:
+        """Start one evaluation task; waits (on the actor only) while `max_in_flight` are running."""
+        missing = _unavailable(num_cpus, num_gpus, resources or {})
+        if missing:
+            self._record(step, checkpoint_path, source, error=f"cannot be scheduled: {missing}")
+            return
+        with self._cond:
+            while max_in_flight is not None and self._count(source) >= max_in_flight:
+                self._cond.wait(0.5)
+            remote = self._remote_fns.get(id(eval_fn))
+            if remote is None:
+                remote = self._remote_fns[id(eval_fn)] = ray.remote(eval_fn)
+            ref = remote.options(
+                num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_retries=0
+            ).remote(checkpoint_path, step)
+            deadline = time.monotonic() + timeout_s if timeout_s else None
+            self._in_flight[ref] = _Pending(step, checkpoint_path, source, deadline)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="eval-watcher", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._in_flight)
+
+    def wait_all(self, timeout: float) -> None:
+        """Wait for every in-flight evaluation, up to `timeout`; cancel and record the rest."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._in_flight and time.monotonic() < deadline:
+                self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+            left = dict(self._in_flight)
+            self._in_flight.clear()
+        for ref, p in left.items():
+            ray.cancel(ref, force=True)
+            self._record(
+                p.step,
+                p.checkpoint_path,
+                p.source,
+                error=f"not finished {timeout:g} s after training ended; cancelled",
+            )
+
+    def sorted_results(self) -> list[dict[str, Any]]:
+        return sorted(self.results, key=lambda r: r["step"])
+
+    # ---- watcher thread --------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                refs = list(self._in_flight)
+                if not refs:
+                    self._cond.wait(0.5)
+                    continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                self._finish(ref)
+            now = time.monotonic()
+            with self._cond:
+                expired = [
+                    r
+                    for r, p in self._in_flight.items()
+                    if p.deadline is not None and now > p.deadline
+                ]
+            for ref in expired:
+                with self._cond:
+                    p = self._in_flight.pop(ref, None)
+                    self._cond.notify_all()
+                if p is not None:
+                    ray.cancel(ref, force=True)
+                    self._record(p.step, p.checkpoint_path, p.source, error="timed out; cancelled")
+
+    def _finish(self, ref: Any) -> None:
+        with self._cond:
+            p = self._in_flight.pop(ref, None)
+            self._cond.notify_all()
+        if p is None:
+            return
+        try:
+            value = ray.get(ref)
+        except Exception as e:  # the eval task raised or died: record it, never raise
+            self._record(p.step, p.checkpoint_path, p.source, error=_short(e))
+            return
+        metrics = dict(value) if isinstance(value, dict) else {"value": value}
+        self._record(p.step, p.checkpoint_path, p.source, metrics=metrics)
+        context = TrainingContext(
+            event="on_evaluate",
+            global_step=p.step,
+            run_name=self.run_name,
+            is_world_process_zero=True,
+            is_local_process_zero=True,
+            checkpoint_path=p.checkpoint_path,
+            val_metrics=metrics,
+        )
+        self.manager.fire("on_evaluate", context, eval_step=p.step, source=p.source)
+
+    def _record(self, step: int, path: str, source: str, **outcome: Any) -> None:
+        if "error" in outcome:
+            logger.warning("evaluation of step %d (%s) failed: %s", step, path, outcome["error"])
+        entry = {"step": step, "checkpoint_path": path, "source": source, **outcome}
+        with self._cond:
+            if len(self.results) >= self.max_results:
+                self.results_dropped += 1
+                return
+            self.results.append(entry)
+
+    def _count(self, source: str) -> int:
+        return sum(1 for p in self._in_flight.values() if p.source == source)
+
+
+def _unavailable(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> str | None:
+    """Why no node of the cluster could ever run the task, or None if some node can."""
+    need = {"CPU": num_cpus, "GPU": num_gpus, **resources}
+    need = {k: v for k, v in need.items() if v}
+    for node in ray.nodes():
+        if node.get("Alive") and all(node["Resources"].get(k, 0) >= v for k, v in need.items()):
+            return None
+    total = ray.cluster_resources()
+    return (
+        f"asks for {need}, but no node has that (cluster: "
+        + ", ".join(f"{k}={total.get(k, 0):g}" for k in need)
+        + ")"
+    )
+
+
+def _short(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"

@@ -1,0 +1,162 @@
+"""Rank 0 -> callback actor: batched, never-blocking event forwarding with redelivery.
+
+Runs in the rank-0 training process only, on the training loop's thread.
+
+Policy (documented in the README, "Forwarding to the callback actor"):
+
+* Only events that some actor-side callback subscribes to are forwarded (the set is fixed before
+  training starts); an unsubscribed event costs the loop one set lookup.
+* An event costs rank 0 one `to_wire()` (a small dict of plain fields) and a list append. Events
+  are sent in batches, one Ray actor call per batch: when `max_batch` events are waiting, when
+  the oldest has waited `flush_interval_s`, or at once for `on_save`, `on_evaluate`,
+  `on_train_begin`, `on_train_end`, `on_exception` and `on_load_checkpoint`.
+* Nothing waits for the actor: a batch is sent with `.remote()` and its reply is collected later
+  with `ray.wait(timeout=0)`. At most `max_in_flight` batches are unacknowledged; beyond that
+  events wait in a buffer of at most `max_buffer` events. When that buffer is full, low-value
+  events (`on_log`, per-micro-batch and per-step events) are dropped oldest first and counted;
+  `on_save`, `on_evaluate`, `on_train_begin`, `on_train_end` and `on_exception` never are.
+* Every batch carries a sequence number and stays on rank 0 until the actor acknowledges it; a
+  batch whose call failed (the actor died) is sent again after Ray restarts the actor, and the
+  actor ignores a sequence number it has already handled.
+* Control requests from actor-side callbacks come back in the replies and are merged into the
+  rank-0 requests at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import ray
+
+from callbacks import NEVER_DROPPED_EVENTS, TrainerControl, TrainingContext
+
+logger = logging.getLogger("ray_trainer")
+
+URGENT_EVENTS = NEVER_DROPPED_EVENTS
+# Keyword arguments that hold live objects of the training process: never shipped.
+_LIVE_KWARGS = frozenset({"batch", "outputs", "model", "optimizer", "lr_scheduler", "exception"})
+
+
+class EventForwarder:
+    def __init__(
+        self,
+        actor_name: str,
+        events: frozenset[str],
+        *,
+        attempt: int,
+        namespace: str,
+        max_batch: int = 64,
+        flush_interval_s: float = 0.2,
+        max_in_flight: int = 4,
+        max_buffer: int = 10_000,
+        poll_interval_s: float = 0.02,
+    ) -> None:
+        self.actor = ray.get_actor(actor_name, namespace=namespace)
+        self.events = events
+        self.attempt = attempt
+        self.max_batch = max_batch
+        self.flush_interval_s = flush_interval_s
+        self.max_in_flight = max_in_flight
+        self.max_buffer = max_buffer
+        self.poll_interval_s = poll_interval_s
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.undelivered = 0
+        self._buffer: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+        self._oldest = 0.0
+        self._in_flight: collections.deque[list[Any]] = collections.deque()  # [seq, ref, batch]
+        self._seq = 0
+        self._last_poll = 0.0
+        self._control: TrainerControl | None = None
+
+    def push(self, event: str, context: TrainingContext, kwargs: dict[str, Any]) -> None:
+        """Queue one event (called by the loop); may send a batch, never waits."""
+        wire = context.to_wire()
+        shipped = {k: v for k, v in kwargs.items() if k not in _LIVE_KWARGS} if kwargs else kwargs
+        if not self._buffer:
+            self._oldest = time.monotonic()
+        self._buffer.append((event, wire, shipped))
+        if (
+            event in URGENT_EVENTS
+            or len(self._buffer) >= self.max_batch
+            or time.monotonic() - self._oldest >= self.flush_interval_s
+        ):
+            self._flush()
+
+    def poll_control(self) -> TrainerControl | None:
+        """At a step boundary: send what is due, collect replies without waiting."""
+        now = time.monotonic()
+        if self._buffer and now - self._oldest >= self.flush_interval_s:
+            self._flush()
+        if self._in_flight and now - self._last_poll >= self.poll_interval_s:
+            self._last_poll = now
+            self._collect(timeout=0)
+        control, self._control = self._control, None
+        return control
+
+    def close(self, timeout: float) -> None:
+        """End of training: send everything and wait for the acknowledgements, up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self._buffer or self._in_flight:
+            self._flush(force=True)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._collect(timeout=min(left, 1.0))
+        lost = sum(len(entry[2]) for entry in self._in_flight) + len(self._buffer)
+        if lost:
+            logger.warning("%d event(s) could not be delivered to the callback actor", lost)
+        self.undelivered += lost
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _flush(self, force: bool = False) -> None:
+        if not self._buffer:
+            return
+        if len(self._in_flight) >= self.max_in_flight and not force:
+            self._collect(timeout=0)
+            if len(self._in_flight) >= self.max_in_flight:
+                self._shed()
+                return
+        batch, self._buffer = self._buffer, []
+        self._seq += 1
+        ref = self.actor.push.remote(self.attempt, self._seq, batch)
+        self._in_flight.append([self._seq, ref, batch])
+
+    def _shed(self) -> None:
+        """The actor is behind: keep the buffer bounded by dropping low-value events."""
+        excess = len(self._buffer) - self.max_buffer
+        if excess <= 0:
+            return
+        kept = []
+        for item in self._buffer:
+            if excess > 0 and item[0] not in URGENT_EVENTS:
+                self.dropped[item[0]] += 1
+                excess -= 1
+            else:
+                kept.append(item)
+        self._buffer = kept
+
+    def _collect(self, timeout: float) -> None:
+        """Take the replies that are ready, in order; resend a batch whose call failed."""
+        while self._in_flight:
+            seq, ref, batch = self._in_flight[0]
+            ready, _ = ray.wait([ref], timeout=timeout)
+            if not ready:
+                return
+            try:
+                reply = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                logger.warning("callback actor unavailable (%s); sending batch %d again", e, seq)
+                self._in_flight[0][1] = self.actor.push.remote(self.attempt, seq, batch)
+                return
+            self._in_flight.popleft()
+            control = reply.get("control")
+            if control:
+                incoming = TrainerControl(**control)
+                if self._control is None:
+                    self._control = incoming
+                else:
+                    self._control.merge(incoming, incoming.stop_reason or "actor callback")

@@ -1,0 +1,75 @@
+"""Firing events inside a training process.
+
+Runs in every training worker (one Ray Train worker process per rank). Worker-side callbacks
+(``runs_on="rank0"``/``"all_ranks"``) run here, synchronously, with the live model in the
+context. On rank 0, events that an actor-side callback subscribes to are handed to a forwarder,
+which batches them to the callback actor without waiting (see ``_forward.py``).
+
+Control requests made by any callback accumulate in ``pending`` until the next step boundary,
+where the loop agrees them across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from callbacks import CallbackManager, TrainerControl, TrainingContext
+
+
+class Forwarder(Protocol):
+    """Ships rank-0 events to the callback actor; see `ray_trainer._forward.EventForwarder`."""
+
+    events: frozenset[str]
+
+    def push(self, event: str, context: TrainingContext, kwargs: dict[str, Any]) -> None: ...
+
+    def poll_control(self) -> TrainerControl | None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+
+class Hooks:
+    """The loop's one way to fire an event: `hooks.fire("on_save", checkpoint_path=p)`.
+
+    An event nobody subscribed to costs one set lookup: no context update, no allocation.
+    """
+
+    def __init__(
+        self,
+        manager: CallbackManager,
+        context: TrainingContext,
+        forwarder: Forwarder | None = None,
+    ) -> None:
+        self.manager = manager
+        self.context = context
+        self.forwarder = forwarder
+        self.local_events = manager.events
+        self.forward_events = forwarder.events if forwarder is not None else frozenset()
+        self.active = self.local_events | self.forward_events
+        self.pending = TrainerControl()
+
+    def fire(self, event: str, **kwargs: Any) -> None:
+        if event not in self.active:
+            return
+        ctx = self.context
+        ctx.event = event
+        if event in self.local_events:
+            control = self.manager.fire(event, ctx, **kwargs)
+            if control.any:
+                self.pending.merge(control, control.stop_reason or "callback")
+        if event in self.forward_events:
+            self.forwarder.push(event, ctx, kwargs)
+
+    def take_pending(self) -> TrainerControl:
+        """The requests made since the last boundary (local and from the actor); resets them."""
+        if self.forwarder is not None:
+            remote = self.forwarder.poll_control()
+            if remote is not None and remote.any:
+                self.pending.merge(remote, remote.stop_reason or "actor callback")
+        pending, self.pending = self.pending, TrainerControl()
+        return pending
+
+    def close(self, timeout: float) -> None:
+        if self.forwarder is not None:
+            self.forwarder.close(timeout)
+        self.manager.close()

@@ -1,0 +1,57 @@
+"""`TrainingResult`: what `run_training` returns to the driver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainingResult:
+    """The outcome of a run.
+
+    Attributes:
+        global_step: optimizer steps completed.
+        metrics: the last metrics of the run (loss, samples/tokens seen, last validation metrics).
+        checkpoint_path: the last complete checkpoint, or None.
+        evaluations: evaluation results, each a dict with ``step``, ``checkpoint_path`` and
+            ``metrics`` (or ``error``), in step order.
+        stopped_early: True when a callback stopped the run before ``max_steps``.
+        stop_reason: the name of the callback that asked to stop (or its stated reason).
+        callback_errors: dicts with ``callback``, ``event``, ``step``, ``error``.
+        events: count per event delivered to the callback actor.
+        attempts: how many times the worker group started (1 without a restart).
+    """
+
+    global_step: int
+    metrics: dict[str, Any]
+    checkpoint_path: str | None
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    stopped_early: bool = False
+    stop_reason: str | None = None
+    callback_errors: list[dict[str, Any]] = field(default_factory=list)
+    events: dict[str, int] = field(default_factory=dict)
+    attempts: int = 1
+    run_name: str = ""
+    run_dir: str = ""
+    undelivered_events: int = 0
+
+    def summary(self) -> str:
+        """A few human-readable lines, as the CLI prints them."""
+        lines = [
+            f"run {self.run_name}: {self.global_step} steps, {self.attempts} attempt(s)",
+            "metrics: " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(self.metrics.items())),
+            f"checkpoint: {self.checkpoint_path}",
+        ]
+        if self.stopped_early:
+            lines.append(f"stopped early by: {self.stop_reason}")
+        if self.evaluations:
+            last = self.evaluations[-1]
+            lines.append(f"evaluations: {len(self.evaluations)} (last at step {last.get('step')})")
+        if self.callback_errors:
+            lines.append(f"callback errors: {len(self.callback_errors)}")
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -1,0 +1,132 @@
+"""Small parts for integration tests: a tiny model and dataset, and recording callbacks.
+
+Imported by the test process and, through PYTHONPATH, by Ray workers and the callback actor.
+Recorders append JSON lines to a file (one per process): the test reads them after the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from callbacks import EVENTS, TrainerCallback
+
+ALL_EVENTS = sorted(EVENTS)
+
+
+class TinyRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        pred = self.net(input_ids.float()).squeeze(-1)
+        return {"loss": ((pred - labels.float()) ** 2).mean()}
+
+
+class TinyDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 512) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x[:, :4].sum(-1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+class _FileLog:
+    """Appends one JSON line per record to `<folder>/<prefix>-<pid>.jsonl`."""
+
+    def __init__(self, folder: str, prefix: str) -> None:
+        self.folder, self.prefix = folder, prefix
+        self._f = None
+
+    def write(self, **record: Any) -> None:
+        if self._f is None:
+            os.makedirs(self.folder, exist_ok=True)
+            path = os.path.join(self.folder, f"{self.prefix}-{os.getpid()}.jsonl")
+            self._f = open(path, "a")  # noqa: SIM115  (kept open across events)
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"folder": self.folder, "prefix": self.prefix, "_f": None}
+
+
+def read_records(folder: str, prefix: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(prefix + "-"):
+            with open(os.path.join(folder, name)) as f:
+                out.extend(json.loads(line) for line in f if line.strip())
+    return out
+
+
+def _recorder_methods():
+    def make(event: str):
+        def hook(self, context, **kwargs):
+            self.log.write(
+                event=event,
+                step=context.global_step,
+                rank=context.rank,
+                world_size=context.world_size,
+                attempt=context.attempt,
+                pid=os.getpid(),
+                node=_node_id(),
+                t=time.monotonic(),
+                checkpoint_path=context.checkpoint_path,
+                val_metrics=dict(context.val_metrics or {}),
+                has_model=context.model is not None,
+                micro_step=kwargs.get("micro_step"),
+            )
+
+        hook.__name__ = event
+        return hook
+
+    return {e: make(e) for e in ALL_EVENTS}
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
+def _init(self, folder: str, prefix: str | None = None) -> None:
+    self.log = _FileLog(folder, prefix or self.runs_on)
+
+
+# Classes built with type() so that TrainerCallback sees every hook at class creation.
+AllRanksRecorder = type(
+    "AllRanksRecorder",
+    (TrainerCallback,),
+    {
+        "__module__": __name__,
+        "__doc__": "Records every event on every rank, in the training processes.",
+        "runs_on": "all_ranks",
+        "__init__": _init,
+        **_recorder_methods(),
+    },
+)
+ActorRecorder = type(
+    "ActorRecorder",
+    (TrainerCallback,),
+    {
+        "__module__": __name__,
+        "__doc__": "Records every event it receives, on the callback actor.",
+        "runs_on": "actor",
+        "__init__": _init,
+        **_recorder_methods(),
+    },
+)
