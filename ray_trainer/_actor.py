@@ -112,7 +112,9 @@ class CallbackActor:
                 self.saw_exception = True
             context = TrainingContext.from_wire(wire)
             context.eval_launcher = self.evals
+            context.callback_errors_total = sum(self.manager.error_counts.values())
             self.manager.fire(event, context, **kwargs)
+        self.evals.last_wire = wire
         self._last_seq[attempt] = seq
         # Give quick callbacks a moment, so their requests ride on this reply (rank 0 never waits
         # for it: it collects the reply at a later step boundary).
@@ -199,10 +201,13 @@ class CallbackActor:
         return None
 
 
-def start_actor(
-    packed_ref: Any, run_name: str, run_dir: str, **options: Any
-) -> tuple[Any, dict[str, Any]]:
-    """Create the run's callback actor on the head node (no CPU, restarted if it dies)."""
+def start_actor(packed_ref: Any, run_name: str, run_dir: str, **options: Any) -> tuple[Any, Any]:
+    """Create the run's callback actor on the head node (no CPU, restarted if it dies).
+
+    Returns the handle and the `ready()` reference without waiting for it: the actor starts
+    while Ray Train starts the workers (rank 0 finds it by name and its calls queue until the
+    actor is up). Get the reference to surface a constructor error.
+    """
     remote_cls = ray.remote(CallbackActor)
     actor = remote_cls.options(
         name=actor_name(run_name),
@@ -213,5 +218,4 @@ def start_actor(
         max_task_retries=-1,
         max_concurrency=1,  # one call at a time: batches are handled in the order they arrive
     ).remote([packed_ref], run_name, run_dir, **options)
-    info = ray.get(actor.ready.remote())
-    return actor, info
+    return actor, actor.ready.remote()

@@ -14,10 +14,12 @@ import json
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-import torch
+
+if TYPE_CHECKING:
+    import torch  # noqa: F401  (imported lazily: the callback actor reads manifests without torch)
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
@@ -57,6 +59,8 @@ class LoadedCheckpoint:
 
 
 def rng_state() -> dict[str, Any]:
+    import torch
+
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -64,6 +68,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -83,6 +89,8 @@ def write_rank_part(
     trainer_state: TrainerState | None = None,
 ) -> None:
     """Write this rank's files into `folder`, the completion manifest last."""
+    import torch
+
     files = {}
 
     def put(name: str, obj: Any) -> None:
@@ -140,6 +148,8 @@ def verify(path: str) -> TrainerState:
 
 def load(path: str, rank: int) -> LoadedCheckpoint:
     """Load a verified checkpoint for `rank` (a rank the checkpoint did not have uses rank 0's)."""
+    import torch
+
     state = verify(path)
     part_rank = rank if os.path.exists(os.path.join(path, f"rank{rank}.pt")) else 0
     part = torch.load(os.path.join(path, f"rank{part_rank}.pt"), weights_only=False)

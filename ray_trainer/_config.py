@@ -20,6 +20,7 @@ from callbacks import ALIASES, EVENTS
 
 HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
 
+BUILTIN_MODELS = ("tiny-lm", "demo")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -92,7 +93,7 @@ class TrainingArgs(BaseModel):
     eval_timeout_s: float = Field(600.0, gt=0)
     actor_queue_size: int = Field(10_000, gt=0)
     event_batch_size: int = Field(64, gt=0)
-    event_flush_interval_s: float = Field(0.2, gt=0)
+    event_flush_interval_s: float = Field(0.02, gt=0)
     event_max_in_flight: int = Field(4, gt=0)
 
     # Cluster and faults.
@@ -243,6 +244,11 @@ class TrainingArgs(BaseModel):
             else:
                 out[k] = repr(v)
         return out
+
+
+def is_builtin(model: Any) -> bool:
+    """True for the built-in demo transformer (`model=None`, "tiny-lm" or "demo")."""
+    return model is None or (isinstance(model, str) and model in BUILTIN_MODELS)
 
 
 def format_validation_error(e: ValidationError) -> str:

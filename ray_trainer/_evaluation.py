@@ -43,6 +43,7 @@ class EvalTracker:
         self._remote_fns: dict[int, Any] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self.last_wire: dict[str, Any] = {}
 
     def launch(
         self,
@@ -144,14 +145,16 @@ class EvalTracker:
             return
         metrics = dict(value) if isinstance(value, dict) else {"value": value}
         self._record(p.step, p.checkpoint_path, p.source, metrics=metrics)
-        context = TrainingContext(
-            event="on_evaluate",
-            global_step=p.step,
-            run_name=self.run_name,
-            is_world_process_zero=True,
-            is_local_process_zero=True,
-            checkpoint_path=p.checkpoint_path,
-            val_metrics=metrics,
+        # The latest rank-0 fields (args, run_name, ...), with the checkpoint's step and path.
+        context = TrainingContext.from_wire(
+            {
+                **self.last_wire,
+                "event": "on_evaluate",
+                "global_step": p.step,
+                "run_name": self.run_name,
+                "checkpoint_path": p.checkpoint_path,
+                "val_metrics": metrics,
+            }
         )
         self.manager.fire("on_evaluate", context, eval_step=p.step, source=p.source)
 

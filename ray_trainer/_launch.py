@@ -21,7 +21,7 @@ from callbacks import (
 )
 from ray_trainer._actor import NAMESPACE, actor_name, start_actor
 from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, verify
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._config import TrainingArgs, TrainingArgsError, is_builtin
 from ray_trainer._placement import (
     CallbackLists,
     build_manager,
@@ -31,7 +31,6 @@ from ray_trainer._placement import (
 )
 from ray_trainer._result import TrainingResult
 from ray_trainer._run_files import RunFiles
-from ray_trainer._workload import is_builtin
 
 logger = logging.getLogger("ray_trainer")
 
@@ -61,8 +60,8 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         args = args.model_copy(update={"run_name": f"run-{stamp}-{secrets.token_hex(2)}"})
     lists = collect_callbacks(args)
-    run_dir = _check_storage(args)
     _check_inputs(args)
+    run_dir = _check_storage(args)
 
     import ray
 
@@ -209,10 +208,10 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     spec = RunSpec(
         args=worker_args, callbacks_ref=callbacks_ref, run_dir=run_dir, launch_id=launch_id
     )
-    actor = None
+    actor = actor_ready = None
     actor_events = subscribed_events(lists, keep_for_actor)
     if actor_events:
-        actor, _ = start_actor(
+        actor, actor_ready = start_actor(
             callbacks_ref,
             args.run_name,
             run_dir,
@@ -243,7 +242,7 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
         trainer.fit()
     except Exception as e:  # ray.train.TrainingFailedError and friends
         error = e
-    actor_summary = _finish_actor(actor, args, error)
+    actor_summary = _finish_actor(actor, actor_ready, args, error)
     if error is not None:
         raise RunFailedError(
             f"run {args.run_name!r} failed after {files.attempts()} attempt(s) "
@@ -274,7 +273,9 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     )
 
 
-def _finish_actor(actor: Any, args: TrainingArgs, error: BaseException | None) -> dict[str, Any]:
+def _finish_actor(
+    actor: Any, ready: Any, args: TrainingArgs, error: BaseException | None
+) -> dict[str, Any]:
     """Make sure the actor ran `on_train_end` (rank 0 may have died), collect its summary, and
     remove it. Bounded by the callback and evaluation timeouts."""
     if actor is None:
@@ -282,6 +283,12 @@ def _finish_actor(actor: Any, args: TrainingArgs, error: BaseException | None) -
     import ray
 
     timeout = args.callback_timeout_s * 2 + args.eval_timeout_s
+    try:
+        ray.get(ready, timeout=args.callback_timeout_s)
+    except Exception as e:  # its constructor failed: report it, the training result stands
+        ray.kill(actor, no_restart=True)
+        failure = {"callback": "<callback actor>", "event": "start", "step": None, "error": str(e)}
+        return {"callback_errors": [failure]}
     try:
         ray.get(actor.end.remote(_root_message(error) if error else None), timeout=timeout)
         return ray.get(actor.summary.remote(), timeout=args.callback_timeout_s)

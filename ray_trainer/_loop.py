@@ -44,7 +44,10 @@ from ray_trainer._run_files import RunFiles
 from ray_trainer._sampler import ResumableDistributedSampler
 from ray_trainer._workload import Workload, build_workload
 
-_STOP, _SAVE, _EVAL, _LOG = range(4)
+_STOP, _SAVE, _EVAL, _LOG, _ABORT = range(5)
+# A stop whose reason contains this marker ends training without a final checkpoint
+# (DivergenceDetector(action="abort")).
+ABORT_MARKER = "(abort)"
 
 
 @dataclass
@@ -82,6 +85,7 @@ class _State:
     progress: ckpt.TrainerState = field(default_factory=ckpt.TrainerState)
     last_saved_step: int = -1
     stop_reason: str | None = None
+    abort: bool = False
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -219,9 +223,19 @@ def _setup(spec: RunSpec) -> _State:
 
 
 def _maybe_resume(s: _State, spec: RunSpec) -> None:
-    """Restore from Ray Train's latest checkpoint (after a restart) or from `resume_from`."""
+    """Restore from the run's newest complete checkpoint (after a restart, or when a new call
+    continues the run), else from `resume_from`.
+
+    The newest complete checkpoint on disk is preferred to `ray.train.get_checkpoint()`: Ray
+    Train registers a reported checkpoint only when its controller next polls (~2 s), so a crash
+    right after a save would otherwise restart from an older one (or from scratch).
+    """
     reported = ray.train.get_checkpoint()
-    path = reported.path if reported is not None else spec.args.resume_from
+    path = ckpt.latest_checkpoint(spec.run_dir)
+    if path is None and reported is not None:
+        path = reported.path
+    if path is None:
+        path = spec.args.resume_from
     if path is None:
         return
     loaded = ckpt.load(path, s.rank)
@@ -287,8 +301,7 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
             acc.backward(loss / len(micro_batches))
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
         loss_sum += loss.detach()
-        mask = batch.get("attention_mask")
-        tokens += mask.sum() if mask is not None else batch["input_ids"].numel()
+        tokens += _count_tokens(batch)
 
     hooks.fire("on_before_optimizer_step")
     grad_norm = None
@@ -316,6 +329,7 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
         requested.should_save,
         requested.should_evaluate,
         requested.should_log,
+        requested.should_training_stop and ABORT_MARKER in (requested.stop_reason or ""),
     ]
     n_samples = len(micro_batches) * args.batch_size
     vec = torch.stack([loss_sum.double(), tokens.double()])
@@ -339,6 +353,7 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
         should_evaluate=total[3 + _EVAL] > 0,
         should_log=total[3 + _LOG] > 0,
     )
+    s.abort = total[3 + _ABORT] > 0
     if requested.should_training_stop:
         s.stop_reason = requested.stop_reason
     elif agreed.should_training_stop and s.stop_reason is None:
@@ -369,8 +384,8 @@ def _after_boundary(s: _State, agreed: TrainerControl) -> bool:
         _evaluate(s)
     wants_save = agreed.should_save or (args.save_every_steps and step % args.save_every_steps == 0)
     if agreed.should_training_stop and not finished:
-        wants_save = True  # a stop always leaves a final checkpoint
-    if finished and args.save_at_end:
+        wants_save = not s.abort  # a stop leaves a final checkpoint, an abort does not
+    if finished and args.save_at_end and not s.abort:
         wants_save = True
     if wants_save and s.last_saved_step != step:
         _save(s)
@@ -401,8 +416,9 @@ def _evaluate(s: _State) -> None:
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             with acc.autocast():
                 loss = wl.loss_fn(model(**batch), batch)
-            loss_sum += float(loss) * len(batch["input_ids"])
-            count += len(batch["input_ids"])
+            n = len(next(iter(batch.values())))
+            loss_sum += float(loss) * n
+            count += n
         extra = wl.rank0_metrics(model) if wl.rank0_metrics and s.rank == 0 else {}
     model.train(was_training)
     names = sorted(extra) if s.rank == 0 else []
@@ -499,6 +515,15 @@ def _write_summary(s: _State) -> None:
 
 
 # ---- small helpers ------------------------------------------------------------------------
+
+
+def _count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
+    """Tokens in a batch: the attention mask's ones, else the input ids, else 0 (not text)."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum()
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0
 
 
 def _agree_attempt(files: RunFiles, rank: int, world: int) -> int:

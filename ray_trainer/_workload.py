@@ -15,9 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, random_split
 
-from ray_trainer._config import TrainingArgs
-
-BUILTIN_MODELS = ("tiny-lm", "demo")
+from ray_trainer._config import TrainingArgs, is_builtin
 
 
 @dataclass
@@ -29,10 +27,6 @@ class Workload:
     loss_fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
     # Extra validation metrics computed on rank 0 from the unwrapped model, e.g. exact match.
     rank0_metrics: Callable[[nn.Module], dict[str, float]] | None = None
-
-
-def is_builtin(model: Any) -> bool:
-    return model is None or (isinstance(model, str) and model in BUILTIN_MODELS)
 
 
 def build_workload(args: TrainingArgs) -> Workload:

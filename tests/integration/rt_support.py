@@ -130,3 +130,135 @@ ActorRecorder = type(
         **_recorder_methods(),
     },
 )
+
+
+class StopAt(TrainerCallback):
+    """Asks to stop at one step, from rank 0 (in the training process)."""
+
+    runs_on = "rank0"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, context, **kwargs):
+        if context.global_step == self.step:
+            context.control.should_training_stop = True
+
+
+class StepCounter(TrainerCallback):
+    """Stateful: counts the steps it saw on this rank, and keeps a count in user_state."""
+
+    runs_on = "all_ranks"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, context, **kwargs):
+        self.steps += 1
+        context.user_state["steps"] = context.user_state.get("steps", 0) + 1
+
+    def on_train_end(self, context, **kwargs):
+        _FileLog(context.args["storage_path"], "counter").write(
+            rank=context.rank,
+            attempt=context.attempt,
+            steps=self.steps,
+            user_steps=context.user_state.get("steps"),
+            global_step=context.global_step,
+        )
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+class KillRank1Once(TrainerCallback):
+    """Kills the rank-1 worker process at one step of the first attempt (a hard crash)."""
+
+    runs_on = "all_ranks"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, context, **kwargs):
+        if context.rank == 1 and context.attempt == 0 and context.global_step == self.step:
+            os._exit(1)
+
+
+class SlowActorCallback(TrainerCallback):
+    """Actor-side: sleeps on every step; records how many steps it handled."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, context, **kwargs):
+        time.sleep(self.seconds)
+
+
+class RaisingActorCallback(TrainerCallback):
+    """Actor-side: raises on every event it subscribes to."""
+
+    def on_step_end(self, context, **kwargs):
+        raise RuntimeError(f"boom at {context.global_step}")
+
+    def on_save(self, context, **kwargs):
+        raise RuntimeError("boom on save")
+
+
+class ActorStopAt(TrainerCallback):
+    """Actor-side: asks to stop when it sees one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, context, **kwargs):
+        if context.global_step == self.step:
+            context.control.should_training_stop = True
+
+
+class SlowSteps(TrainerCallback):
+    """Rank 0, in the training process: makes each step take at least `seconds`."""
+
+    runs_on = "rank0"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_begin(self, context, **kwargs):
+        time.sleep(self.seconds)
+
+
+class ActorSaveCounter(TrainerCallback):
+    """Actor-side and stateful: counts the on_save events it handled."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+
+    def on_save(self, context, **kwargs):
+        self.saves += 1
+
+    def on_train_end(self, context, **kwargs):
+        _FileLog(context.args.get("storage_path") or "/tmp", "save_counter").write(saves=self.saves)
+
+    def state_dict(self):
+        return {"saves": self.saves}
+
+    def load_state_dict(self, state):
+        self.saves = state["saves"]
+
+
+def read_checkpoint_step(checkpoint_path: str, step: int) -> dict[str, Any]:
+    """An evaluation task body: reads the persisted checkpoint wherever the task runs."""
+    with open(os.path.join(checkpoint_path, "trainer_state.json")) as f:
+        state = json.load(f)
+    return {"checkpoint_step": state["global_step"], "pid": os.getpid()}
+
+
+def slow_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
+    time.sleep(3.0)
+    return read_checkpoint_step(checkpoint_path, step)
+
+
+def constant_score_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
+    return {"score": 1.0, **read_checkpoint_step(checkpoint_path, step)}

@@ -1,0 +1,98 @@
+"""Shared parts of the benchmarks: callbacks that time steps, machine info, table printing.
+
+Imported by the benchmark driver and, through PYTHONPATH, by Ray workers and the actor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+from callbacks import TrainerCallback
+
+
+class StepTimer(TrainerCallback):
+    """Rank 0, in the training process: the time of each step begin, written at the end."""
+
+    runs_on = "rank0"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.times: list[float] = []
+
+    def on_step_begin(self, context, **kwargs):
+        self.times.append(time.perf_counter())
+
+    def on_train_end(self, context, **kwargs):
+        with open(self.path, "w") as f:
+            json.dump(self.times, f)
+
+
+class GradNormWatcher(TrainerCallback):
+    """All ranks: reads the gradient norm after each optimizer step (a typical worker callback)."""
+
+    runs_on = "all_ranks"
+
+    def __init__(self) -> None:
+        self.largest = 0.0
+
+    def on_after_optimizer_step(self, context, **kwargs):
+        norm = kwargs.get("grad_norm")
+        if norm is not None:
+            self.largest = max(self.largest, float(norm))
+
+
+class LossKeeper(TrainerCallback):
+    """Rank 0: keeps the last logged loss."""
+
+    runs_on = "rank0"
+
+    def __init__(self) -> None:
+        self.last = None
+
+    def on_log(self, context, **kwargs):
+        self.last = context.loss
+
+
+class SlowActorCallback(TrainerCallback):
+    """Actor-side: sleeps on every step end (a slow logger or alerting hook)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, context, **kwargs):
+        time.sleep(self.seconds)
+
+
+def steady_step_seconds(times: list[float], skip: int) -> float:
+    """Median step time after `skip` warm-up steps (from step-begin timestamps)."""
+    gaps = [b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False)]
+    return statistics.median(gaps)
+
+
+def machine() -> str:
+    import ray
+    import torch
+
+    try:
+        import accelerate
+
+        acc = accelerate.__version__
+    except ImportError:
+        acc = "?"
+    cpu = platform.processor() or platform.machine()
+    return (
+        f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, torch {torch.__version__}, "
+        f"ray {ray.__version__}, accelerate {acc}"
+    )
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        out.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(out)

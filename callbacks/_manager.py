@@ -1,0 +1,379 @@
+"""``CallbackManager``: holds callbacks and dispatches events to them.
+
+Two dispatchers over the same manager:
+
+- synchronous (default): ``fire`` runs the hooks in the calling thread and returns the merged
+  ``TrainerControl``; used inside the training process (every rank).
+- ordered asynchronous (``asynchronous=True``): ``fire`` enqueues and returns ``None``; one
+  background thread handles events one at a time in the order fired; used on the callback actor.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+
+from callbacks._context import TrainingContext, detach_template, make_snapshot, snapshot_template
+from callbacks._control import NO_CONTROL, TrainerControl
+from callbacks._dispatch import AsyncDispatcher, CoroutineRunner
+from callbacks._errors import CallbackError, ErrorLog
+from callbacks._events import (
+    ALIASES,
+    LOW_VALUE_EVENTS,
+    resolve_event,
+    unknown_event_message,
+)
+from callbacks._hooks import hooks_of, is_function
+from callbacks._index import BARRIER, CLOSED_INDEX, Registration, build_index
+from callbacks._registry import global_callbacks as _current_globals
+
+__all__ = ["CallbackManager"]
+
+logger = logging.getLogger("callbacks")
+
+_DISPATCHER = "<dispatcher>"
+
+
+class _BadReturn(TypeError):
+    pass
+
+
+class CallbackManager:
+    """Holds callbacks and calls their hooks for each fired event.
+
+    Order of calls: ``core`` callbacks, then the user's in registration order (objects and
+    functions interleaved as added), then global ones. Each hook gets its own
+    ``TrainingContext`` snapshot; an exception in a hook is logged and recorded in ``errors``
+    and the next hook still runs.
+
+    Args:
+        callbacks: callbacks to add (instances, event-named functions, or a list of them).
+        core: built-in callbacks that run before the user's.
+        global_callbacks: ``None`` takes the global registry as it is now; a list means exactly
+            those (the runner passes ``[]`` on workers: globals travel in its list).
+        asynchronous: handle events on a background thread, in order (the callback actor).
+        max_queue: bound of the asynchronous queue; when full, ``LOW_VALUE_EVENTS`` are dropped
+            (counted in ``dropped_events``) and other events wait for room.
+        end_timeout: seconds ``fire("on_train_end")`` and ``close()`` wait for pending events.
+        max_errors: how many ``CallbackError`` records ``errors`` keeps (all are counted).
+
+    Example:
+        >>> manager = CallbackManager([PrintLoss()])
+        >>> manager.register("on_save", lambda ctx: print("saved", ctx.checkpoint_path))
+        >>> control = manager.fire("on_save", TrainingContext(global_step=5), checkpoint_path="x")
+    """
+
+    def __init__(
+        self,
+        callbacks: Any = None,
+        *,
+        core: Any = (),
+        global_callbacks: list[Any] | None = None,
+        asynchronous: bool = False,
+        max_queue: int = 10_000,
+        end_timeout: float = 60.0,
+        max_errors: int = 1000,
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        self._lock = threading.RLock()
+        self._user_state: dict[str, Any] = {}
+        self._errors = ErrorLog(max_errors)
+        self._runner = CoroutineRunner()
+        self._end_timeout = end_timeout
+        self._closed = False
+        self._handled: dict[str, int] = {}
+        self._control_lock = threading.Lock()
+        self._pending_control: TrainerControl | None = None
+        self._idle_result = None if asynchronous else NO_CONTROL
+        globals_ = _current_globals() if global_callbacks is None else list(global_callbacks)
+        self._core = [self._prepare(cb) for cb in _as_list(core)]
+        self._global = [self._prepare(cb) for cb in globals_]
+        self._user: list[Registration] = []
+        self._index: dict[str, tuple] = CLOSED_INDEX
+        self._dispatcher = AsyncDispatcher(self._handle, max_queue) if asynchronous else None
+        self._commit(self._user)
+        if callbacks is not None:
+            self.add(callbacks)
+
+    # -- registration ------------------------------------------------------------------------
+
+    def add(self, cb_or_list: Any) -> None:
+        """Add a callback instance, an event-named function (``def on_save(ctx)``), or a list.
+
+        Raises:
+            TypeError: a class instead of an instance, an object with no hooks, or a function
+                not named after an event (use ``register``).
+            ValueError: already added, or an invalid ``runs_on``.
+        """
+        new = [self._prepare(cb) for cb in _as_list(cb_or_list)]
+        with self._lock:
+            self._commit([*self._user, *new])
+
+    def register(self, event: str, fn: Any) -> None:
+        """Call ``fn(context, **kwargs)`` on ``event`` (an event name or an alias).
+
+        Raises:
+            ValueError: unknown event (with the valid names and a did-you-mean).
+        """
+        reg = Registration(fn, hooks_of(fn, resolve_event(event)), is_object=False)
+        with self._lock:
+            self._commit([*self._user, reg])
+
+    def remove(self, cb_or_type: Any) -> None:
+        """Remove a callback instance, every instance of a class, or a registered function.
+
+        Raises:
+            ValueError: nothing matching is registered.
+        """
+        with self._lock:
+            before = len(self._core) + len(self._user) + len(self._global)
+            self._core = [r for r in self._core if not r.matches(cb_or_type)]
+            self._global = [r for r in self._global if not r.matches(cb_or_type)]
+            user = [r for r in self._user if not r.matches(cb_or_type)]
+            if len(self._core) + len(user) + len(self._global) == before:
+                raise ValueError(f"{cb_or_type!r} is not registered with this manager")
+            self._commit(user)
+
+    def _prepare(self, cb: Any) -> Registration:
+        return Registration(cb, hooks_of(cb), is_object=not is_function(cb))
+
+    def _commit(self, user: list[Registration]) -> None:
+        """Validate and install a new user list, rebuilding the per-event index."""
+        barrier = self._dispatcher is not None
+        index = build_index(self._core, user, self._global, end_barrier=barrier)
+        self._user, self._regs, self._stateful = user, index.registrations, index.stateful
+        self._subscribed, self._events = index.subscribed, index.events
+        self._index = CLOSED_INDEX if self._closed else index.dispatch
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def fire(self, event: str, context: TrainingContext | None = None, **kwargs: Any) -> Any:
+        """Deliver ``event`` to its subscribers.
+
+        ``kwargs`` become attributes of every snapshot and are passed to hooks whose signature
+        takes them. An event nobody subscribes to costs one dict lookup.
+
+        Returns:
+            Synchronous mode: the merged ``TrainerControl`` (a shared read-only one when nothing
+            was requested: merge it into your own, don't mutate it). Asynchronous mode:
+            ``None`` (take requests later with ``take_control()``). After ``close()``, a no-op.
+
+        Raises:
+            ValueError: unknown event name (with a did-you-mean).
+        """
+        hooks = self._index.get(event)
+        if hooks:
+            event = ALIASES.get(event, event)
+            if self._dispatcher is None:
+                template = snapshot_template(context, event, kwargs, self._user_state)
+                return self._run(event, hooks, template, kwargs)
+            return self._enqueue(event, hooks, context, kwargs)
+        if hooks is None:
+            raise ValueError(unknown_event_message(event))
+        return self._idle_result
+
+    def _run(self, event: str, hooks: tuple, template: dict, kwargs: dict) -> TrainerControl:
+        """Call each hook with its own snapshot; return the merged requests."""
+        self._handled[event] = self._handled.get(event, 0) + 1
+        merged = None
+        for name, fn, takes, _ in hooks:  # Hook fields, unpacked: cheaper than attributes
+            ctx = make_snapshot(template)
+            try:
+                if kwargs and takes:
+                    passed = (
+                        kwargs if takes is True else {k: kwargs[k] for k in takes & kwargs.keys()}
+                    )
+                    result = fn(ctx, **passed)
+                else:
+                    result = fn(ctx)
+                if result is not None:
+                    result = self._check_result(name, event, result)
+                    if result is not None and result.any:
+                        merged = (merged or TrainerControl()).merge(result, name)
+                control = ctx.control  # the hook may have set flags, or replaced it
+                if control.any:
+                    merged = (merged or TrainerControl()).merge(control, name)
+            except _BadReturn as exc:
+                self._errors.record(name, event, template.get("global_step"), str(exc))
+            except Exception as exc:
+                self._errors.record_exception(name, event, template.get("global_step"), exc)
+        return NO_CONTROL if merged is None else merged
+
+    def _check_result(self, name: str, event: str, result: Any) -> TrainerControl | None:
+        if isinstance(result, TrainerControl):
+            return result
+        if inspect.isawaitable(result):  # an async def hook: run it to completion
+            result = self._runner.run(result)
+            if result is None or isinstance(result, TrainerControl):
+                return result
+        raise _BadReturn(
+            f"TypeError: {name}.{event} returned {type(result).__name__}; "
+            "a hook returns None or a TrainerControl"
+        )
+
+    def _enqueue(self, event: str, hooks: tuple, context: Any, kwargs: dict) -> None:
+        dispatcher = self._dispatcher
+        assert dispatcher is not None
+        template = snapshot_template(context, event, kwargs, self._user_state)
+        seq = None
+        if hooks is not BARRIER:
+            detach_template(template)  # the caller may reuse its dicts once fire returns
+            item = (event, hooks, template, kwargs)
+            seq = dispatcher.submit(event, item, droppable=event in LOW_VALUE_EVENTS)
+        if event != "on_train_end" or dispatcher.on_dispatcher_thread:
+            return  # only on_train_end waits (and a hook firing it cannot wait for itself)
+        if not dispatcher.wait_for(seq, self._end_timeout):
+            self._errors.record(
+                _DISPATCHER,
+                event,
+                template.get("global_step"),
+                f"TimeoutError: on_train_end waited {self._end_timeout:g} s for earlier events "
+                f"and its callbacks; {dispatcher.pending()} event(s) still pending",
+            )
+
+    def _handle(self, item: tuple) -> None:
+        """Runs on the dispatcher thread, one event at a time."""
+        event, hooks, template, kwargs = item
+        try:
+            control = self._run(event, hooks, template, kwargs)
+        except Exception as exc:  # a bug here must not end the dispatcher thread
+            self._errors.record_exception(_DISPATCHER, event, template.get("global_step"), exc)
+            return
+        if control.any:
+            with self._control_lock:
+                pending = self._pending_control or TrainerControl()
+                self._pending_control = pending.merge(control, control.stop_reason)
+
+    def take_control(self) -> TrainerControl | None:
+        """Return and clear the control merged from asynchronously handled events (or None)."""
+        with self._control_lock:
+            control, self._pending_control = self._pending_control, None
+        return control
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event fired so far is handled; False on timeout."""
+        return True if self._dispatcher is None else self._dispatcher.wait_for(None, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop accepting events, drain the queue (at most ``timeout``, default ``end_timeout``)
+        and stop the dispatcher thread. Idempotent; ``fire`` is a no-op afterwards.
+
+        Returns:
+            True when everything pending was handled in time.
+        """
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+            self._index = CLOSED_INDEX
+        timeout = self._end_timeout if timeout is None else timeout
+        done = True
+        if self._dispatcher is not None:
+            deadline = time.monotonic() + timeout
+            done = self._dispatcher.wait_for(None, timeout)
+            if not done:
+                logger.warning(
+                    "callbacks: %d event(s) still pending after %g s at close",
+                    self._dispatcher.pending(),
+                    timeout,
+                )
+            done = self._dispatcher.stop(max(0.0, deadline - time.monotonic())) and done
+        if done:
+            self._runner.close()
+        return done
+
+    def __enter__(self) -> CallbackManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{state_key: callback.state_dict()}`` for every stateful callback."""
+        state = {}
+        for key, cb in self._stateful:
+            try:
+                state[key] = cb.state_dict()
+            except Exception as exc:
+                self._errors.record_exception(key, "state_dict", None, exc)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore each stateful callback; a missing key is a warning (it starts fresh)."""
+        for key, cb in self._stateful:
+            if key not in state:
+                warnings.warn(f"no saved state for callback {key!r}; it starts fresh", stacklevel=2)
+                continue
+            try:
+                cb.load_state_dict(state[key])
+            except Exception as exc:
+                self._errors.record_exception(key, "load_state_dict", None, exc)
+        unused = set(state) - {key for key, _ in self._stateful}
+        if unused:
+            logger.warning("callbacks: saved state for %s has no callback", sorted(unused))
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def has_callbacks(self, event: str) -> bool:
+        """True when at least one hook subscribes to ``event`` (an event or an alias)."""
+        return bool(self._subscribed[resolve_event(event)])
+
+    def list_callbacks(self, event: str | None = None) -> list[Any]:
+        """A new list of the callbacks (subscribed to ``event``, if given), in call order."""
+        if event is None:
+            return [reg.owner for reg in self._regs]
+        owners: list[Any] = []
+        for hook in self._subscribed[resolve_event(event)]:
+            if not any(owner is hook.owner for owner in owners):
+                owners.append(hook.owner)
+        return owners
+
+    @property
+    def callbacks(self) -> list[Any]:
+        """All callback objects and functions, in call order (a new list)."""
+        return self.list_callbacks()
+
+    @property
+    def events(self) -> frozenset[str]:
+        """The events with at least one subscriber."""
+        return self._events
+
+    @property
+    def user_state(self) -> dict[str, Any]:
+        """A dict that persists across events; every snapshot's ``context.user_state``."""
+        return self._user_state
+
+    @property
+    def errors(self) -> list[CallbackError]:
+        """The recorded callback failures (the first ``max_errors``), as a new list."""
+        return self._errors.errors
+
+    @property
+    def error_counts(self) -> dict[tuple[str, str], int]:
+        """Every failure counted, by (callback, event)."""
+        return self._errors.counts
+
+    @property
+    def dropped_events(self) -> dict[str, int]:
+        """Low-value events dropped because the asynchronous queue was full, by event."""
+        return {} if self._dispatcher is None else dict(self._dispatcher.dropped)
+
+    @property
+    def handled_events(self) -> dict[str, int]:
+        """How many events with subscribers were handled, by event."""
+        return dict(self._handled)
+
+    def __repr__(self) -> str:
+        mode = "asynchronous" if self._dispatcher is not None else "synchronous"
+        return f"CallbackManager({len(self._regs)} callbacks, {mode})"
+
+
+def _as_list(cb_or_list: Any) -> list[Any]:
+    return list(cb_or_list) if isinstance(cb_or_list, (list, tuple)) else [cb_or_list]

@@ -1,0 +1,141 @@
+"""The callback actor under a real run: never in the way, errors isolated, control, restarts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from rt_support import (
+    ActorRecorder,
+    ActorSaveCounter,
+    ActorStopAt,
+    AllRanksRecorder,
+    RaisingActorCallback,
+    SlowActorCallback,
+    SlowSteps,
+    TinyDataset,
+    TinyRegressor,
+    read_records,
+)
+
+# Documented bound (README, "Control from actor-side callbacks"): with steps of >= 50 ms, an
+# actor-side request takes effect within 3 steps of the event that caused it.
+ACTOR_CONTROL_LAG_STEPS = 3
+
+
+def _run(tmp_path, name, callbacks, **overrides):
+    from ray_trainer import run_training
+
+    fields = dict(
+        model=TinyRegressor,
+        data=TinyDataset,
+        batch_size=8,
+        num_workers=2,
+        storage_path=str(tmp_path / "storage"),
+        run_name=name,
+        log_every_steps=5,
+        callbacks=callbacks,
+    )
+    fields.update(overrides)
+    return run_training(**fields)
+
+
+def _loop_seconds(records, rank=0):
+    """Time from on_train_begin to the last on_step_end on one rank (the training loop)."""
+    mine = [r for r in records if r["rank"] == rank]
+    begin = next(r["t"] for r in mine if r["event"] == "on_train_begin")
+    end = max(r["t"] for r in mine if r["event"] == "on_step_end")
+    return end - begin
+
+
+def test_slow_and_raising_actor_callbacks_leave_training_alone(ray_session, tmp_path):
+    folder = str(tmp_path / "records")
+    steps, sleep = 20, 0.5
+    result = _run(
+        tmp_path,
+        "slow-raising",
+        [AllRanksRecorder(folder), SlowActorCallback(sleep), RaisingActorCallback()],
+        max_steps=steps,
+        save_every_steps=10,
+    )
+    records = read_records(folder, "all_ranks")
+    assert result.global_step == steps
+    # The loop did not wait for 20 x 0.5 s of callback work.
+    assert _loop_seconds(records) < steps * sleep / 2
+    # ... and yet the actor handled every event before run_training returned.
+    assert result.events["on_step_end"] == steps
+    errors = [e for e in result.callback_errors if e["callback"] == "RaisingActorCallback"]
+    assert sorted(e["step"] for e in errors if e["event"] == "on_step_end") == list(
+        range(1, steps + 1)
+    )
+    assert [e["step"] for e in errors if e["event"] == "on_save"] == [10, 20]
+    assert all("boom" in e["error"] for e in errors)
+
+
+def test_actor_stop_request_reaches_every_rank_within_the_lag(ray_session, tmp_path):
+    folder = str(tmp_path / "records")
+    k = 5
+    result = _run(
+        tmp_path,
+        "actor-stop",
+        [AllRanksRecorder(folder), ActorStopAt(k), SlowSteps(0.05)],
+        max_steps=40,
+    )
+    assert result.stopped_early
+    assert result.stop_reason == "ActorStopAt"
+    assert k < result.global_step <= k + ACTOR_CONTROL_LAG_STEPS
+    assert result.checkpoint_path.endswith(f"checkpoint_{result.global_step:08d}")
+    records = read_records(folder, "all_ranks")
+    for rank in (0, 1):
+        last = max(r["step"] for r in records if r["rank"] == rank and r["event"] == "on_step_end")
+        assert last == result.global_step
+
+
+def test_killed_actor_is_restarted_and_loses_no_save(ray_session, tmp_path):
+    import ray
+
+    from ray_trainer._actor import NAMESPACE, actor_name
+
+    folder = str(tmp_path / "records")
+    outcome: dict = {}
+
+    def train():
+        outcome["result"] = _run(
+            tmp_path,
+            "actor-kill",
+            [ActorRecorder(folder), ActorSaveCounter(), SlowSteps(0.05)],
+            max_steps=40,
+            save_every_steps=5,
+        )
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    # Wait (bounded) until the actor has handled a save, then kill it; Ray restarts it.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if any(r["event"] == "on_save" for r in _safe_read(folder)):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the actor never handled an on_save")
+    ray.kill(ray.get_actor(actor_name("actor-kill"), namespace=NAMESPACE), no_restart=False)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    assert result.global_step == 40
+    assert result.undelivered_events == 0
+    records = read_records(folder, "actor")
+    assert len({r["pid"] for r in records}) == 2  # before and after the restart
+    saves = sorted({r["step"] for r in records if r["event"] == "on_save"})
+    assert saves == [5, 10, 15, 20, 25, 30, 35, 40]
+    # The restarted actor restored ActorSaveCounter from the newest checkpoint's actor state.
+    counts = read_records(str(tmp_path / "storage"), "save_counter")
+    assert [c["saves"] for c in counts] == [8]
+
+
+def _safe_read(folder):
+    try:
+        return read_records(folder, "actor")
+    except (FileNotFoundError, ValueError):
+        return []

@@ -1,0 +1,52 @@
+"""EvalOnSave: evaluation tasks on each checkpoint while training goes on (real Ray)."""
+
+from __future__ import annotations
+
+import os
+
+from rt_support import (
+    AllRanksRecorder,
+    SlowSteps,
+    TinyDataset,
+    TinyRegressor,
+    read_records,
+    slow_eval,
+)
+
+from callbacks import EvalOnSave
+
+
+def test_one_evaluation_per_save_in_step_order_without_waiting(ray_session, tmp_path):
+    from ray_trainer import run_training
+
+    folder = str(tmp_path / "records")
+    result = run_training(
+        model=TinyRegressor,
+        data=TinyDataset,
+        batch_size=8,
+        num_workers=2,
+        max_steps=15,
+        save_every_steps=5,
+        storage_path=str(tmp_path / "storage"),
+        run_name="eval-on-save",
+        callbacks=[
+            AllRanksRecorder(folder),
+            SlowSteps(0.05),
+            EvalOnSave(slow_eval, num_gpus=0, num_cpus=1),
+        ],
+    )
+    assert [e["step"] for e in result.evaluations] == [5, 10, 15]
+    for e in result.evaluations:
+        assert "error" not in e, e
+        assert e["metrics"]["checkpoint_step"] == e["step"]  # the task read that checkpoint
+        assert e["checkpoint_path"].endswith(f"checkpoint_{e['step']:08d}")
+        assert e["metrics"]["pid"] != os.getpid()
+    # The loop went on right after each save: it never waited for a 3 s evaluation.
+    records = [r for r in read_records(folder, "all_ranks") if r["rank"] == 0]
+    for save in (r for r in records if r["event"] == "on_save" and r["step"] < 15):
+        resumed = next(
+            r["t"] for r in records if r["event"] == "on_step_begin" and r["step"] == save["step"]
+        )
+        assert resumed - save["t"] < 1.5
+    # The last checkpoint's evaluation finished before run_training returned.
+    assert result.events["on_train_end"] == 1

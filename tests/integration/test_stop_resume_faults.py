@@ -1,0 +1,104 @@
+"""Stop requests, continuing a run, and a worker crash with restart (real Ray, 2 workers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from rt_support import (
+    AllRanksRecorder,
+    KillRank1Once,
+    StepCounter,
+    StopAt,
+    TinyDataset,
+    TinyRegressor,
+    read_records,
+)
+
+
+def _args(storage: str, folder: str, extra=(), **overrides):
+    return dict(
+        model=TinyRegressor,
+        data=TinyDataset,
+        batch_size=8,
+        num_workers=2,
+        storage_path=storage,
+        log_every_steps=100,
+        callbacks=[AllRanksRecorder(folder), StepCounter(), *extra],
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def stopped_then_continued(ray_session, tmp_path_factory):
+    from ray_trainer import run_training
+
+    storage = str(tmp_path_factory.mktemp("storage"))
+    first_dir = str(tmp_path_factory.mktemp("first"))
+    second_dir = str(tmp_path_factory.mktemp("second"))
+    first = run_training(
+        **_args(storage, first_dir, [StopAt(4)], max_steps=10, run_name="stop-continue"),
+    )
+    second = run_training(**_args(storage, second_dir, max_steps=7, run_name="stop-continue"))
+    return first, second, read_records(first_dir, "all_ranks"), read_records(second_dir, "all_ranks"), storage
+
+
+def test_rank0_stop_request_stops_both_ranks_at_that_step(stopped_then_continued):
+    first, _, records, _, _ = stopped_then_continued
+    assert first.global_step == 4
+    assert first.stopped_early
+    assert first.stop_reason and "StopAt" in first.stop_reason
+    for rank in (0, 1):
+        steps = [r["step"] for r in records if r["rank"] == rank and r["event"] == "on_step_end"]
+        assert steps == [1, 2, 3, 4]
+        ends = [r for r in records if r["rank"] == rank and r["event"] == "on_train_end"]
+        assert len(ends) == 1
+
+
+def test_stop_saves_a_final_checkpoint(stopped_then_continued):
+    first, _, records, _, _ = stopped_then_continued
+    assert first.checkpoint_path.endswith("checkpoint_00000004")
+    assert os.path.exists(os.path.join(first.checkpoint_path, "rank0.complete"))
+    assert os.path.exists(os.path.join(first.checkpoint_path, "rank1.complete"))
+    saves = [r["step"] for r in records if r["rank"] == 0 and r["event"] == "on_save"]
+    assert saves == [4]
+
+
+def test_new_call_continues_from_the_checkpoint(stopped_then_continued):
+    first, second, _, records, storage = stopped_then_continued
+    assert second.global_step == 7 and not second.stopped_early
+    loads = [r for r in records if r["event"] == "on_load_checkpoint"]
+    assert {r["rank"] for r in loads} == {0, 1}
+    assert all(r["checkpoint_path"] == first.checkpoint_path and r["step"] == 4 for r in loads)
+    steps = [r["step"] for r in records if r["rank"] == 0 and r["event"] == "on_step_end"]
+    assert steps == [5, 6, 7]
+    # StepCounter's state and user_state came back from the checkpoint on both ranks.
+    counts = [c for c in read_records(storage, "counter") if c["global_step"] == 7]
+    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [(0, 7, 7), (1, 7, 7)]
+
+
+def test_worker_crash_restarts_from_latest_checkpoint(ray_session, tmp_path):
+    from ray_trainer import run_training
+
+    storage, folder = str(tmp_path / "storage"), str(tmp_path / "records")
+    result = run_training(
+        **_args(
+            storage,
+            folder,
+            [KillRank1Once(3)],
+            max_steps=6,
+            save_every_steps=2,
+            max_failures=1,
+            run_name="crash",
+        ),
+    )
+    records = read_records(folder, "all_ranks")
+    assert result.global_step == 6
+    assert result.attempts == 2
+    loads = [r for r in records if r["event"] == "on_load_checkpoint"]
+    assert {(r["rank"], r["attempt"], r["step"]) for r in loads} == {(0, 1, 2), (1, 1, 2)}
+    second = [r["step"] for r in records if r["rank"] == 1 and r["attempt"] == 1 and r["event"] == "on_step_end"]
+    assert second == [3, 4, 5, 6]
+    counts = [c for c in read_records(storage, "counter") if c["attempt"] == 1]
+    # 2 steps restored from the checkpoint + 4 taken after the restart, on both ranks.
+    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [(0, 6, 6), (1, 6, 6)]

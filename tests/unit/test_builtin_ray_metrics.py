@@ -1,0 +1,192 @@
+"""RayMetrics: names, tags, values, periodic re-set, laziness; with a fake ray.util.metrics."""
+
+import importlib.util
+import math
+import types
+
+import pytest
+
+from callbacks import CallbackManager, RayMetrics, TrainingContext, dumps_callbacks, loads_callbacks
+from callbacks import _builtin_ray_metrics as rm
+
+
+class FakeMetric:
+    def __init__(self, registry, kind, name, description="", tag_keys=None):
+        self.kind, self.name, self.description, self.tag_keys = kind, name, description, tag_keys
+        self.records = []  # (value, tags)
+        registry[name] = self
+
+    def set(self, value, tags=None):
+        assert isinstance(value, (int, float)), value
+        assert set(tags) == set(self.tag_keys), tags
+        self.records.append((value, dict(tags)))
+
+    def inc(self, value=1.0, tags=None):
+        assert set(tags) == set(self.tag_keys), tags
+        self.records.append((value, dict(tags)))
+
+    def __reduce__(self):
+        raise TypeError("a metric object cannot be pickled")
+
+
+@pytest.fixture
+def fake_metrics(monkeypatch):
+    """A stand-in for ray.util.metrics: {name: FakeMetric} of every metric created."""
+    registry = {}
+    module = types.SimpleNamespace(
+        Gauge=lambda name, **kw: FakeMetric(registry, "gauge", name, **kw),
+        Counter=lambda name, **kw: FakeMetric(registry, "counter", name, **kw),
+    )
+    imports = []
+    monkeypatch.setattr(rm, "_import_ray_metrics", lambda: imports.append(1) or module)
+    registry["_imports"] = imports
+    return registry
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(**kwargs):
+    cb = RayMetrics(**kwargs)
+    cb._clock = clock = Clock()
+    return cb, clock, CallbackManager([cb], global_callbacks=[])
+
+
+def log_ctx(step, **fields):
+    base = dict(global_step=step, run_name="r1", loss=1.5, learning_rate=1e-3, throughput=900.0)
+    base.update(fields)
+    return TrainingContext(**base)
+
+
+def last(metric):
+    return metric.records[-1]
+
+
+def test_nothing_is_created_or_imported_before_the_first_event(fake_metrics):
+    cb, _, m = make()
+    assert fake_metrics["_imports"] == [] and cb._gauges == {}
+    assert {"on_log", "on_evaluate", "on_train_begin", "on_train_end", "on_save"} <= m.events
+    m.fire("on_log", log_ctx(1))
+    assert fake_metrics["_imports"] == [1]
+
+
+def test_log_sets_training_gauges_with_names_and_run_tag(fake_metrics):
+    _, _, m = make()
+    m.fire("on_log", log_ctx(10))
+    names = {n for n in fake_metrics if n != "_imports"}
+    assert names == {
+        "trainer_step",
+        "trainer_loss",
+        "trainer_learning_rate",
+        "trainer_tokens_per_s",
+        "trainer_events_handled",
+    }  # exported by Ray as ray_trainer_*
+    assert fake_metrics["trainer_step"].kind == "gauge"
+    assert fake_metrics["trainer_step"].tag_keys == ("run",)
+    assert last(fake_metrics["trainer_step"]) == (10.0, {"run": "r1"})
+    assert last(fake_metrics["trainer_loss"]) == (1.5, {"run": "r1"})
+    assert last(fake_metrics["trainer_learning_rate"]) == (1e-3, {"run": "r1"})
+    assert last(fake_metrics["trainer_tokens_per_s"]) == (900.0, {"run": "r1"})
+    counter = fake_metrics["trainer_events_handled"]
+    assert counter.kind == "counter" and counter.tag_keys == ("run", "event")
+    assert counter.records == [(1, {"run": "r1", "event": "on_log"})]
+    assert m.errors == []
+
+
+def test_eval_gauges_one_per_sanitized_metric_name(fake_metrics):
+    _, _, m = make()
+    ctx = TrainingContext(
+        global_step=5, run_name="r1", val_metrics={"val/loss": 0.5, "exact-match": 1, "note": "x"}
+    )
+    m.fire("on_evaluate", ctx, eval_step=5)
+    assert last(fake_metrics["trainer_eval_val_loss"]) == (0.5, {"run": "r1"})
+    assert last(fake_metrics["trainer_eval_exact_match"]) == (1.0, {"run": "r1"})
+    assert "trainer_eval_note" not in fake_metrics  # not a number: not exported
+    assert m.errors == []
+
+
+def test_eval_gauges_are_bounded(fake_metrics, monkeypatch):
+    monkeypatch.setattr(rm, "MAX_EVAL_GAUGES", 2)
+    _, _, m = make()
+    m.fire("on_evaluate", TrainingContext(val_metrics={"a": 1, "b": 2, "c": 3}))
+    assert sorted(n for n in fake_metrics if "eval" in n) == ["trainer_eval_a", "trainer_eval_b"]
+
+
+def test_gauges_are_reset_on_any_event_at_most_every_report_interval(fake_metrics):
+    _, clock, m = make(report_every_s=5.0)
+    m.fire("on_log", log_ctx(1))
+    m.fire("on_evaluate", TrainingContext(run_name="r1", val_metrics={"acc": 0.5}))
+    loss, acc = fake_metrics["trainer_loss"], fake_metrics["trainer_eval_acc"]
+    assert (len(loss.records), len(acc.records)) == (1, 1)
+    clock.now += 2.0
+    m.fire("on_save", TrainingContext(run_name="r1"))  # too soon: nothing re-set
+    assert (len(loss.records), len(acc.records)) == (1, 1)
+    m.fire("on_log", log_ctx(2, loss=1.25))  # sets the log gauges, not the eval ones
+    assert (len(loss.records), len(acc.records)) == (2, 1)
+    clock.now += 3.5  # 5.5 s since the first (re-)set: any event re-sets every gauge
+    m.fire("on_save", TrainingContext(run_name="r1"))
+    assert last(loss) == (1.25, {"run": "r1"}) and last(acc) == (0.5, {"run": "r1"})
+    assert (len(loss.records), len(acc.records)) == (3, 2)
+    events = [tags["event"] for _, tags in fake_metrics["trainer_events_handled"].records]
+    assert events == ["on_log", "on_evaluate", "on_save", "on_log", "on_save"]
+
+
+def test_train_end_always_resets(fake_metrics):
+    _, _, m = make()
+    m.fire("on_log", log_ctx(7))
+    m.fire("on_train_end", TrainingContext(global_step=8, run_name="r1"))
+    assert last(fake_metrics["trainer_step"]) == (8.0, {"run": "r1"})
+    assert len(fake_metrics["trainer_loss"].records) == 2
+
+
+def test_callback_errors_gauge_only_when_the_actor_provides_it(fake_metrics):
+    _, _, m = make()
+    m.fire("on_log", log_ctx(1))
+    assert "trainer_callback_errors" not in fake_metrics
+    m.fire("on_log", log_ctx(2), callback_errors_total=3)
+    assert last(fake_metrics["trainer_callback_errors"]) == (3.0, {"run": "r1"})
+
+
+def test_none_and_nan_values(fake_metrics):
+    _, _, m = make()
+    m.fire("on_log", log_ctx(1, loss=None, learning_rate=float("nan")))
+    assert "trainer_loss" not in fake_metrics  # never set: no series yet
+    assert math.isnan(last(fake_metrics["trainer_learning_rate"])[0])
+
+
+def test_custom_prefix(fake_metrics):
+    _, _, m = make(prefix="myjob")
+    m.fire("on_log", log_ctx(1))
+    assert "myjob_step" in fake_metrics  # exported as ray_myjob_step
+    assert RayMetrics(prefix="ray_x").object_prefix == "x"
+    with pytest.raises(ValueError, match="prefix"):
+        RayMetrics(prefix="bad-name")
+    with pytest.raises(ValueError, match="report_every_s"):
+        RayMetrics(report_every_s=0)
+
+
+def test_metric_objects_are_not_pickled(fake_metrics):
+    cb, _, m = make()
+    m.fire("on_log", log_ctx(1))
+    state = cb.__getstate__()
+    assert state["_gauges"] == {} and state["_counter"] is None and state["_metrics"] is None
+    [copy] = loads_callbacks(dumps_callbacks([cb]))
+    copy.on_log(log_ctx(2))  # recreated lazily
+    assert copy._gauges and fake_metrics["_imports"] == [1, 1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+def test_real_ray_metrics_objects_need_no_running_cluster():
+    import ray
+
+    cb = RayMetrics()
+    cb.on_log(log_ctx(1))
+    cb.on_evaluate(TrainingContext(run_name="r1", val_metrics={"val_loss": 0.5}))
+    assert set(cb._gauges) >= {"step", "loss", "eval_val_loss"}
+    assert type(cb._gauges["step"]).__module__ == "ray.util.metrics"
+    assert not ray.is_initialized()
