@@ -91,8 +91,12 @@ def main() -> dict:
     from ray_trainer._actor import NAMESPACE, actor_name, start_actor
     from ray_trainer._placement import pack
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": HERE}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": HERE}},
+    )
     ref = ray.put(pack({"core": [], "user": [Sink()], "global": []}))
     actor, _ = start_actor(ref, "bench", tempfile.mkdtemp(), push_wait_s=0.0)
     batched, single = [], []
@@ -102,11 +106,23 @@ def main() -> dict:
     ray.shutdown()
     b, s = statistics.median(batched), statistics.median(single)
     rows = [
-        {"sending": "one actor call per event (baseline)", "rank-0 CPU per event (µs)": f"{s * 1e6:.1f}", "ratio": "1.00"},
-        {"sending": f"batched EventForwarder ({opts.per_step} events/step)", "rank-0 CPU per event (µs)": f"{b * 1e6:.1f}", "ratio": f"{b / s:.3f}"},
+        {
+            "sending": "one actor call per event (baseline)",
+            "rank-0 CPU per event (µs)": f"{s * 1e6:.1f}",
+            "ratio": "1.00",
+        },
+        {
+            "sending": f"batched EventForwarder ({opts.per_step} events/step)",
+            "rank-0 CPU per event (µs)": f"{b * 1e6:.1f}",
+            "ratio": f"{b / s:.3f}",
+        },
     ]
-    report = {"machine": machine(), "batched_s": batched, "per_event_s": single,
-              "table": table(rows, ["sending", "rank-0 CPU per event (µs)", "ratio"])}
+    report = {
+        "machine": machine(),
+        "batched_s": batched,
+        "per_event_s": single,
+        "table": table(rows, ["sending", "rank-0 CPU per event (µs)", "ratio"]),
+    }
     print(report["machine"])
     print(report["table"])
     if opts.json:

@@ -135,7 +135,9 @@ def main() -> dict:
             samples["bare"].append(run_bare(opts.steps, out))
             samples["runner"].append(run_runner(opts.steps, out, slow_actor=False))
             samples["runner_slow_actor"].append(run_runner(opts.steps, out, slow_actor=True))
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in samples.items()))
+            print(
+                f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in samples.items())
+            )
     ray.shutdown()
     base = statistics.median(samples["bare"])
     rows = []
@@ -147,7 +149,11 @@ def main() -> dict:
     for key, values in samples.items():
         med = statistics.median(values)
         rows.append(
-            {"configuration": labels[key], "step (ms)": f"{med * 1e3:.1f}", "ratio": f"{med / base:.3f}"}
+            {
+                "configuration": labels[key],
+                "step (ms)": f"{med * 1e3:.1f}",
+                "ratio": f"{med / base:.3f}",
+            }
         )
     report = {
         "machine": machine(),

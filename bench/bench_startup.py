@@ -116,8 +116,12 @@ def main() -> dict:
     opts = parser.parse_args()
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": HERE}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": HERE}},
+    )
     samples: dict[str, list[float]] = {"bare": [], "runner": [], "runner_actor": []}
     for r in range(opts.rounds):
         samples["bare"].append(time_bare())
@@ -134,10 +138,19 @@ def main() -> dict:
     rows = []
     for key, values in samples.items():
         med = statistics.median(values)
-        rows.append({"configuration": labels[key], "wall (s)": f"{med:.2f}",
-                     "vs bare (s)": f"{med - base:+.2f}", "ratio": f"{med / base:.3f}"})
-    report = {"machine": machine(), "samples_s": samples,
-              "table": table(rows, ["configuration", "wall (s)", "vs bare (s)", "ratio"])}
+        rows.append(
+            {
+                "configuration": labels[key],
+                "wall (s)": f"{med:.2f}",
+                "vs bare (s)": f"{med - base:+.2f}",
+                "ratio": f"{med / base:.3f}",
+            }
+        )
+    report = {
+        "machine": machine(),
+        "samples_s": samples,
+        "table": table(rows, ["configuration", "wall (s)", "vs bare (s)", "ratio"]),
+    }
     print(report["machine"])
     print(report["table"])
     if opts.json:

@@ -55,8 +55,9 @@ class EventForwarder:
         max_in_flight: int = 4,
         max_buffer: int = 10_000,
         poll_interval_s: float = 0.005,
+        actor: Any = None,
     ) -> None:
-        self.actor = ray.get_actor(actor_name, namespace=namespace)
+        self.actor = actor if actor is not None else ray.get_actor(actor_name, namespace=namespace)
         self.events = events
         self.attempt = attempt
         self.max_batch = max_batch

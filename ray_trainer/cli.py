@@ -4,6 +4,8 @@ Runs in the driver process (a terminal, or the entrypoint of a Ray job).
 
     ray-trainer run CONFIG.yaml [--set key=value ...]
     ray-trainer demo [--num-workers 2] [--max-steps N] [--set key=value ...]
+    ray-trainer status RUN_NAME [--address HOST:PORT] [--json]
+    ray-trainer submit CONFIG.yaml --address http://HOST:8265 [--set key=value ...] [--wait]
 """
 
 from __future__ import annotations
@@ -15,26 +17,21 @@ from typing import Any
 from ray_trainer._config import TrainingArgs, TrainingArgsError
 
 
-def _print_progress(context: Any) -> None:
-    """Print one progress line per `on_log`; runs in the rank-0 training process."""
-    m = context.batch_metrics or {}
-    total = context.max_steps or "?"
-    print(
-        f"[{context.run_name}] step {context.global_step}/{total} "
-        f"loss {m.get('loss', float('nan')):.4f} lr {m.get('learning_rate', 0):.2e} "
-        f"{m.get('tokens_per_s', 0):.0f} tok/s",
-        flush=True,
-    )
+def _with_default_callbacks(args: TrainingArgs, *, quiet: bool, demo: bool) -> TrainingArgs:
+    """Add a ProgressBar (and, for the demo, a JsonlLogger) unless the config has one.
 
+    Both run on the callback actor: progress lines come from one process, readable in
+    `ray job logs`, and never slow the training loop.
+    """
+    from callbacks import JsonlLogger, ProgressBar
 
-def _print_eval(context: Any) -> None:
-    """Print validation metrics; runs in the rank-0 training process."""
-    metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted((context.val_metrics or {}).items()))
-    print(f"[{context.run_name}] eval at step {context.global_step}: {metrics}", flush=True)
-
-
-_print_progress.runs_on = "rank0"
-_print_eval.runs_on = "rank0"
+    have = {type(cb) for cb in args.callbacks}
+    extra: list[Any] = []
+    if not quiet and ProgressBar not in have:
+        extra.append(ProgressBar())
+    if demo and JsonlLogger not in have:
+        extra.append(JsonlLogger())
+    return args.model_copy(update={"callbacks": [*args.callbacks, *extra]}) if extra else args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,11 +48,44 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-steps", type=int, default=None)
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("--quiet", action="store_true")
+
+    status = sub.add_parser("status", help="progress of a live run on a Ray cluster")
+    status.add_argument("run_name", help="the run's run_name")
+    status.add_argument(
+        "--address",
+        default=None,
+        help="cluster address HOST:PORT (default: RAY_ADDRESS, else auto)",
+    )
+    status.add_argument("--json", action="store_true", help="print the status dict as JSON")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the run")
+
+    submit = sub.add_parser("submit", help="submit a run as a Ray job (validated here first)")
+    submit.add_argument("config", help="YAML file of TrainingArgs fields, inside --working-dir")
+    submit.add_argument(
+        "--address",
+        default=None,
+        help="dashboard URL http://HOST:8265 (default: RAY_API_SERVER_ADDRESS)",
+    )
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--wait", action="store_true", help="stream the job's logs until it ends")
+    files = submit.add_mutually_exclusive_group()
+    files.add_argument(
+        "--working-dir", default=".", help="folder uploaded with the job (default .)"
+    )
+    files.add_argument(
+        "--no-working-dir", action="store_true", help="upload nothing: every node sees the config"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
+    if opts.command in ("status", "submit"):
+        from ray_trainer import _cluster
+
+        return (
+            _cluster.status_main(opts) if opts.command == "status" else _cluster.submit_main(opts)
+        )
     from ray_trainer._launch import ResourceRequestError, RunFailedError, run_training
 
     try:
@@ -63,13 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             args = TrainingArgs.from_yaml(opts.config, opts.overrides)
         else:
             args = _demo_args(opts)
-        if not opts.quiet:
-            args = args.model_copy(
-                update={
-                    "on_log": [*(args.on_log or []), _print_progress],
-                    "on_evaluate": [*(args.on_evaluate or []), _print_eval],
-                }
-            )
+        args = _with_default_callbacks(args, quiet=opts.quiet, demo=opts.command == "demo")
         result = run_training(args)
     except (TrainingArgsError, ResourceRequestError, FileNotFoundError, ValueError) as e:
         print(f"ray-trainer: error: {e}", file=sys.stderr)

@@ -50,3 +50,32 @@ def test_one_evaluation_per_save_in_step_order_without_waiting(ray_session, tmp_
         assert resumed - save["t"] < 1.5
     # The last checkpoint's evaluation finished before run_training returned.
     assert result.events["on_train_end"] == 1
+
+
+def test_early_stopping_on_an_eval_on_save_metric_stops_the_run(ray_session, tmp_path):
+    from rt_support import constant_score_eval
+
+    from callbacks import EarlyStopping
+    from ray_trainer import run_training
+
+    result = run_training(
+        model=TinyRegressor,
+        data=TinyDataset,
+        batch_size=8,
+        num_workers=2,
+        max_steps=200,
+        save_every_steps=4,
+        storage_path=str(tmp_path / "storage"),
+        run_name="early-stop",
+        callbacks=[
+            SlowSteps(0.05),
+            EvalOnSave(constant_score_eval, num_gpus=0, num_cpus=1),
+            # The score never improves after the first evaluation: stop after 2 more.
+            EarlyStopping("score", mode="max", patience=2),
+        ],
+    )
+    assert result.stopped_early
+    assert "EarlyStopping" in result.stop_reason
+    assert 12 <= result.global_step < 200
+    steps = [e["step"] for e in result.evaluations]
+    assert steps[:3] == [4, 8, 12] and steps == sorted(steps)

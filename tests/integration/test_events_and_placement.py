@@ -91,9 +91,7 @@ def test_actor_runs_in_its_own_process_on_the_head_node(ray_session, run):
     _, records, actor = run
     assert len({r["pid"] for r in actor}) == 1
     assert not {r["pid"] for r in actor} & {r["pid"] for r in records}
-    head = next(
-        n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]
-    )
+    head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
     assert {r["node"] for r in actor} == {head}
     assert not any(r["has_model"] for r in actor)
 

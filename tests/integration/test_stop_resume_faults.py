@@ -40,7 +40,13 @@ def stopped_then_continued(ray_session, tmp_path_factory):
         **_args(storage, first_dir, [StopAt(4)], max_steps=10, run_name="stop-continue"),
     )
     second = run_training(**_args(storage, second_dir, max_steps=7, run_name="stop-continue"))
-    return first, second, read_records(first_dir, "all_ranks"), read_records(second_dir, "all_ranks"), storage
+    return (
+        first,
+        second,
+        read_records(first_dir, "all_ranks"),
+        read_records(second_dir, "all_ranks"),
+        storage,
+    )
 
 
 def test_rank0_stop_request_stops_both_ranks_at_that_step(stopped_then_continued):
@@ -74,7 +80,10 @@ def test_new_call_continues_from_the_checkpoint(stopped_then_continued):
     assert steps == [5, 6, 7]
     # StepCounter's state and user_state came back from the checkpoint on both ranks.
     counts = [c for c in read_records(storage, "counter") if c["global_step"] == 7]
-    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [(0, 7, 7), (1, 7, 7)]
+    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [
+        (0, 7, 7),
+        (1, 7, 7),
+    ]
 
 
 def test_worker_crash_restarts_from_latest_checkpoint(ray_session, tmp_path):
@@ -95,10 +104,20 @@ def test_worker_crash_restarts_from_latest_checkpoint(ray_session, tmp_path):
     records = read_records(folder, "all_ranks")
     assert result.global_step == 6
     assert result.attempts == 2
+    # The surviving rank 0 saw its collective fail: on_exception, then on_train_end, once each.
+    first = [r["event"] for r in records if r["rank"] == 0 and r["attempt"] == 0]
+    assert first[-2:] == ["on_exception", "on_train_end"]
     loads = [r for r in records if r["event"] == "on_load_checkpoint"]
     assert {(r["rank"], r["attempt"], r["step"]) for r in loads} == {(0, 1, 2), (1, 1, 2)}
-    second = [r["step"] for r in records if r["rank"] == 1 and r["attempt"] == 1 and r["event"] == "on_step_end"]
+    second = [
+        r["step"]
+        for r in records
+        if r["rank"] == 1 and r["attempt"] == 1 and r["event"] == "on_step_end"
+    ]
     assert second == [3, 4, 5, 6]
     counts = [c for c in read_records(storage, "counter") if c["attempt"] == 1]
     # 2 steps restored from the checkpoint + 4 taken after the restart, on both ranks.
-    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [(0, 6, 6), (1, 6, 6)]
+    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [
+        (0, 6, 6),
+        (1, 6, 6),
+    ]

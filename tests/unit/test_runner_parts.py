@@ -151,7 +151,13 @@ def test_placement_splits_callbacks_by_process():
 
     on_save.runs_on = "all_ranks"
     lists = unpack(
-        pack({"core": [], "user": [Counter(), OnRank0(), OnActor(), ("on_save", on_save)], "global": []})
+        pack(
+            {
+                "core": [],
+                "user": [Counter(), OnRank0(), OnActor(), ("on_save", on_save)],
+                "global": [],
+            }
+        )
     )
     rank0 = build_manager(lists, keep_for_worker(0, actor_available=True))
     rank1 = build_manager(lists, keep_for_worker(1, actor_available=True))

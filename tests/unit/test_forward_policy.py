@@ -1,0 +1,106 @@
+"""The rank-0 forwarding policy with a stand-in actor: batching, bounds, what may be dropped."""
+
+from __future__ import annotations
+
+import pytest
+
+from callbacks import TrainingContext
+from ray_trainer import _forward
+from ray_trainer._forward import EventForwarder
+
+
+class FakeActor:
+    """Records `push` calls; `.remote()` returns a reference the test decides is ready or not."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, list]] = []
+        outer = self
+
+        class _Push:
+            def remote(self, attempt, seq, batch):
+                outer.calls.append((attempt, seq, batch))
+                return ("ref", seq)
+
+        self.push = _Push()
+
+
+@pytest.fixture
+def replies(monkeypatch):
+    """Control which references are ready, and what `ray.get` returns for them."""
+    state = {"ready": set(), "control": {}}
+
+    def wait(refs, timeout=None):
+        ready = [r for r in refs if r[1] in state["ready"]]
+        return ready, [r for r in refs if r not in ready]
+
+    def get(ref):
+        return {"ack": ref[1], "control": state["control"].get(ref[1])}
+
+    monkeypatch.setattr(_forward.ray, "wait", wait)
+    monkeypatch.setattr(_forward.ray, "get", get)
+    return state
+
+
+def make(actor, **kw):
+    events = frozenset({"on_log", "on_step_end", "on_save", "on_before_forward"})
+    return EventForwarder("x", events, attempt=0, namespace="n", actor=actor, **kw)
+
+
+def test_events_are_batched_and_urgent_events_go_at_once(replies):
+    actor = FakeActor()
+    fwd = make(actor, max_batch=4, flush_interval_s=60)
+    ctx = TrainingContext(global_step=1)
+    for _ in range(3):
+        fwd.push("on_step_end", ctx, {})
+    assert actor.calls == []  # below the batch size, within the interval: nothing sent yet
+    fwd.push("on_step_end", ctx, {})
+    assert len(actor.calls) == 1 and len(actor.calls[0][2]) == 4
+    fwd.push("on_save", ctx, {"checkpoint_path": "/c"})
+    assert len(actor.calls) == 2 and actor.calls[1][2][0][0] == "on_save"
+    assert [c[1] for c in actor.calls] == [1, 2]  # sequence numbers
+
+
+def test_live_objects_are_never_shipped(replies):
+    actor = FakeActor()
+    fwd = make(actor, max_batch=1)
+    fwd.push("on_before_forward", TrainingContext(model=object()), {"batch": 1, "micro_step": 0})
+    event, wire, kwargs = actor.calls[0][2][0]
+    assert kwargs == {"micro_step": 0} and "model" not in wire
+
+
+def test_buffer_is_bounded_and_only_low_value_events_are_dropped(replies):
+    actor = FakeActor()
+    fwd = make(actor, max_batch=2, max_in_flight=1, max_buffer=10, flush_interval_s=60)
+    ctx = TrainingContext()
+    fwd.push("on_log", ctx, {})
+    fwd.push("on_log", ctx, {})  # one batch in flight, never acknowledged: the actor is stuck
+    for i in range(100):
+        fwd.push("on_save" if i % 10 == 0 else "on_log", ctx, {})
+    assert len(fwd._buffer) <= 10 + 2  # bounded (checked each time a batch would be sent)
+    kept = [e for e, _, _ in fwd._buffer]
+    assert kept.count("on_save") == 10  # never dropped
+    assert fwd.dropped["on_log"] >= 80 and "on_save" not in fwd.dropped
+
+
+def test_replies_bring_control_back_and_close_waits_for_acks(replies):
+    actor = FakeActor()
+    fwd = make(actor, max_batch=1, poll_interval_s=0)
+    fwd.push("on_step_end", TrainingContext(global_step=5), {})
+    assert fwd.poll_control() is None  # not acknowledged yet
+    replies["ready"].add(1)
+    replies["control"][1] = {"should_training_stop": True, "stop_reason": "Alarm"}
+    control = fwd.poll_control()
+    assert control.should_training_stop and control.stop_reason == "Alarm"
+    fwd.push("on_log", TrainingContext(), {})
+    replies["ready"].add(2)
+    fwd.close(timeout=1)
+    assert fwd.undelivered == 0
+
+
+def test_close_counts_what_was_never_acknowledged(replies):
+    actor = FakeActor()
+    fwd = make(actor, max_batch=1)
+    fwd.push("on_step_end", TrainingContext(), {})
+    fwd.push("on_step_end", TrainingContext(), {})
+    fwd.close(timeout=0.05)
+    assert fwd.undelivered == 2
