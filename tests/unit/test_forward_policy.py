@@ -64,7 +64,7 @@ def test_live_objects_are_never_shipped(replies):
     actor = FakeActor()
     fwd = make(actor, max_batch=1)
     fwd.push("on_before_forward", TrainingContext(model=object()), {"batch": 1, "micro_step": 0})
-    event, wire, kwargs = actor.calls[0][2][0]
+    _event, wire, kwargs = actor.calls[0][2][0]
     assert kwargs == {"micro_step": 0} and "model" not in wire
 
 
