@@ -262,3 +262,28 @@ def slow_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
 
 def constant_score_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
     return {"score": 1.0, **read_checkpoint_step(checkpoint_path, step)}
+
+
+class GarbageReturner(TrainerCallback):
+    """Returns something that is neither None nor a TrainerControl (actor-side)."""
+
+    def on_step_end(self, context, **kwargs):
+        return 42
+
+
+class Rank0GarbageReturner(TrainerCallback):
+    """The same, inside the rank-0 training process."""
+
+    runs_on = "rank0"
+
+    def on_log(self, context, **kwargs):
+        return "yes"
+
+
+def raising_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
+    raise ValueError(f"eval of step {step} broke")
+
+
+def hanging_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
+    time.sleep(300)
+    return {}

@@ -11,7 +11,9 @@ from rt_support import (
     ActorSaveCounter,
     ActorStopAt,
     AllRanksRecorder,
+    GarbageReturner,
     RaisingActorCallback,
+    Rank0GarbageReturner,
     SlowActorCallback,
     SlowSteps,
     TinyDataset,
@@ -49,13 +51,19 @@ def _loop_seconds(records, rank=0):
     return end - begin
 
 
-def test_slow_and_raising_actor_callbacks_leave_training_alone(ray_session, tmp_path):
+def test_slow_raising_and_garbage_callbacks_leave_training_alone(ray_session, tmp_path):
     folder = str(tmp_path / "records")
     steps, sleep = 20, 0.5
     result = _run(
         tmp_path,
         "slow-raising",
-        [AllRanksRecorder(folder), SlowActorCallback(sleep), RaisingActorCallback()],
+        [
+            AllRanksRecorder(folder),
+            SlowActorCallback(sleep),
+            RaisingActorCallback(),
+            GarbageReturner(),
+            Rank0GarbageReturner(),
+        ],
         max_steps=steps,
         save_every_steps=10,
     )
@@ -71,6 +79,13 @@ def test_slow_and_raising_actor_callbacks_leave_training_alone(ray_session, tmp_
     )
     assert [e["step"] for e in errors if e["event"] == "on_save"] == [10, 20]
     assert all("boom" in e["error"] for e in errors)
+    # A hook returning garbage is recorded once per occurrence, in either process.
+    garbage = [e for e in result.callback_errors if e["callback"] == "GarbageReturner"]
+    assert sorted(e["step"] for e in garbage) == list(range(1, steps + 1))
+    assert all(e["event"] == "on_step_end" and "returned int" in e["error"] for e in garbage)
+    rank0 = [e for e in result.callback_errors if e["callback"] == "Rank0GarbageReturner"]
+    assert [e["step"] for e in rank0] == [5, 10, 15, 20]  # on_log every 5 steps
+    assert all("returned str" in e["error"] for e in rank0)
 
 
 def test_actor_stop_request_reaches_every_rank_within_the_lag(ray_session, tmp_path):
