@@ -7,7 +7,7 @@ package.
 
 from callbacks import *  # noqa: F403  (re-export the callback API; see callbacks.__all__)
 from callbacks import __all__ as _callbacks_all
-from ray_trainer._checkpoint import CheckpointError
+from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, load_model_state
 from ray_trainer._config import TrainingArgs, TrainingArgsError
 from ray_trainer._launch import ResourceRequestError, RunFailedError, run_training
 from ray_trainer._result import TrainingResult
@@ -19,6 +19,8 @@ __all__ = [
     "TrainingArgs",
     "TrainingArgsError",
     "TrainingResult",
+    "latest_checkpoint",
+    "load_model_state",
     "run_training",
     *_callbacks_all,
 ]

@@ -174,6 +174,21 @@ def load(path: str, rank: int) -> LoadedCheckpoint:
     )
 
 
+def load_model_state(path: str) -> dict[str, Any]:
+    """The model weights (a state dict, on CPU) of a complete checkpoint.
+
+    Runs anywhere the checkpoint folder is readable, e.g. in an `EvalOnSave` task.
+
+    Example:
+        >>> model = build_my_model()
+        >>> model.load_state_dict(load_model_state(checkpoint_path))
+    """
+    import torch
+
+    verify(path)
+    return torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=True)
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
     """The newest complete checkpoint folder under a run folder, or None."""
     if not os.path.isdir(run_dir):

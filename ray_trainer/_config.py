@@ -98,6 +98,10 @@ class TrainingArgs(BaseModel):
 
     # Cluster and faults.
     max_failures: int = Field(0, ge=0)
+    # Starting a worker group that cannot be placed (a node was lost, the cluster shrank) fails
+    # after this long, and is retried `max_start_retries` times, then the run fails clearly.
+    worker_start_timeout_s: float = Field(60.0, gt=0)
+    max_start_retries: int = Field(2, ge=0)
     ray_address: str | None = None
 
     # Callbacks: instances or functions, and one flat field per event and alias.

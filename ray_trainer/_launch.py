@@ -233,20 +233,30 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
         run_config=RunConfig(
             name=args.run_name,
             storage_path=os.path.dirname(run_dir),
-            failure_config=FailureConfig(max_failures=args.max_failures),
+            # Ray Train retries a worker group that cannot start forever by default: bound it.
+            failure_config=FailureConfig(
+                max_failures=args.max_failures, controller_failure_limit=args.max_start_retries
+            ),
             checkpoint_config=CheckpointConfig(num_to_keep=args.num_checkpoints_to_keep),
         ),
     )
     error: BaseException | None = None
+    # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
     try:
         trainer.fit()
     except Exception as e:  # ray.train.TrainingFailedError and friends
         error = e
     actor_summary = _finish_actor(actor, actor_ready, args, error)
     if error is not None:
+        capacity = ""
+        try:
+            check_resources(args)
+        except ResourceRequestError as lost:  # e.g. a node was lost during the run
+            capacity = f" The cluster can no longer place the workers: {lost}"
         raise RunFailedError(
             f"run {args.run_name!r} failed after {files.attempts()} attempt(s) "
-            f"(max_failures={args.max_failures}): {_root_message(error)}. "
+            f"(max_failures={args.max_failures}): {_root_message(error)}.{capacity} "
             f"Latest checkpoint: {latest_checkpoint(run_dir)}"
         ) from error
     summary = files.read_summary() or {}
