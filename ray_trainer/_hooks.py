@@ -16,6 +16,9 @@ from typing import Any, Protocol
 from callbacks import CallbackManager, TrainerControl, TrainingContext
 
 
+_NO_REQUEST = TrainerControl()  # read-only by convention: the loop only reads the flags
+
+
 class Forwarder(Protocol):
     """Ships rank-0 events to the callback actor; see `ray_trainer._forward.EventForwarder`."""
 
@@ -66,6 +69,8 @@ class Hooks:
             remote = self.forwarder.poll_control()
             if remote is not None and remote.any:
                 self.pending.merge(remote, remote.stop_reason or "actor callback")
+        if not self.pending.any:
+            return _NO_REQUEST  # the common case: nothing to swap, nothing allocated
         pending, self.pending = self.pending, TrainerControl()
         return pending
 

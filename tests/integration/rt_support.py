@@ -42,6 +42,20 @@ class TinyDataset(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
+def tiny_run(tmp_path, **overrides: Any) -> dict[str, Any]:
+    """The fields of a short real run: the tiny model and data, 2 workers, storage in tmp_path."""
+    fields: dict[str, Any] = dict(
+        model=TinyRegressor,
+        data=TinyDataset,
+        batch_size=8,
+        num_workers=2,
+        storage_path=str(tmp_path / "storage"),
+        log_every_steps=100,
+    )
+    fields.update(overrides)
+    return fields
+
+
 class _FileLog:
     """Appends one JSON line per record to `<folder>/<prefix>-<pid>.jsonl`."""
 

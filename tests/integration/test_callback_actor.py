@@ -16,9 +16,8 @@ from rt_support import (
     Rank0GarbageReturner,
     SlowActorCallback,
     SlowSteps,
-    TinyDataset,
-    TinyRegressor,
     read_records,
+    tiny_run,
 )
 
 # Documented bound (README, "Control from actor-side callbacks"): with steps of >= 50 ms, an
@@ -29,18 +28,8 @@ ACTOR_CONTROL_LAG_STEPS = 3
 def _run(tmp_path, name, callbacks, **overrides):
     from ray_trainer import run_training
 
-    fields = dict(
-        model=TinyRegressor,
-        data=TinyDataset,
-        batch_size=8,
-        num_workers=2,
-        storage_path=str(tmp_path / "storage"),
-        run_name=name,
-        log_every_steps=5,
-        callbacks=callbacks,
-    )
-    fields.update(overrides)
-    return run_training(**fields)
+    fields = {"run_name": name, "log_every_steps": 5, "callbacks": callbacks, **overrides}
+    return run_training(**tiny_run(tmp_path, **fields))
 
 
 def _loop_seconds(records, rank=0):

@@ -9,28 +9,14 @@ from rt_support import (
     ActorRecorder,
     KillRank1Once,
     SlowSteps,
-    TinyDataset,
-    TinyRegressor,
     hanging_eval,
     raising_eval,
     read_checkpoint_step,
     read_records,
+    tiny_run,
 )
 
 from callbacks import EvalOnSave
-
-
-def _fields(tmp_path, **overrides):
-    fields = dict(
-        model=TinyRegressor,
-        data=TinyDataset,
-        batch_size=8,
-        num_workers=2,
-        storage_path=str(tmp_path / "storage"),
-        log_every_steps=100,
-    )
-    fields.update(overrides)
-    return fields
 
 
 def test_crash_without_retries_fails_clearly_and_leaves_a_resumable_checkpoint(
@@ -42,7 +28,7 @@ def test_crash_without_retries_fails_clearly_and_leaves_a_resumable_checkpoint(
     folder = str(tmp_path / "records")
     with pytest.raises(RunFailedError) as info:
         run_training(
-            **_fields(
+            **tiny_run(
                 tmp_path,
                 max_steps=8,
                 save_every_steps=2,
@@ -62,7 +48,7 @@ def test_crash_without_retries_fails_clearly_and_leaves_a_resumable_checkpoint(
     assert events.index("on_exception") < events.index("on_train_end") == len(events) - 1
 
     # ... and the run resumes from that checkpoint with a new call.
-    result = run_training(**_fields(tmp_path, max_steps=4, run_name="crash-no-retry"))
+    result = run_training(**tiny_run(tmp_path, max_steps=4, run_name="crash-no-retry"))
     assert result.global_step == 4 and result.attempts == 1
 
 
@@ -71,7 +57,7 @@ def test_failing_evaluations_are_recorded_and_do_not_block_the_end(ray_session, 
 
     started = time.monotonic()
     result = run_training(
-        **_fields(
+        **tiny_run(
             tmp_path,
             max_steps=10,
             save_every_steps=5,
