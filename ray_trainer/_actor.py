@@ -29,7 +29,15 @@ logger = logging.getLogger("ray_trainer")
 
 NAMESPACE = "ray_trainer"
 ACTOR_STATE_FILE = "actor_state.pkl"
-_STATUS_FIELDS = ("global_step", "epoch", "loss", "learning_rate", "throughput", "samples_seen")
+_STATUS_FIELDS = (
+    "global_step",
+    "max_steps",
+    "epoch",
+    "loss",
+    "learning_rate",
+    "throughput",
+    "samples_seen",
+)
 
 
 def actor_name(run_name: str) -> str:

@@ -105,8 +105,13 @@ class LocalCluster:
 
     def env(self) -> dict[str, str]:
         """The environment for the head and for every client process of this cluster."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+        }
         return {
-            **os.environ,
+            **env,
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_metrics_report_interval_ms": "1000",
@@ -185,8 +190,9 @@ class LocalCluster:
                 pass
         return list(found.values())
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """Kill this cluster's processes by pid (SIGTERM, then SIGKILL), remove the temp dir."""
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Kill this cluster's processes by pid (SIGTERM, then SIGKILL after `timeout_s`), and
+        remove the temp dir."""
         procs = self.processes()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for proc in procs:

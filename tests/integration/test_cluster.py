@@ -1,0 +1,155 @@
+"""`ray-trainer submit` and `ray-trainer status` against a real local Ray cluster.
+
+The cluster is a separate Ray instance (`ray start --head` on 127.0.0.2, see `local_cluster`):
+this module never calls `ray.init` in the pytest process; the commands run as subprocesses,
+as a user runs them from a terminal. Every wait is bounded and says what it waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import yaml
+from local_cluster import LocalCluster
+
+RUN = "cluster-demo"
+MAX_STEPS = 100  # ~5-15 s of training here: long enough to catch the run live with `status`
+JOB_TIMEOUT_S = 180  # the job: runtime env, driver, Train start (~15-40 s on a loaded box), run
+STATUS_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    head = LocalCluster(num_cpus=4)
+    head.start(timeout_s=120)
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
+def _cli(cluster: LocalCluster, *args: str, timeout: float = STATUS_TIMEOUT_S):
+    return subprocess.run(
+        [sys.executable, "-m", "ray_trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        timeout=timeout,
+    )
+
+
+class _MetricsWatcher(threading.Thread):
+    """Polls the head's Prometheus endpoint and keeps the `ray_trainer_*` lines of one run."""
+
+    def __init__(self, url: str, run: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.tag = url, f'run="{run}"'
+        self.lines: dict[str, str] = {}  # metric name -> the first line seen
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                text = ""
+            for line in text.splitlines():
+                if line.startswith("ray_trainer_") and self.tag in line:
+                    self.lines.setdefault(line.split("{", 1)[0], line)
+            self.stop.wait(0.5)
+
+
+def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    config = workdir / "demo.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "num_workers": 2,
+                "max_steps": MAX_STEPS,
+                "log_every_steps": 10,
+                "storage_path": str(tmp_path / "runs"),
+                "run_name": RUN,
+                "callbacks": [{"class": "callbacks:RayMetrics", "report_every_s": 1.0}],
+            }
+        )
+    )
+    metrics = _MetricsWatcher(cluster.metrics_url, RUN)
+    metrics.start()
+    submit = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ray_trainer.cli", "submit", str(config)),
+            *("--address", cluster.dashboard_url, "--working-dir", str(workdir), "--wait"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cluster.env(),
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(submit.stdout), daemon=True)
+    reader.start()
+
+    # While the job runs: ask `ray-trainer status` until it reports the live run past step 0.
+    live: dict | None = None
+    polls: list[str] = []
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while submit.poll() is None and time.monotonic() < deadline:
+        if live is None:
+            done = _cli(cluster, "status", RUN, "--address", cluster.gcs_address, "--json")
+            polls.append(f"rc={done.returncode} {done.stderr.strip()[-200:]}")
+            if done.returncode == 0:
+                status = json.loads(done.stdout)
+                if (status.get("global_step") or 0) > 0:
+                    live = status
+                    continue
+        time.sleep(0.5)
+    if submit.poll() is None:
+        submit.kill()
+        reader.join(10)
+        pytest.fail(
+            f"`ray-trainer submit --wait` still running after {JOB_TIMEOUT_S} s; "
+            f"its output:\n{''.join(output)[-4000:]}"
+        )
+    reader.join(30)
+    # Counters outlive the run on the endpoint; gauges lapse ~2 report intervals after it.
+    metrics_deadline = time.monotonic() + 20
+    while not metrics.lines and time.monotonic() < metrics_deadline:
+        time.sleep(0.5)
+    metrics.stop.set()
+    metrics.join(10)
+
+    out = "".join(output)
+    assert submit.returncode == 0, f"submit exited {submit.returncode}:\n{out[-4000:]}"
+    job_id = re.search(r"submitted job (\S+) \(run cluster-demo\)", out)
+    assert job_id, f"no job id in the submit output:\n{out[-4000:]}"
+    assert f"ray job logs --follow --address {cluster.dashboard_url} {job_id[1]}" in out
+    assert f"step {MAX_STEPS}/{MAX_STEPS}" in out, f"no final progress line:\n{out[-4000:]}"
+    assert f"job {job_id[1]} SUCCEEDED" in out
+
+    assert live is not None, (
+        f"`ray-trainer status {RUN}` never saw the run live past step 0 "
+        f"({len(polls)} polls; last: {polls[-3:]})"
+    )
+    assert live["run_name"] == RUN and 0 < live["global_step"] <= MAX_STEPS
+    assert live["num_callback_errors"] == 0, live["callback_errors"]
+
+    assert metrics.lines, f"no ray_trainer_* line for run {RUN} at {cluster.metrics_url}"
+    assert {"ray_trainer_step", "ray_trainer_loss"} & set(metrics.lines), (
+        f"no training gauge seen while the run was live; seen: {sorted(metrics.lines)}"
+    )
+
+
+def test_status_of_an_unknown_run_exits_1_and_lists_live_runs(cluster):
+    done = _cli(cluster, "status", "no-such-run", "--address", cluster.gcs_address)
+    assert done.returncode == 1, done.stderr
+    assert f"no live run named no-such-run on {cluster.gcs_address}; live runs:" in done.stderr

@@ -1,0 +1,354 @@
+"""`ray-trainer status` / `submit`: parsing, job building and formatting, without a cluster."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from ray_trainer import _cluster
+from ray_trainer._cluster import (
+    ClusterUnreachable,
+    NoLiveRun,
+    SubmitError,
+    build_entrypoint,
+    check_reachable,
+    config_in_working_dir,
+    format_status,
+    live_run_names,
+    no_live_run_message,
+    prepare_submission,
+)
+from ray_trainer._config import TrainingArgsError
+from ray_trainer.cli import _parser, main
+
+DASH = "http://127.0.0.2:8265"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 10\nnum_workers: 2\n")
+    return path
+
+
+def _submit_opts(config, *extra: str):
+    return _parser().parse_args(["submit", str(config), "--address", DASH, *extra])
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+
+def test_status_arguments():
+    opts = _parser().parse_args(["status", "my-run", "--address", "10.0.0.1:6379", "--json"])
+    assert (opts.command, opts.run_name, opts.address, opts.json) == (
+        "status",
+        "my-run",
+        "10.0.0.1:6379",
+        True,
+    )
+    defaults = _parser().parse_args(["status", "my-run"])
+    assert defaults.address is None and defaults.json is False and defaults.timeout > 0
+
+
+def test_submit_arguments():
+    opts = _parser().parse_args(
+        ["submit", "c.yaml", "--address", DASH, "--set", "a=1", "--set", "b=x y", "--wait"]
+    )
+    assert opts.overrides == ["a=1", "b=x y"] and opts.wait and opts.working_dir == "."
+    assert not opts.no_working_dir
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["submit", "c.yaml", "--working-dir", "d", "--no-working-dir"])
+
+
+# ---- submit: building the job --------------------------------------------------------------
+
+
+def test_entrypoint_quotes_every_word():
+    overrides = ["max_steps=100", "run_name=my run", "data=it's here.jsonl", "x=$HOME;rm -rf"]
+    entry = build_entrypoint("configs/run.yaml", overrides)
+    assert entry.startswith("ray-trainer run configs/run.yaml --set max_steps=100 ")
+    words = shlex.split(entry)  # what the job's shell will run
+    assert words == ["ray-trainer", "run", "configs/run.yaml"] + [
+        w for o in overrides for w in ("--set", o)
+    ]
+
+
+def test_config_must_be_inside_the_working_dir(tmp_path):
+    inside = tmp_path / "wd" / "sub" / "run.yaml"
+    inside.parent.mkdir(parents=True)
+    inside.touch()
+    assert config_in_working_dir(inside, tmp_path / "wd") == "sub/run.yaml"
+    outside = tmp_path / "elsewhere.yaml"
+    outside.touch()
+    with pytest.raises(SubmitError, match="not inside the working dir") as e:
+        config_in_working_dir(outside, tmp_path / "wd")
+    assert "--working-dir" in str(e.value) and "--no-working-dir" in str(e.value)
+
+
+def test_prepare_submission_sets_run_name_working_dir_and_api_address(config):
+    opts = _submit_opts(config, "--working-dir", str(config.parent), "--set", "max_steps=20")
+    address, entry, runtime_env, run_name = prepare_submission(opts)
+    assert address == DASH
+    assert run_name.startswith("run-")
+    assert shlex.split(entry) == [
+        "ray-trainer",
+        "run",
+        "run.yaml",
+        "--set",
+        "max_steps=20",
+        "--set",
+        f"run_name={run_name}",
+    ]
+    assert runtime_env["working_dir"] == str(config.parent.resolve())
+    assert runtime_env["env_vars"] == {"RAY_API_SERVER_ADDRESS": DASH}
+
+
+def test_prepare_submission_keeps_a_configured_run_name(config):
+    opts = _submit_opts(config, "--no-working-dir", "--set", "run_name=fixed")
+    _, entry, runtime_env, run_name = prepare_submission(opts)
+    assert run_name == "fixed"
+    assert entry.count("run_name=") == 1
+    assert "working_dir" not in runtime_env
+    assert shlex.split(entry)[2] == str(config.resolve())  # every node must see this path
+
+
+def test_prepare_submission_validates_the_config_first(tmp_path, config):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_step: 10\n")
+    with pytest.raises(TrainingArgsError, match="did you mean 'max_steps'"):
+        prepare_submission(_submit_opts(bad, "--working-dir", str(tmp_path)))
+    with pytest.raises(TrainingArgsError):
+        prepare_submission(_submit_opts(config, "--working-dir", str(tmp_path), "--set", "nope"))
+    (tmp_path / "wd").mkdir()
+    with pytest.raises(SubmitError, match="not inside"):
+        prepare_submission(_submit_opts(config, "--working-dir", str(tmp_path / "wd")))
+    with pytest.raises(SubmitError, match="not a directory"):
+        prepare_submission(_submit_opts(config, "--working-dir", str(tmp_path / "missing")))
+
+
+def test_submit_address_from_flag_or_environment(monkeypatch):
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address: not for the job API
+    with pytest.raises(SubmitError, match="--address http://HOST:8265"):
+        _cluster.submit_address(None)
+    monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265")
+    assert _cluster.submit_address(None) == "http://10.0.0.1:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://h:1")
+    assert _cluster.submit_address(None) == "http://h:1"
+    assert _cluster.submit_address("http://x:2") == "http://x:2"
+
+
+# ---- submit: talking to the job API (a fake client) ----------------------------------------
+
+
+class FakeClient:
+    instances: list[FakeClient] = []
+    final = "SUCCEEDED"
+
+    def __init__(self, address):
+        self.address, self.submitted = address, None
+        FakeClient.instances.append(self)
+
+    def submit_job(self, **kwargs):
+        self.submitted = kwargs
+        return "raysubmit_test"
+
+    async def tail_job_logs(self, job_id):
+        for chunk in ("[r] step 10/20\n", "[r] step 20/20\n"):
+            yield chunk
+
+    def get_job_status(self, job_id):
+        return SimpleNamespace(value=self.final)
+
+    def get_job_info(self, job_id):
+        return SimpleNamespace(message="done" if self.final == "SUCCEEDED" else "boom")
+
+
+@pytest.fixture
+def fake_client(monkeypatch):
+    job_submission = pytest.importorskip("ray.job_submission")
+    FakeClient.instances = []
+    FakeClient.final = "SUCCEEDED"
+    monkeypatch.setattr(job_submission, "JobSubmissionClient", FakeClient)
+    return FakeClient
+
+
+def test_bad_config_exits_2_before_submitting(tmp_path, fake_client, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_step: 10\n")
+    assert main(["submit", str(bad), "--address", DASH, "--working-dir", str(tmp_path)]) == 2
+    assert "max_step: unknown field" in capsys.readouterr().err
+    assert fake_client.instances == []
+
+
+def test_submit_prints_the_job_and_how_to_follow_it(config, fake_client, capsys):
+    argv = ["submit", str(config), "--address", DASH, "--working-dir", str(config.parent)]
+    assert main([*argv, "--set", "run_name=r1"]) == 0
+    out = capsys.readouterr().out
+    assert "submitted job raysubmit_test (run r1)" in out
+    assert f"ray job logs --follow --address {DASH} raysubmit_test" in out
+    assert "ray-trainer status r1" in out
+    job = fake_client.instances[0].submitted
+    assert job["entrypoint"] == "ray-trainer run run.yaml --set run_name=r1"
+    assert job["runtime_env"]["env_vars"] == {"RAY_API_SERVER_ADDRESS": DASH}
+
+
+@pytest.mark.parametrize(("final", "code"), [("SUCCEEDED", 0), ("FAILED", 1), ("STOPPED", 1)])
+def test_submit_wait_streams_logs_and_exits_by_final_status(
+    config, fake_client, capsys, final, code
+):
+    fake_client.final = final
+    argv = ["submit", str(config), "--address", DASH, "--working-dir", str(config.parent)]
+    assert main([*argv, "--wait"]) == code
+    out = capsys.readouterr().out
+    assert "[r] step 10/20\n[r] step 20/20\n" in out
+    assert f"job raysubmit_test {final}" in out
+
+
+def test_wait_falls_back_to_polling_when_streaming_fails():
+    class NoStream(FakeClient):
+        def __init__(self):
+            self.polls = 0
+
+        async def tail_job_logs(self, job_id):
+            raise ConnectionError("websocket refused")
+            yield  # an async generator
+
+        def get_job_status(self, job_id):
+            self.polls += 1
+            return SimpleNamespace(value="RUNNING" if self.polls < 3 else "SUCCEEDED")
+
+        def get_job_logs(self, job_id):
+            return "line 1\nline 2\n"[: 7 * self.polls]
+
+    out = _Out()
+    assert _cluster.wait_for_job(NoStream(), "j", out, poll_s=0) == "SUCCEEDED"
+    assert out.text == "line 1\nline 2\n"
+
+
+class _Out:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+# ---- status --------------------------------------------------------------------------------
+
+STATUS = {
+    "run_name": "r1",
+    "global_step": 30,
+    "max_steps": 60,
+    "epoch": 0,
+    "loss": 1.23456,
+    "learning_rate": 2e-4,
+    "throughput": 23416.4,
+    "samples_seen": 1920,
+    "events": {"on_log": 3},
+    "evaluations": [
+        {"step": 10, "checkpoint_path": "/c/10", "source": "EvalOnSave", "metrics": {"acc": 0.5}},
+        {
+            "step": 20,
+            "checkpoint_path": "/c/20",
+            "source": "EvalOnSave",
+            "metrics": {"acc": 0.75, "n": 8},
+        },
+    ],
+    "num_evaluations": 2,
+    "evaluations_in_flight": 1,
+    "callback_errors": [
+        {
+            "callback": "Flaky",
+            "event": "on_log",
+            "step": 20,
+            "error": "ValueError: no",
+            "traceback": "...",
+        }
+    ],
+    "num_callback_errors": 7,
+    "restarted": False,
+    "ended": False,
+}
+
+
+def test_format_status():
+    text = format_status(STATUS)
+    assert text.splitlines()[0] == "run r1 (training)"
+    assert "step        30/60" in text and "samples 1920" in text
+    assert "loss        1.2346" in text and "lr 2.00e-04" in text and "23416 tokens/s" in text
+    assert "evaluations 2 (1 in flight); last at step 20: acc 0.7500 n 8" in text
+    assert "callback errors 7" in text
+    assert "- Flaky in on_log at step 20: ValueError: no" in text
+
+
+def test_format_status_before_the_first_step_and_after_the_end():
+    early = format_status({"run_name": "r", "events": {}, "evaluations": [], "ended": False})
+    assert "step        -" in early and "evaluations 0" in early and "callback errors 0" in early
+    ended = format_status({**STATUS, "ended": True, "restarted": True, "max_steps": None})
+    assert "(ended, callback actor restarted)" in ended and "step        30 " in ended
+    failed = {**STATUS, "evaluations": [{"step": 5, "error": "RuntimeError: oom"}]}
+    assert "last at step 5 failed: RuntimeError: oom" in format_status(failed)
+
+
+def test_live_runs_and_the_no_live_run_message():
+    named = [
+        {"name": "ray-trainer:b", "namespace": "ray_trainer"},
+        {"name": "ray-trainer:a", "namespace": "ray_trainer"},
+        {"name": "ray-trainer:c", "namespace": "other"},
+        {"name": "something", "namespace": "ray_trainer"},
+    ]
+    assert live_run_names(named) == ["a", "b"]
+    assert (
+        no_live_run_message("x", "10.0.0.1:6379", ["a", "b"])
+        == "no live run named x on 10.0.0.1:6379; live runs: a, b"
+    )
+    assert no_live_run_message("x", "h:1", []).endswith("live runs: none")
+
+
+def test_unreachable_or_wrong_addresses():
+    with pytest.raises(ClusterUnreachable, match="dashboard URL"):
+        check_reachable(DASH)
+    with pytest.raises(ClusterUnreachable, match="no Ray cluster reachable"):
+        check_reachable(f"127.0.0.1:{_closed_port()}", timeout_s=2)
+    with pytest.raises(ClusterUnreachable, match="not a cluster address"):
+        check_reachable("localhost")
+
+
+def test_status_exit_codes(monkeypatch, capsys):
+    assert main(["status", "r1", "--address", f"127.0.0.1:{_closed_port()}"]) == 2
+    assert "no Ray cluster reachable" in capsys.readouterr().err
+
+    def missing(run_name, address, timeout_s):
+        raise NoLiveRun(no_live_run_message(run_name, address, ["a"]))
+
+    monkeypatch.setattr(_cluster, "fetch_status", missing)
+    assert main(["status", "r1", "--address", "h:1"]) == 1
+    assert "no live run named r1 on h:1; live runs: a" in capsys.readouterr().err
+
+    monkeypatch.setattr(_cluster, "fetch_status", lambda run_name, address, timeout_s: STATUS)
+    assert main(["status", "r1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["global_step"] == 30
+    assert main(["status", "r1"]) == 0
+    assert capsys.readouterr().out.startswith("run r1 (training)")
+
+
+def test_status_address_defaults_to_ray_address_then_auto(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert _cluster.resolve_address(None) == "10.0.0.1:6379"
+    assert _cluster.resolve_address("h:1") == "h:1"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert _cluster.resolve_address(None) == "auto"
