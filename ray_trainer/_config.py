@@ -76,6 +76,7 @@ class TrainingArgs(BaseModel):
     num_workers: int = Field(2, gt=0)
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
 
     # Checkpoints, evaluation, logging.
     save_every_steps: int | None = Field(None, gt=0)

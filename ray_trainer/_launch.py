@@ -229,6 +229,7 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
             num_workers=args.num_workers,
             use_gpu=args.use_gpu,
             resources_per_worker=_per_worker(args),
+            placement_strategy=args.placement_strategy,
         ),
         run_config=RunConfig(
             name=args.run_name,

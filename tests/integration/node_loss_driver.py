@@ -1,0 +1,42 @@
+"""A driver for the node-loss test: joins the test cluster, trains, prints a JSON outcome.
+
+Runs as its own process (`python node_loss_driver.py ADDRESS FIELDS_JSON`), so that the pytest
+process, which holds the shared embedded Ray session, never joins the test cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ray
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    address, fields = sys.argv[1], json.loads(sys.argv[2])
+    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": HERE}})
+    sys.path.insert(0, HERE)
+    from rt_support import SlowSteps, TinyDataset, TinyRegressor
+
+    from ray_trainer import RunFailedError, run_training
+
+    try:
+        result = run_training(
+            model=TinyRegressor,
+            data=TinyDataset,
+            batch_size=8,
+            callbacks=[SlowSteps(0.1)],
+            **fields,
+        )
+    except RunFailedError as e:
+        print("OUTCOME " + json.dumps({"error": str(e)}), flush=True)
+        return
+    outcome = {"global_step": result.global_step, "attempts": result.attempts}
+    print("OUTCOME " + json.dumps(outcome), flush=True)
+
+
+if __name__ == "__main__":
+    main()
