@@ -1,0 +1,120 @@
+"""Hugging Face models and tokenizers, loaded offline unless a download is allowed.
+
+Needs the optional extra ``ray-trainer[hf]`` (transformers). :func:`check_model_ref` runs in the
+driver before Ray starts, so that a wrong model name fails at once; the loaders run in each
+training worker. Nothing is ever downloaded unless the caller passes ``allow_download=True``:
+a name must be a local directory or a model already in the Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+BUILTIN_MODELS = ("tiny-lm", "demo")
+_INSTALL_HINT = "pip install 'ray-trainer[hf]'"
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
+
+
+def is_builtin_model(name: object) -> bool:
+    """True for the names of the built-in demo transformer (``"tiny-lm"``, ``"demo"``)."""
+    return isinstance(name, str) and name in BUILTIN_MODELS
+
+
+def _transformers(name_or_path: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelLoadError(
+            f"model {name_or_path!r} is not a built-in model name ({', '.join(BUILTIN_MODELS)}), "
+            f"and loading a Hugging Face model needs transformers: {_INSTALL_HINT}"
+        ) from None
+    return transformers
+
+
+def _not_found(what: str, name_or_path: str, cause: BaseException, allow_download: bool) -> str:
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        where = f"the directory {p} exists but holds no loadable {what} ({_short(cause)})"
+    elif p.exists():
+        where = f"{p} is a file; give the directory that save_pretrained wrote"
+    elif name_or_path.startswith(("/", "./", "../", "~")):
+        where = f"there is no such directory ({p.resolve()})"
+    elif allow_download:
+        where = f"it could not be loaded or downloaded ({_short(cause)})"
+    else:
+        where = (
+            "it is neither a local directory nor in the Hugging Face cache, and downloads are off; "
+            f"download it first (`hf download {name_or_path}`) or pass allow_download=True"
+        )
+    return (
+        f"{what} {name_or_path!r} is not a built-in model name ({', '.join(BUILTIN_MODELS)}) "
+        f"nor a loadable local path or cached model: {where}"
+    )
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _check_name(name_or_path: Any, what: str) -> str:
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ModelLoadError(f"{what} must be a model name or a path, got {name_or_path!r}")
+    if is_builtin_model(name_or_path):
+        raise ModelLoadError(
+            f"{what} {name_or_path!r} is the built-in demo transformer, not a Hugging Face model; "
+            "build it with ray_trainer._demo (TrainingArgs(model='tiny-lm') does this)"
+        )
+    return str(Path(name_or_path).expanduser()) if name_or_path.startswith("~") else name_or_path
+
+
+def check_model_ref(name_or_path: str, allow_download: bool = False) -> None:
+    """Fail fast, in the driver, on a model reference that workers could not load.
+
+    Built-in names pass. Other names must resolve to a Hugging Face config without a download
+    (unless ``allow_download``); only the config is read, never the weights.
+    """
+    if is_builtin_model(name_or_path):
+        return
+    name = _check_name(name_or_path, "model")
+    transformers = _transformers(name)
+    try:
+        transformers.AutoConfig.from_pretrained(name, local_files_only=not allow_download)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(_not_found("model", name, e, allow_download)) from e
+
+
+def load_hf_causal_lm(name_or_path: str, allow_download: bool = False, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` that never downloads unless ``allow_download``.
+
+    Runs in the process that calls it (each training worker, or an evaluation task). Extra
+    keyword arguments go to ``from_pretrained`` (e.g. ``dtype``).
+    """
+    name = _check_name(name_or_path, "model")
+    transformers = _transformers(name)
+    kwargs.setdefault("local_files_only", not allow_download)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(_not_found("model", name, e, allow_download)) from e
+
+
+def load_hf_tokenizer(name_or_path: str, allow_download: bool = False, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained`` that never downloads unless ``allow_download``.
+
+    Runs in the process that calls it. Extra keyword arguments go to ``from_pretrained``.
+    """
+    name = _check_name(name_or_path, "tokenizer")
+    transformers = _transformers(name)
+    kwargs.setdefault("local_files_only", not allow_download)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(_not_found("tokenizer", name, e, allow_download)) from e
