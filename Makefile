@@ -10,10 +10,11 @@ install:
 	@$(PYTHON) -m pip install -q -e ".[dev]"
 
 test: install
-	$(PYTHON) -m pytest tests
+	@# Fast unit tests first, then the integration tests (real Ray, local clusters).
+	$(PYTHON) -m pytest tests/unit tests/integration
 
 test-unit: install
-	$(PYTHON) -m pytest tests -m "not integration"
+	$(PYTHON) -m pytest tests/unit -m "not integration"
 
 demo: install
 	$(PYTHON) -m ray_trainer.cli demo --num-workers 2
