@@ -6,7 +6,6 @@ same model from the same seed; DDP then keeps the replicas identical.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +58,9 @@ def build_workload(args: TrainingArgs) -> Workload:
             tokenizer = load_hf_tokenizer(args.tokenizer)
 
     train = _dataset(args.data, args, tokenizer)
+    # A dataset that knows how to batch itself (JsonlTextDataset pads with its tokenizer's pad
+    # id) brings its collate; other datasets use torch's default.
+    collate = getattr(train, "collate", None)
     val = _dataset(args.val_data, args, tokenizer) if args.val_data is not None else None
     if val is None and args.eval_every_steps:
         # Hold out 5% of the training data, the same split on every rank.
@@ -66,13 +68,6 @@ def build_workload(args: TrainingArgs) -> Workload:
         train, val = random_split(
             train, [len(train) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed)
         )
-    collate = None
-    if tokenizer is not None:
-        from ray_trainer._data import collate_batch
-
-        pad_id = getattr(tokenizer, "pad_token_id", None)
-        pad_id = getattr(tokenizer, "pad_id", 0) if pad_id is None else pad_id
-        collate = functools.partial(collate_batch, pad_id=pad_id)
     loss_fn = args.loss_fn or model_loss
     return Workload(model, train, val, collate, loss_fn)
 

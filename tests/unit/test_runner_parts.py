@@ -168,3 +168,18 @@ def test_placement_splits_callbacks_by_process():
     no_actor = build_manager(lists, keep_for_worker(0, actor_available=False))
     assert "on_evaluate" in no_actor.events
     assert "on_evaluate" not in build_manager(lists, keep_for_worker(1, False)).events
+
+
+def test_workload_batches_variable_length_jsonl_for_any_model(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from ray_trainer import TrainingArgs
+    from ray_trainer._workload import build_workload
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "short"}\n{"text": "a much longer line of text"}\n' * 10)
+    for model in (None, lambda: torch.nn.Linear(2, 2)):
+        wl = build_workload(TrainingArgs(model=model, data=str(data), eval_every_steps=5))
+        batch = next(iter(DataLoader(wl.train_dataset, batch_size=4, collate_fn=wl.collate_fn)))
+        assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+        assert wl.val_dataset is not None and len(wl.val_dataset) == 1  # 5% held out
