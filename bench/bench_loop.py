@@ -1,16 +1,22 @@
 """Step time of the runner's loop against a bare accelerate loop, in one run.
 
-Three configurations, each a real 2-worker Ray Train run (gloo DDP, accelerate) on the demo
+Four configurations, each a real 2-worker Ray Train run (gloo DDP, accelerate) on the demo
 model and data, timed from inside rank 0 over the steady-state steps:
 
 * bare: a plain accelerate loop (prepare, forward, backward, clip, step), no callbacks;
 * runner: `run_training` with three worker-side callbacks (a step timer, a grad-norm watcher on
   all ranks, a loss keeper on rank 0);
 * runner + slow actor callback: the same plus an actor-side callback that sleeps 0.1 s on every
-  step end (forwarded to the callback actor; the loop must not wait for it).
+  step end (forwarded to the callback actor; the loop must not wait for it);
+* runner + built-ins + slow actor callback: `run_training` with the step timer, the full set of
+  built-in callbacks (ProgressBar, JsonlLogger, RayMetrics, EarlyStopping on val_loss,
+  DivergenceDetector, all on the callback actor) and the slow actor-side callback. The issue's
+  target: at most 1.02 x bare. No evaluation runs in the timed steps, so EarlyStopping is
+  registered but receives no `on_evaluate`.
 
-The configurations run in alternating rounds and the median of each is reported, with the ratio
-to bare. Usage: python bench/bench_loop.py [--steps 150] [--rounds 2] [--json OUT]
+The configurations run in rounds, each round in a rotated order, and the median of each is
+reported, with the ratio to bare.
+Usage: python bench/bench_loop.py [--steps 150] [--rounds 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -92,11 +98,31 @@ def run_bare(steps: int, out: str) -> float:
 
 
 def run_runner(steps: int, out: str, slow_actor: bool) -> float:
-    from ray_trainer import run_training
-
     callbacks = [StepTimer(out), GradNormWatcher(), LossKeeper()]
     if slow_actor:
         callbacks.append(SlowActorCallback(0.1))
+    return _run(steps, out, callbacks)
+
+
+def run_full(steps: int, out: str) -> float:
+    """The step timer, every built-in callback (all actor-side) and the slow actor callback."""
+    from callbacks import DivergenceDetector, EarlyStopping, JsonlLogger, ProgressBar, RayMetrics
+
+    callbacks = [
+        StepTimer(out),
+        ProgressBar(),
+        JsonlLogger(),
+        RayMetrics(),
+        EarlyStopping("val_loss"),
+        DivergenceDetector(),
+        SlowActorCallback(0.1),
+    ]
+    return _run(steps, out, callbacks)
+
+
+def _run(steps: int, out: str, callbacks: list) -> float:
+    from ray_trainer import run_training
+
     run_training(
         max_steps=steps,
         batch_size=64,
@@ -128,13 +154,26 @@ def main() -> dict:
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": HERE}},
     )
-    samples: dict[str, list[float]] = {"bare": [], "runner": [], "runner_slow_actor": []}
+    samples: dict[str, list[float]] = {
+        "bare": [],
+        "runner": [],
+        "runner_slow_actor": [],
+        "runner_full": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
+        runs = {
+            "bare": lambda out: run_bare(opts.steps, out),
+            "runner": lambda out: run_runner(opts.steps, out, slow_actor=False),
+            "runner_slow_actor": lambda out: run_runner(opts.steps, out, slow_actor=True),
+            "runner_full": lambda out: run_full(opts.steps, out),
+        }
+        keys = list(runs)
         for r in range(opts.rounds):
             out = os.path.join(tmp, f"times-{r}.json")
-            samples["bare"].append(run_bare(opts.steps, out))
-            samples["runner"].append(run_runner(opts.steps, out, slow_actor=False))
-            samples["runner_slow_actor"].append(run_runner(opts.steps, out, slow_actor=True))
+            # Each round starts with a different configuration: none always follows another
+            # run's teardown, or always runs at the same point of the machine's load.
+            for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                samples[key].append(runs[key](out))
             print(
                 f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in samples.items())
             )
@@ -145,9 +184,12 @@ def main() -> dict:
         "bare": "bare accelerate loop, no callbacks (baseline)",
         "runner": "run_training + 3 worker-side callbacks",
         "runner_slow_actor": "... + actor-side callback sleeping 0.1 s per step",
+        "runner_full": "run_training + step timer + all built-in callbacks + the slow actor callback",
     }
+    ratios = {}
     for key, values in samples.items():
         med = statistics.median(values)
+        ratios[labels[key]] = med / base
         rows.append(
             {
                 "configuration": labels[key],
@@ -160,6 +202,8 @@ def main() -> dict:
         "steps": opts.steps,
         "rounds": opts.rounds,
         "samples_s": samples,
+        "baseline": labels["bare"],
+        "ratios": ratios,
         "table": table(rows, ["configuration", "step (ms)", "ratio"]),
     }
     print(report["machine"])

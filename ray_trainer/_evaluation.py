@@ -40,7 +40,6 @@ class EvalTracker:
         self.results: list[dict[str, Any]] = []
         self.results_dropped = 0
         self._in_flight: dict[Any, _Pending] = {}
-        self._remote_fns: dict[int, Any] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.last_wire: dict[str, Any] = {}
@@ -66,12 +65,13 @@ class EvalTracker:
         with self._cond:
             while max_in_flight is not None and self._count(source) >= max_in_flight:
                 self._cond.wait(0.5)
-            remote = self._remote_fns.get(id(eval_fn))
-            if remote is None:
-                remote = self._remote_fns[id(eval_fn)] = ray.remote(eval_fn)
-            ref = remote.options(
+            global _REMOTE_EVAL
+            if _REMOTE_EVAL is None:
+                _REMOTE_EVAL = ray.remote(_run_eval)
+            # eval_fn travels as an argument: a function, a lambda or a callable object alike.
+            ref = _REMOTE_EVAL.options(
                 num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_retries=0
-            ).remote(checkpoint_path, step)
+            ).remote(eval_fn, checkpoint_path, step)
             deadline = time.monotonic() + timeout_s if timeout_s else None
             self._in_flight[ref] = _Pending(step, checkpoint_path, source, deadline)
             if self._thread is None:
@@ -170,6 +170,14 @@ class EvalTracker:
 
     def _count(self, source: str) -> int:
         return sum(1 for p in self._in_flight.values() if p.source == source)
+
+
+def _run_eval(eval_fn: Any, checkpoint_path: str, step: int) -> Any:
+    """The body of every evaluation task: runs wherever Ray places it."""
+    return eval_fn(checkpoint_path, step)
+
+
+_REMOTE_EVAL: Any = None
 
 
 def _unavailable(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> str | None:

@@ -301,3 +301,13 @@ def raising_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
 def hanging_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
     time.sleep(300)
     return {}
+
+
+class CallableEval:
+    """An evaluation given as a callable object (not a plain function)."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def __call__(self, checkpoint_path: str, step: int) -> dict[str, Any]:
+        return {"offset_step": step + self.offset}

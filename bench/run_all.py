@@ -1,0 +1,313 @@
+"""Run every benchmark in one command and write `bench/results.{md,json,png}` (`make bench`).
+
+Each benchmark runs as its own subprocess with ``--json`` (so each gets a clean Ray), one after
+the other. Their reports are put together with the machine, the versions and the date:
+`results.json` (every report, raw samples included), `results.md` (one section per benchmark:
+what the baseline is, then its table) and `results.png` (one panel of ratios per benchmark, see
+`plot.py`). Every figure is a ratio to a baseline measured side by side in the same run.
+
+Usage: python bench/run_all.py [--quick] [--only NAME[,NAME]]
+
+``--quick`` runs fewer steps and rounds (a smoke run of the whole chain, a few minutes);
+``--only`` runs the named benchmarks and replaces only their sections of the existing results.
+The full run takes about 15 minutes on a quiet 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS_JSON = os.path.join(HERE, "results.json")
+RESULTS_MD = os.path.join(HERE, "results.md")
+RESULTS_PNG = os.path.join(HERE, "results.png")
+TIMEOUT_S = 3600  # per benchmark: a hung run fails instead of blocking forever
+
+
+@dataclass(frozen=True)
+class Bench:
+    script: str
+    title: str
+    baseline: str  # one line: what the ratios are measured against
+    full: list[str] = field(default_factory=list)  # extra arguments for the full run
+    quick: list[str] = field(default_factory=list)  # extra arguments for --quick
+    target: float | None = None
+    target_note: str = ""
+
+
+BENCHES: dict[str, Bench] = {
+    "dispatch": Bench(
+        "bench_dispatch.py",
+        "Callback dispatch, cost per event",
+        "direct method calls on the same 5 callbacks in a plain Python loop (no manager), "
+        "same process; median ns per event",
+        quick=["--repeat", "3", "--target-s", "0.005"],
+    ),
+    "forward": Bench(
+        "bench_forward.py",
+        "Rank-0 cost of sending events to the callback actor",
+        "one fire-and-forget Ray actor call per event to the same `CallbackActor`; rank-0 CPU "
+        "time per event",
+        quick=["--events", "4000", "--rounds", "1"],
+    ),
+    "startup": Bench(
+        "bench_startup.py",
+        "Start-up: one-step run, wall time",
+        "a bare `TorchTrainer(fn).fit()` taking the same one accelerate step on 2 workers, Ray "
+        "already initialised",
+        quick=["--rounds", "1"],
+    ),
+    "loop": Bench(
+        "bench_loop.py",
+        "Training step time (demo model, 2 workers)",
+        "a bare accelerate loop (forward, backward, clip, step) in the same 2 Ray Train workers, "
+        "no callbacks; median steady-state step time from rank 0",
+        full=["--rounds", "3"],  # 2 rounds are too few on a shared 2-core machine
+        quick=["--steps", "40", "--rounds", "1"],
+        target=1.02,
+        target_note="the full set of built-in callbacks + the slow actor callback at "
+        "a step-time ratio of at most 1.02",
+    ),
+    "eval": Bench(
+        "bench_eval.py",
+        "Evaluation on save: whole-run wall time",
+        "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
+        "loop waits, as with HF Trainer's in-loop evaluation)",
+        quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
+    ),
+    "hf_trainer": Bench(
+        "bench_hf_trainer.py",
+        "Against Hugging Face Trainer: tokens/s",
+        "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
+        "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
+        quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
+    ),
+}
+
+
+# ---- running ------------------------------------------------------------------------------
+
+
+def run_one(name: str, quick: bool, workdir: str) -> dict[str, Any]:
+    """Run one benchmark script in a subprocess; returns its JSON report (or an error)."""
+    bench = BENCHES[name]
+    out = os.path.join(workdir, f"{name}.json")
+    log = os.path.join(workdir, f"{name}.log")
+    args = bench.quick if quick else bench.full
+    cmd = [sys.executable, os.path.join(HERE, bench.script), "--json", out, *args]
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    started = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, check=False
+            )
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    seconds = time.perf_counter() - started
+    if code != 0 or not os.path.exists(out):
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        print(f"[{name}] FAILED ({code}) after {seconds:.0f} s; log {log}:\n{tail}", flush=True)
+        return {"error": f"exit {code}; see {log}", "seconds": seconds}
+    with open(out) as f:
+        report = json.load(f)
+    report["seconds"] = seconds
+    report["command"] = " ".join(["python3", f"bench/{bench.script}", *args])
+    report["measured"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"[{name}] done in {seconds:.0f} s", flush=True)
+    return report
+
+
+def normalise(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """Give every report `table`, `ratios`, `baseline` and the registry's title and target."""
+    bench = BENCHES[name]
+    report = dict(report)
+    if "table" not in report and "rows" in report:  # bench_dispatch.py writes rows only
+        report["table"] = _dispatch_table(report["rows"])
+        report.setdefault(
+            "ratios",
+            {r["case"]: r["ratio"] for r in report["rows"] if "reference" not in r["case"]},
+        )
+    if "ratios" not in report and "table" in report:
+        report["ratios"] = _ratios_from_table(report["table"])
+    ratios = report.get("ratios") or {}
+    if "baseline" not in report:
+        report["baseline"] = next((k for k in ratios if "baseline" in k), None)
+    report["title"] = bench.title
+    report["baseline_note"] = bench.baseline
+    report["target"] = bench.target
+    return report
+
+
+def _dispatch_table(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "| case | ns/event | vs direct calls | CPU ns/event | CPU vs direct |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['case']} | {r['ns_per_event']:,.0f} | {r['ratio']:.2f}x "
+            f"| {r['cpu_ns_per_event']:,.0f} | {r['cpu_ratio']:.2f}x |"
+        )
+    return "\n".join(out)
+
+
+def _ratios_from_table(table: str) -> dict[str, float]:
+    """The first column against the column named `ratio...` of a markdown table."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    col = next(i for i, c in enumerate(header) if c.startswith("ratio"))
+    ratios = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        number = re.sub(r"[^0-9.eE+-]", "", cells[col])
+        if number:
+            ratios[cells[0]] = float(number)
+    return ratios
+
+
+# ---- the record -----------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    """The machine, the versions, the commit and the date of this run."""
+    versions = {"python": platform.python_version()}
+    for dist in ("torch", "ray", "accelerate", "transformers", "matplotlib"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = "not installed"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                cpu,
+            )
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "-C", ROOT, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} cores, {cpu}, {platform.system()} {platform.release()}",
+        "versions": versions,
+        "commit": commit,
+    }
+
+
+def write_markdown(results: dict[str, Any], path: str) -> None:
+    v = results["versions"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"{results['date']}, {'quick (smoke) run' if results['quick'] else 'full run'} of "
+        f"`python3 bench/run_all.py`, commit `{results['commit']}`.",
+        "",
+        f"- machine: {results['machine']}",
+        "- versions: " + ", ".join(f"{k} {v[k]}" for k in v),
+        f"- load average (1 min) at start / end: {results['load'][0]:.1f} / "
+        f"{results['load'][1]:.1f} (other work on the machine inflates absolute times; "
+        "compare ratios)",
+        "",
+        "Every figure is a ratio to a baseline measured side by side in the same run "
+        "(configurations alternate, or rotate, in rounds; medians). Plot: [results.png](results.png).",
+        "",
+        "![ratios to baseline](results.png)",
+    ]
+    for name, b in results["benchmarks"].items():
+        lines += ["", f"## {b.get('title', name)}", ""]
+        if "error" in b:
+            lines.append(f"Failed: {b['error']}")
+            continue
+        when = "" if name in results["ran"] else f", from an earlier run ({b.get('measured')})"
+        lines.append(
+            f"Baseline: {b['baseline_note']}. `{b.get('command', BENCHES[name].script)}`, "
+            f"{b['seconds']:.0f} s{when}."
+        )
+        if BENCHES[name].target_note:
+            lines += ["", f"Target: {BENCHES[name].target_note}."]
+        lines += ["", b["table"]]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke run)")
+    parser.add_argument(
+        "--only", help=f"comma-separated benchmarks to run, of: {', '.join(BENCHES)}"
+    )
+    opts = parser.parse_args()
+    names = list(BENCHES)
+    if opts.only:
+        names = [n.strip() for n in opts.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in BENCHES]
+        if unknown:
+            parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
+
+    previous: dict[str, Any] = {}
+    if opts.only and os.path.exists(RESULTS_JSON):
+        with open(RESULTS_JSON) as f:
+            previous = json.load(f).get("benchmarks", {})
+
+    load_start = os.getloadavg()[0]
+    started = time.perf_counter()
+    workdir = tempfile.mkdtemp(prefix="ray_trainer_bench_")
+    print(f"logs and raw reports in {workdir}", flush=True)
+    fresh = {name: run_one(name, opts.quick, workdir) for name in names}
+    total = time.perf_counter() - started
+
+    benchmarks = {}
+    for name in BENCHES:  # registry order, whatever ran this time
+        if name in fresh:
+            report = fresh[name]
+            benchmarks[name] = report if "error" in report else normalise(name, report)
+        elif name in previous:
+            benchmarks[name] = previous[name]
+    results = {
+        **environment(),
+        "quick": opts.quick,
+        "total_seconds": total,
+        "load": [load_start, os.getloadavg()[0]],
+        "ran": names,
+        "benchmarks": benchmarks,
+    }
+    with open(RESULTS_JSON, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    write_markdown(results, RESULTS_MD)
+    sys.path.insert(0, HERE)
+    from plot import draw
+
+    draw(results, RESULTS_PNG)
+    print(f"\nwrote {RESULTS_MD}, {RESULTS_JSON}, {RESULTS_PNG} in {total / 60:.1f} min\n")
+    with open(RESULTS_MD) as f:
+        print(f.read())
+    return 1 if any("error" in fresh[n] for n in fresh) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
