@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 from callbacks import CallbackManager, TrainerControl, TrainingContext
 
-
 _NO_REQUEST = TrainerControl()  # read-only by convention: the loop only reads the flags
 
 
