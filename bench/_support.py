@@ -96,3 +96,25 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     for row in rows:
         out.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
     return "\n".join(out)
+
+
+def init_ray(num_cpus: int) -> None:
+    """An embedded Ray for one benchmark; its workers import bench/ modules via PYTHONPATH."""
+    import ray
+
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}},
+    )
+
+
+def emit(report: dict[str, Any], json_path: str | None) -> dict[str, Any]:
+    """Print a benchmark's machine line and table; write the report as JSON if asked."""
+    print(report["machine"])
+    print(report["table"])
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report

@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _support import machine, table  # noqa: E402
+from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402
 
@@ -134,12 +134,7 @@ def main() -> dict:
     import ray
 
     # 2 CPUs for the training workers, 2 for evaluation tasks.
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": HERE}},
-    )
+    init_ray(num_cpus=4)
     samples: dict[str, list[float]] = {"in_loop": [], "eval_on_save": []}
     evaluations: dict[str, list[int]] = {"in_loop": [], "eval_on_save": []}
     for r in range(opts.rounds):
@@ -182,12 +177,7 @@ def main() -> dict:
             rows, ["configuration", "evaluations", "run wall (s)", "vs in-loop (s)", "ratio"]
         ),
     }
-    print(report["machine"])
-    print(report["table"])
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return emit(report, opts.json)
 
 
 if __name__ == "__main__":

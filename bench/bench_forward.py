@@ -14,7 +14,6 @@ events. Usage: python bench/bench_forward.py [--events 20000] [--per-step 8] [--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _support import machine, table  # noqa: E402
+from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback, TrainingContext  # noqa: E402
 
@@ -91,12 +90,7 @@ def main() -> dict:
     from ray_trainer._actor import NAMESPACE, actor_name, start_actor
     from ray_trainer._placement import pack
 
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": HERE}},
-    )
+    init_ray(num_cpus=2)
     ref = ray.put(pack({"core": [], "user": [Sink()], "global": []}))
     actor, _ = start_actor(ref, "bench", tempfile.mkdtemp(), push_wait_s=0.0)
     batched, single = [], []
@@ -123,12 +117,7 @@ def main() -> dict:
         "per_event_s": single,
         "table": table(rows, ["sending", "rank-0 CPU per event (µs)", "ratio"]),
     }
-    print(report["machine"])
-    print(report["table"])
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return emit(report, opts.json)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _support import LossKeeper, StepTimer, machine, steady_step_seconds, table  # noqa: E402
+from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
 
 NUM_WORKERS = 2
 BATCH_SIZE = 64
@@ -183,12 +183,7 @@ def main() -> dict:
             ],
         ),
     }
-    print(report["machine"])
-    print(report["table"])
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return emit(report, opts.json)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from _support import (  # noqa: E402
     LossKeeper,
     SlowActorCallback,
     StepTimer,
+    emit,
+    init_ray,
     machine,
     steady_step_seconds,
     table,
@@ -148,12 +150,7 @@ def main() -> dict:
 
     import ray
 
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": HERE}},
-    )
+    init_ray(num_cpus=4)
     samples: dict[str, list[float]] = {
         "bare": [],
         "runner": [],
@@ -206,12 +203,7 @@ def main() -> dict:
         "ratios": ratios,
         "table": table(rows, ["configuration", "step (ms)", "ratio"]),
     }
-    print(report["machine"])
-    print(report["table"])
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return emit(report, opts.json)
 
 
 if __name__ == "__main__":

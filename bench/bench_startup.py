@@ -14,7 +14,6 @@ Usage: python bench/bench_startup.py [--rounds 3] [--json OUT]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _support import machine, table  # noqa: E402
+from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402
 
@@ -116,12 +115,7 @@ def main() -> dict:
     opts = parser.parse_args()
     import ray
 
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": HERE}},
-    )
+    init_ray(num_cpus=4)
     samples: dict[str, list[float]] = {"bare": [], "runner": [], "runner_actor": []}
     for r in range(opts.rounds):
         samples["bare"].append(time_bare())
@@ -151,12 +145,7 @@ def main() -> dict:
         "samples_s": samples,
         "table": table(rows, ["configuration", "wall (s)", "vs bare (s)", "ratio"]),
     }
-    print(report["machine"])
-    print(report["table"])
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return emit(report, opts.json)
 
 
 if __name__ == "__main__":
