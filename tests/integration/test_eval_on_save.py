@@ -7,10 +7,9 @@ import os
 from rt_support import (
     AllRanksRecorder,
     SlowSteps,
-    TinyDataset,
-    TinyRegressor,
     read_records,
     slow_eval,
+    tiny_run,
 )
 
 from callbacks import EvalOnSave
@@ -21,19 +20,17 @@ def test_one_evaluation_per_save_in_step_order_without_waiting(ray_session, tmp_
 
     folder = str(tmp_path / "records")
     result = run_training(
-        model=TinyRegressor,
-        data=TinyDataset,
-        batch_size=8,
-        num_workers=2,
-        max_steps=15,
-        save_every_steps=5,
-        storage_path=str(tmp_path / "storage"),
-        run_name="eval-on-save",
-        callbacks=[
-            AllRanksRecorder(folder),
-            SlowSteps(0.05),
-            EvalOnSave(slow_eval, num_gpus=0, num_cpus=1),
-        ],
+        **tiny_run(
+            tmp_path,
+            max_steps=15,
+            save_every_steps=5,
+            run_name="eval-on-save",
+            callbacks=[
+                AllRanksRecorder(folder),
+                SlowSteps(0.05),
+                EvalOnSave(slow_eval, num_gpus=0, num_cpus=1),
+            ],
+        )
     )
     assert [e["step"] for e in result.evaluations] == [5, 10, 15]
     for e in result.evaluations:
@@ -59,20 +56,18 @@ def test_early_stopping_on_an_eval_on_save_metric_stops_the_run(ray_session, tmp
     from ray_trainer import run_training
 
     result = run_training(
-        model=TinyRegressor,
-        data=TinyDataset,
-        batch_size=8,
-        num_workers=2,
-        max_steps=200,
-        save_every_steps=4,
-        storage_path=str(tmp_path / "storage"),
-        run_name="early-stop",
-        callbacks=[
-            SlowSteps(0.05),
-            EvalOnSave(constant_score_eval, num_gpus=0, num_cpus=1),
-            # The score never improves after the first evaluation: stop after 2 more.
-            EarlyStopping("score", mode="max", patience=2),
-        ],
+        **tiny_run(
+            tmp_path,
+            max_steps=200,
+            save_every_steps=4,
+            run_name="early-stop",
+            callbacks=[
+                SlowSteps(0.05),
+                EvalOnSave(constant_score_eval, num_gpus=0, num_cpus=1),
+                # The score never improves after the first evaluation: stop after 2 more.
+                EarlyStopping("score", mode="max", patience=2),
+            ],
+        )
     )
     assert result.stopped_early
     assert "EarlyStopping" in result.stop_reason
