@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any
 
-__all__ = ["as_float", "json_safe", "resolve_stream", "run_dir_of", "stream_state"]
+__all__ = ["as_float", "json_safe", "resolve_stream", "run_dir_of", "stream_state", "throughput_of"]
 
 
 def run_dir_of(context: Any) -> str | None:
@@ -24,6 +24,13 @@ def run_dir_of(context: Any) -> str | None:
     if not storage or not name:
         return None
     return os.path.join(os.path.expanduser(str(storage)), str(name))
+
+
+def throughput_of(context: Any) -> Any:
+    """Tokens/s of the step: `context.throughput`, else the `tokens_per_s` of `batch_metrics`."""
+    if context.throughput is not None:
+        return context.throughput
+    return (context.batch_metrics or {}).get("tokens_per_s")
 
 
 def as_float(value: Any) -> float | None:

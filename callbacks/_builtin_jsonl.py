@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from callbacks._builtin_common import as_float, json_safe, run_dir_of
+from callbacks._builtin_common import as_float, json_safe, run_dir_of, throughput_of
 from callbacks._callback import TrainerCallback
 
 __all__ = ["JsonlLogger"]
@@ -90,10 +90,7 @@ class JsonlLogger(TrainerCallback):
 
     @staticmethod
     def _record(context: Any, event: str) -> dict[str, Any]:
-        batch = context.batch_metrics or {}
-        throughput = context.throughput
-        if throughput is None:
-            throughput = batch.get("tokens_per_s")
+        throughput = throughput_of(context)
         return {
             "event": event,
             "step": context.global_step,

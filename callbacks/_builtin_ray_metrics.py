@@ -7,7 +7,7 @@ import re
 import time
 from typing import Any
 
-from callbacks._builtin_common import as_float
+from callbacks._builtin_common import as_float, throughput_of
 from callbacks._callback import TrainerCallback
 
 __all__ = ["RayMetrics"]
@@ -118,9 +118,7 @@ class RayMetrics(TrainerCallback):
 
     def on_log(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor at each log: sets the training gauges."""
-        throughput = context.throughput
-        if throughput is None:
-            throughput = (context.batch_metrics or {}).get("tokens_per_s")
+        throughput = throughput_of(context)
         values = {
             "step": context.global_step,
             "loss": context.loss,

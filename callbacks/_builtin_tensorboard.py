@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Any
 
-from callbacks._builtin_common import as_float, run_dir_of
+from callbacks._builtin_common import as_float, run_dir_of, throughput_of
 from callbacks._callback import TrainerCallback
 
 __all__ = ["TensorBoardLogger"]
@@ -75,9 +75,7 @@ class TensorBoardLogger(TrainerCallback):
 
     def on_log(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor at each log: writes the ``train/*`` scalars."""
-        throughput = context.throughput
-        if throughput is None:
-            throughput = (context.batch_metrics or {}).get("tokens_per_s")
+        throughput = throughput_of(context)
         scalars = {
             "train/loss": context.loss,
             "train/learning_rate": context.learning_rate,

@@ -18,12 +18,6 @@ from callbacks import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_globals():
-    yield
-    assert global_callbacks() == [], "a test left a global callback registered"
-
-
 class Saver(TrainerCallback):
     def __init__(self, value=0):
         self.value = value

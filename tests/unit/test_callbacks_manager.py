@@ -14,15 +14,8 @@ from callbacks import (
     TrainerCallback,
     TrainerControl,
     TrainingContext,
-    global_callbacks,
     register_global_callback,
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_globals():
-    yield
-    assert global_callbacks() == [], "a test left a global callback registered"
 
 
 def make_manager(*callbacks, **kwargs):
