@@ -1,14 +1,25 @@
-"""Rank-0 cost per event forwarded to the callback actor: batched vs one actor call per event.
+"""Rank-0 cost of forwarding events to the callback actor: batched vs one actor call per event.
 
-Measured in one run, in the driver process (the role of rank 0), as CPU time of the sending
-process per event (`time.process_time`), so that the actor's own work does not count:
+Measured in one run, in the driver process (the role of rank 0), against the same real
+`CallbackActor` running an actor-side callback subscribed to the events. Steps are paced as in
+training: the step's events, then the step's poll, then `--step-ms` of sleep standing for the
+step's compute, so the time window batches as it would in a run (a tight loop without pacing
+would fill every batch and flatter the batched figure). Two loads:
 
-* batched: `EventForwarder.push` for every event (to_wire + append; one `.remote()` call per
-  batch of up to 64 events or per 20 ms) and a `poll_control()` per step, as the loop does;
-* per event: one fire-and-forget `actor.push.remote()` per event (the naive design).
+* light: 2 events per step (`on_step_end` and one more), what a logger or a progress bar asks;
+* heavy: 48 events per step (a callback on the per-micro-batch events, 8 micro-batches).
 
-Both send to the same real `CallbackActor` running an actor-side callback subscribed to the
-events. Usage: python bench/bench_forward.py [--events 20000] [--per-step 8] [--json OUT]
+Two ways of sending:
+
+* batched: `EventForwarder.push` per event (to_wire + append; one `.remote()` call per batch of
+  up to 256 events or per 250 ms) and `poll_control()` once per step, as the loop does;
+* per event: one fire-and-forget `actor.push.remote()` per event (the naive design; baseline).
+
+Figures: CPU per event of the loop's thread (`time.thread_time`: what the loop pays inline) and of
+the whole sending process (`time.process_time`: Ray's own threads too; the actor's work is in
+another process), and the process's CPU as a share of one core over the paced run.
+
+Usage: python bench/bench_forward.py [--events 4000] [--step-ms 50] [--rounds 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback, TrainingContext  # noqa: E402
 
+LOADS = {"light": 2, "heavy": 48}  # events per step
+
 
 class Sink(TrainerCallback):
     """Actor-side: subscribes to the forwarded events and does nothing."""
@@ -41,7 +54,25 @@ class Sink(TrainerCallback):
         pass
 
 
-def bench_batched(actor_name: str, namespace: str, n: int, per_step: int) -> float:
+class Meter:
+    """Thread CPU, process CPU and wall time over a paced run."""
+
+    def __enter__(self) -> Meter:
+        self.thread, self.process = time.thread_time(), time.process_time()
+        self.wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.thread = time.thread_time() - self.thread
+        self.process = time.process_time() - self.process
+        self.wall = time.perf_counter() - self.wall
+
+
+def _event(i: int, per_step: int) -> str:
+    return "on_step_end" if i % per_step == 0 else "on_before_forward"
+
+
+def bench_batched(actor_name: str, namespace: str, n: int, per_step: int, step_s: float) -> Meter:
     from ray_trainer._forward import EventForwarder
 
     fwd = EventForwarder(
@@ -51,37 +82,38 @@ def bench_batched(actor_name: str, namespace: str, n: int, per_step: int) -> flo
         namespace=namespace,
     )
     ctx = TrainingContext(global_step=0, loss=1.0, run_name="bench", args={"lr": 1e-3})
-    start = time.process_time()
-    for i in range(n):
-        ctx.global_step = i // per_step
-        fwd.push("on_before_forward" if i % per_step else "on_step_end", ctx, {})
-        if i % per_step == per_step - 1:
-            fwd.poll_control()  # what the loop does at each step boundary
-    used = time.process_time() - start
+    with Meter() as meter:
+        for i in range(n):
+            ctx.global_step = i // per_step
+            fwd.push(_event(i, per_step), ctx, {})
+            if i % per_step == per_step - 1:
+                fwd.poll_control()  # what the loop does once per step
+                time.sleep(step_s)  # the step's compute
     fwd.close(timeout=120)
     assert fwd.undelivered == 0
-    return used / n
+    return meter
 
 
-def bench_per_event(actor, n: int) -> float:
+def bench_per_event(actor, n: int, per_step: int, step_s: float) -> Meter:
     import ray
 
     ctx = TrainingContext(global_step=0, loss=1.0, run_name="bench", args={"lr": 1e-3})
     refs = []
-    start = time.process_time()
-    for i in range(n):
-        ctx.global_step = i
-        refs.append(actor.push.remote(1, i + 1, [("on_step_end", ctx.to_wire(), {})]))
-    used = time.process_time() - start
+    with Meter() as meter:
+        for i in range(n):
+            ctx.global_step = i // per_step
+            refs.append(actor.push.remote(1, i + 1, [(_event(i, per_step), ctx.to_wire(), {})]))
+            if i % per_step == per_step - 1:
+                time.sleep(step_s)
     ray.get(refs)
-    return used / n
+    return meter
 
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--events", type=int, default=20_000)
-    parser.add_argument("--per-step", type=int, default=8, help="events per simulated step")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--events", type=int, default=4_000, help="events per heavy run")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="simulated step compute")
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
@@ -92,30 +124,70 @@ def main() -> dict:
 
     init_ray(num_cpus=2)
     ref = ray.put(pack({"core": [], "user": [Sink()], "global": []}))
-    actor, _ = start_actor(ref, "bench", tempfile.mkdtemp(), push_wait_s=0.0)
-    batched, single = [], []
+    actor, ready = start_actor(ref, "bench", tempfile.mkdtemp(), push_wait_s=0.0)
+    ray.get(ready)
+    step_s = opts.step_ms / 1e3
+    samples: dict[str, list[Meter]] = {}
+    counts: dict[str, int] = {}
     for _ in range(opts.rounds):
-        batched.append(bench_batched(actor_name("bench"), NAMESPACE, opts.events, opts.per_step))
-        single.append(bench_per_event(actor, max(2_000, opts.events // 10)))
+        for load, per_step in LOADS.items():
+            n = opts.events if load == "heavy" else max(per_step, opts.events // 20)
+            counts[load] = n
+            samples.setdefault(f"{load}/batched", []).append(
+                bench_batched(actor_name("bench"), NAMESPACE, n, per_step, step_s)
+            )
+            samples.setdefault(f"{load}/per_event", []).append(
+                bench_per_event(actor, n, per_step, step_s)
+            )
     ray.shutdown()
-    b, s = statistics.median(batched), statistics.median(single)
-    rows = [
-        {
-            "sending": "one actor call per event (baseline)",
-            "rank-0 CPU per event (µs)": f"{s * 1e6:.1f}",
-            "ratio": "1.00",
-        },
-        {
-            "sending": f"batched EventForwarder ({opts.per_step} events/step)",
-            "rank-0 CPU per event (µs)": f"{b * 1e6:.1f}",
-            "ratio": f"{b / s:.3f}",
-        },
-    ]
+
+    def per_event(key: str, field: str) -> float:
+        load = key.split("/")[0]
+        return statistics.median(getattr(m, field) for m in samples[key]) / counts[load]
+
+    def core_share(key: str) -> float:
+        return statistics.median(m.process / m.wall for m in samples[key])
+
+    rows, ratios = [], {}
+    for load, per_step in LOADS.items():
+        base = per_event(f"{load}/per_event", "process")
+        for how, label in (
+            ("per_event", "one actor call per event (baseline)"),
+            ("batched", "batched EventForwarder"),
+        ):
+            key = f"{load}/{how}"
+            name = f"{label}, {per_step} events per {opts.step_ms:g} ms step"
+            ratio = per_event(key, "process") / base
+            ratios[name] = ratio
+            rows.append(
+                {
+                    "sending": name,
+                    "loop thread CPU per event (µs)": f"{per_event(key, 'thread') * 1e6:.1f}",
+                    "process CPU per event (µs)": f"{per_event(key, 'process') * 1e6:.1f}",
+                    "ratio": f"{ratio:.3f}",
+                    "process CPU, share of a core": f"{core_share(key) * 100:.2f}%",
+                }
+            )
     report = {
         "machine": machine(),
-        "batched_s": batched,
-        "per_event_s": single,
-        "table": table(rows, ["sending", "rank-0 CPU per event (µs)", "ratio"]),
+        "step_ms": opts.step_ms,
+        "events": counts,
+        "samples": {
+            k: [{"thread": m.thread, "process": m.process, "wall": m.wall} for m in v]
+            for k, v in samples.items()
+        },
+        "baseline": "one actor call per event (baseline)",
+        "ratios": ratios,
+        "table": table(
+            rows,
+            [
+                "sending",
+                "loop thread CPU per event (µs)",
+                "process CPU per event (µs)",
+                "ratio",
+                "process CPU, share of a core",
+            ],
+        ),
     }
     return emit(report, opts.json)
 

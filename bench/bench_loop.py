@@ -1,29 +1,49 @@
-"""Step time of the runner's loop against a bare accelerate loop, in one run.
+"""Step time of the runner's loop against a bare accelerate loop, interleaved in short blocks.
 
-Four configurations, each a real 2-worker Ray Train run (gloo DDP, accelerate) on the demo
-model and data, timed from inside rank 0 over the steady-state steps:
+One Ray Train run of 2 workers (gloo DDP, accelerate) on the demo model and data. Each worker
+holds one model, optimizer and data stream per configuration, and takes `--block` optimizer
+steps of each in turn, in a new random order every round: every configuration sees the same
+processes and the same minutes of the machine's load, so slow drift and noisy neighbours cancel
+out of the ratios (whole runs of the same loop, minutes apart, differ by up to 10% here). The
+first step of each block is not counted: it absorbs what the previous configuration left running
+(its callback actor's work, say); the configuration's own asynchronous work lands in its own
+block, as it would in a run of its own.
 
-* bare: a plain accelerate loop (prepare, forward, backward, clip, step), no callbacks;
-* runner: `run_training` with three worker-side callbacks (a step timer, a grad-norm watcher on
-  all ranks, a loss keeper on rank 0);
-* runner + slow actor callback: the same plus an actor-side callback that sleeps 0.1 s on every
-  step end (forwarded to the callback actor; the loop must not wait for it);
-* runner + built-ins + slow actor callback: `run_training` with the step timer, the full set of
-  built-in callbacks (ProgressBar, JsonlLogger, RayMetrics, EarlyStopping on val_loss,
-  DivergenceDetector, all on the callback actor) and the slow actor-side callback. The issue's
-  target: at most 1.02 x bare. No evaluation runs in the timed steps, so EarlyStopping is
-  registered but receives no `on_evaluate`.
+Configurations:
 
-The configurations run in rounds, each round in a rotated order, and the median of each is
-reported, with the ratio to bare.
-Usage: python bench/bench_loop.py [--steps 150] [--rounds 2] [--json OUT]
+* bare: a plain accelerate loop (prepare, forward, backward, clip, optimizer and scheduler
+  step), no callbacks: what
+  users write without this runner. The baseline.
+* bare, again: a second, identical bare loop. Its ratio is the noise floor of the method.
+* runner, no callbacks: the runner's own step (`_train_step` + `_after_boundary` from
+  `ray_trainer/_loop.py`: hooks, the per-step agreement all-reduce, on_log every 50 steps),
+  built by the loop's own `_setup` from a `RunSpec` that `prepare_launch` made, as in
+  `run_training`.
+* runner + 3 worker-side callbacks: a step timer (rank 0), a grad-norm watcher (all ranks),
+  a loss keeper (rank 0, on_log).
+* ... + a slow actor-side callback: the same plus a callback on the callback actor that sleeps
+  0.5 s on every step end, slower than the steps arrive, so the actor falls behind and the
+  forwarding policy sheds events.
+* runner + all built-in callbacks + the slow actor callback: ProgressBar, JsonlLogger,
+  RayMetrics, EarlyStopping, DivergenceDetector and TensorBoardLogger (when tensorboard is
+  installed), all on the callback actor, plus the slow callback.
+
+Timing: rank 0 times each step with `perf_counter` (fetching the batch included), and its
+process CPU time. The first `--warmup` counted steps of each configuration are dropped; each configuration's figure is the mean of its steps without the
+slowest 10% (hiccups of the shared machine), and the ratio is that figure over bare's. The
+spread column gives the lowest and highest ratio over four consecutive quarters of the rounds.
+
+Usage: python bench/bench_loop.py [--rounds 150] [--block 8] [--warmup 14] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import random
 import statistics
 import sys
 import tempfile
@@ -40,170 +60,301 @@ from _support import (  # noqa: E402
     emit,
     init_ray,
     machine,
-    steady_step_seconds,
     table,
 )
 
+BARE = ("bare", "bare_again")
+LABELS = {
+    "bare": "bare accelerate loop, no callbacks (baseline)",
+    "bare_again": "bare accelerate loop again (noise floor)",
+    "runner": "runner loop, no callbacks",
+    "runner_cb": "runner + 3 worker-side callbacks",
+    "runner_cb_slow": "runner + 3 worker-side callbacks + slow actor callback (0.5 s/event)",
+    "runner_full": "runner + all built-in callbacks + slow actor callback",
+}
+TRIM = 0.10  # the slowest share of each configuration's steps left out of its mean
 
-def bare_loop(config: dict) -> None:
-    """A plain accelerate loop in a Ray Train worker: what users write without this runner."""
+
+def _forever(loader):
+    """Batches without end: a new pass over the loader whenever one ends."""
+    while True:
+        yield from loader
+
+
+class BareLoop:
+    """A plain accelerate training loop, one step per call."""
+
+    def __init__(self, accelerator, seed: int, batch_size: int) -> None:
+        import ray.train
+        import torch
+        from accelerate.utils import set_seed
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        from ray_trainer._demo import build_demo
+
+        ctx = ray.train.get_context()
+        set_seed(seed)
+        demo = build_demo()
+        sampler = DistributedSampler(
+            demo.train_dataset,
+            num_replicas=ctx.get_world_size(),
+            rank=ctx.get_world_rank(),
+            seed=seed,
+        )
+        loader = DataLoader(demo.train_dataset, batch_size=batch_size, sampler=sampler)
+        model = demo.model_factory()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        self.acc = accelerator
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.batches = _forever(loader)
+        self.steps = 0
+
+    def step(self) -> None:
+        batch = next(self.batches)
+        loss = self.model(**batch).loss
+        self.acc.backward(loss)
+        self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.steps % 50 == 0:
+            self.acc.reduce(loss.detach(), reduction="mean").item()  # log the mean loss
+
+
+class RunnerLoop:
+    """The runner's loop for one run spec, one optimizer step per call."""
+
+    def __init__(self, spec) -> None:
+        from ray_trainer import _loop
+
+        self.loop = _loop
+        self.s = _loop._setup(spec)
+        self.s.hooks.fire("on_init_end")
+        self.s.hooks.fire("on_train_begin")
+        self.batches = _forever(self.s.loader)
+
+    def step(self) -> None:
+        micro = [next(self.batches) for _ in range(self.s.args.grad_accum_steps)]
+        control = self.loop._train_step(self.s, micro)
+        self.loop._after_boundary(self.s, control)
+
+    def end(self) -> None:
+        self.s.hooks.fire("on_train_end")
+        self.s.hooks.close(timeout=self.s.args.callback_timeout_s)
+
+
+def interleaved(config: dict) -> None:
+    """Ray Train worker: build every configuration, then step them in rotating order."""
     import ray.train
-    import torch
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader, DistributedSampler
 
-    from ray_trainer._demo import build_demo
-
-    ctx = ray.train.get_context()
+    rank = ray.train.get_context().get_world_rank()
+    loops = {name: RunnerLoop(spec) for name, spec in config["specs"].items()}
     accelerator = Accelerator(cpu=True)
-    set_seed(42)
-    demo = build_demo()
-    model = demo.model_factory()
-    sampler = DistributedSampler(
-        demo.train_dataset, num_replicas=ctx.get_world_size(), rank=ctx.get_world_rank(), seed=42
-    )
-    loader = DataLoader(demo.train_dataset, batch_size=config["batch_size"], sampler=sampler)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    times = []
-    batches = iter(loader)
-    for step in range(config["steps"]):
-        times.append(time.perf_counter())
-        batch = next(batches)
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0:
-            accelerator.reduce(loss.detach(), reduction="mean").item()  # log the mean loss
-    if ctx.get_world_rank() == 0:
+    loops.update({name: BareLoop(accelerator, 42, config["batch_size"]) for name in BARE})
+    names = sorted(loops)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    order = random.Random(7)  # the same sequence on every rank: the collectives must match
+    profiler = cProfile.Profile() if rank == 0 and config["profile"] else None
+    for _ in range(config["rounds"]):
+        for name in order.sample(names, len(names)):
+            profiling = profiler is not None and name == config["profile"]
+            for i in range(config["block"]):
+                started, cpu_started = time.perf_counter(), time.process_time()
+                if profiling:
+                    profiler.runcall(loops[name].step)
+                else:
+                    loops[name].step()
+                if i > 0:  # the first step of a block absorbs the previous block's leftovers
+                    times[name].append(time.perf_counter() - started)
+                    cpu[name].append(time.process_time() - cpu_started)
+    for loop in loops.values():
+        if isinstance(loop, RunnerLoop):
+            loop.end()
+    if profiler is not None:
+        profiler.dump_stats(config["out"] + ".prof")
+    if rank == 0:
         with open(config["out"], "w") as f:
-            json.dump(times, f)
+            json.dump({"wall": times, "cpu": cpu}, f)
 
 
-def run_bare(steps: int, out: str) -> float:
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+def _configs(tmp: str) -> dict[str, list]:
+    from callbacks import (
+        DivergenceDetector,
+        EarlyStopping,
+        JsonlLogger,
+        ProgressBar,
+        RayMetrics,
+        TensorBoardLogger,
+    )
+    from callbacks._builtin_tensorboard import find_backend
 
-    TorchTrainer(
-        bare_loop,
-        train_loop_config={"steps": steps, "batch_size": 64, "out": out},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp(), name="bare"),
-    ).fit()
-    with open(out) as f:
-        return steady_step_seconds(json.load(f), skip=10)
+    def worker_side():
+        return [StepTimer(os.path.join(tmp, "steps.json")), GradNormWatcher(), LossKeeper()]
 
-
-def run_runner(steps: int, out: str, slow_actor: bool) -> float:
-    callbacks = [StepTimer(out), GradNormWatcher(), LossKeeper()]
-    if slow_actor:
-        callbacks.append(SlowActorCallback(0.1))
-    return _run(steps, out, callbacks)
-
-
-def run_full(steps: int, out: str) -> float:
-    """The step timer, every built-in callback (all actor-side) and the slow actor callback."""
-    from callbacks import DivergenceDetector, EarlyStopping, JsonlLogger, ProgressBar, RayMetrics
-
-    callbacks = [
-        StepTimer(out),
+    builtins = [
         ProgressBar(),
         JsonlLogger(),
         RayMetrics(),
         EarlyStopping("val_loss"),
         DivergenceDetector(),
-        SlowActorCallback(0.1),
     ]
-    return _run(steps, out, callbacks)
+    if find_backend() is not None:
+        builtins.append(TensorBoardLogger())
+    return {
+        "runner": [],
+        "runner_cb": worker_side(),
+        "runner_cb_slow": [*worker_side(), SlowActorCallback(0.5)],
+        "runner_full": [*builtins, SlowActorCallback(0.5)],
+    }
 
 
-def _run(steps: int, out: str, callbacks: list) -> float:
-    from ray_trainer import run_training
-
-    run_training(
-        max_steps=steps,
-        batch_size=64,
-        learning_rate=2e-3,
-        lr_schedule="constant",
-        num_workers=2,
-        log_every_steps=50,
-        save_at_end=False,
-        storage_path=tempfile.mkdtemp(),
-        callback_timeout_s=1.0,  # do not wait for the slow callback's backlog at the end
-        callbacks=callbacks,
-    )
-    with open(out) as f:
-        return steady_step_seconds(json.load(f), skip=10)
+def trimmed_mean(values: list[float]) -> float:
+    kept = sorted(values)[: max(1, int(len(values) * (1 - TRIM)))]
+    return sum(kept) / len(kept)
 
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=14, help="measured steps to drop")
+    parser.add_argument("--profile", default=None, choices=list(LABELS), help="cProfile one")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
     import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_trainer import TrainingArgs
+    from ray_trainer._launch import _check_storage, _finish_actor, collect_callbacks, prepare_launch
 
     init_ray(num_cpus=4)
-    samples: dict[str, list[float]] = {
-        "bare": [],
-        "runner": [],
-        "runner_slow_actor": [],
-        "runner_full": [],
-    }
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {
-            "bare": lambda out: run_bare(opts.steps, out),
-            "runner": lambda out: run_runner(opts.steps, out, slow_actor=False),
-            "runner_slow_actor": lambda out: run_runner(opts.steps, out, slow_actor=True),
-            "runner_full": lambda out: run_full(opts.steps, out),
-        }
-        keys = list(runs)
-        for r in range(opts.rounds):
-            out = os.path.join(tmp, f"times-{r}.json")
-            # Each round starts with a different configuration: none always follows another
-            # run's teardown, or always runs at the same point of the machine's load.
-            for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
-                samples[key].append(runs[key](out))
-            print(
-                f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in samples.items())
+        launches = {}
+        for name, callbacks in _configs(tmp).items():
+            args = TrainingArgs(
+                max_steps=10**9,  # never reached: the benchmark decides how many steps
+                batch_size=64,
+                learning_rate=2e-3,
+                lr_schedule="constant",
+                num_workers=2,
+                log_every_steps=50,
+                save_at_end=False,
+                storage_path=os.path.join(tmp, "runs"),
+                run_name=f"bench-loop-{name}",
+                callback_timeout_s=1.0,  # do not wait for the slow callback's backlog at the end
+                callbacks=callbacks,
             )
+            launches[name] = (
+                args,
+                prepare_launch(args, collect_callbacks(args), _check_storage(args)),
+            )
+        out = os.path.join(tmp, "times.json")
+        TorchTrainer(
+            interleaved,
+            train_loop_config={
+                "specs": {name: launch.spec for name, (_, launch) in launches.items()},
+                "rounds": opts.rounds,
+                "block": opts.block,
+                "profile": opts.profile,
+                "batch_size": 64,
+                "out": out,
+            },
+            scaling_config=ScalingConfig(num_workers=2),
+            run_config=RunConfig(storage_path=os.path.join(tmp, "ray"), name="interleaved"),
+        ).fit()
+        for args, launch in launches.values():
+            _finish_actor(launch.actor, launch.actor_ready, args, None)
+        with open(out) as f:
+            measured = json.load(f)
+        if opts.profile:
+            stats = pstats.Stats(out + ".prof").sort_stats("tottime")
+            stats.print_stats(45)
+            stats.print_callers("find_spec|_handle_fromlist|_find_and_load")
     ray.shutdown()
-    base = statistics.median(samples["bare"])
-    rows = []
-    labels = {
-        "bare": "bare accelerate loop, no callbacks (baseline)",
-        "runner": "run_training + 3 worker-side callbacks",
-        "runner_slow_actor": "... + actor-side callback sleeping 0.1 s per step",
-        "runner_full": "run_training + step timer + all built-in callbacks + the slow actor callback",
-    }
-    ratios = {}
-    for key, values in samples.items():
-        med = statistics.median(values)
-        ratios[labels[key]] = med / base
+    report = summarize(
+        {k: v[opts.warmup :] for k, v in measured["wall"].items()},
+        {k: v[opts.warmup :] for k, v in measured["cpu"].items()},
+    )
+    report.update(
+        machine=machine(),
+        rounds=opts.rounds,
+        warmup=opts.warmup,
+        wall_s=time.perf_counter() - started,
+    )
+    return emit(report, opts.json)
+
+
+def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict:
+    base = trimmed_mean(times["bare"])
+    n = len(times["bare"])
+    quarters = [slice(i * n // 4, (i + 1) * n // 4) for i in range(4)]
+    rows, ratios, spreads = [], {}, {}
+    for key, label in LABELS.items():
+        ratio = trimmed_mean(times[key]) / base
+        parts = [trimmed_mean(times[key][q]) / trimmed_mean(times["bare"][q]) for q in quarters]
+        ratios[label], spreads[label] = ratio, (min(parts), max(parts))
         rows.append(
             {
-                "configuration": labels[key],
-                "step (ms)": f"{med * 1e3:.1f}",
-                "ratio": f"{med / base:.3f}",
+                "configuration": label,
+                "step (ms)": f"{trimmed_mean(times[key]) * 1e3:.1f}",
+                "median (ms)": f"{statistics.median(times[key]) * 1e3:.1f}",
+                "ratio": f"{ratio:.3f}",
+                "spread over quarters": f"{min(parts):.3f}-{max(parts):.3f}",
+                "rank-0 CPU (ms)": f"{statistics.mean(cpu[key]) * 1e3:.1f}",
             }
         )
-    report = {
-        "machine": machine(),
-        "steps": opts.steps,
-        "rounds": opts.rounds,
-        "samples_s": samples,
-        "baseline": labels["bare"],
-        "ratios": ratios,
-        "table": table(rows, ["configuration", "step (ms)", "ratio"]),
+
+    def vs(key: str, base_key: str) -> tuple[float, float, float]:
+        parts = [trimmed_mean(times[key][q]) / trimmed_mean(times[base_key][q]) for q in quarters]
+        return trimmed_mean(times[key]) / trimmed_mean(times[base_key]), min(parts), max(parts)
+
+    comparisons = {
+        "runner + 3 worker-side callbacks vs the bare accelerate loop (issue 3)": vs(
+            "runner_cb", "bare"
+        ),
+        "slow actor-side callback vs none, same worker-side callbacks (issue 4)": vs(
+            "runner_cb_slow", "runner_cb"
+        ),
+        "all built-ins + slow actor callback vs the runner with no callbacks (issue 6)": vs(
+            "runner_full", "runner"
+        ),
+        "all built-ins + slow actor callback vs the bare accelerate loop": vs(
+            "runner_full", "bare"
+        ),
+        "noise floor: the bare loop against itself": vs("bare_again", "bare"),
     }
-    return emit(report, opts.json)
+    compared = table(
+        [
+            {"comparison": k, "ratio": f"{r:.3f}", "spread over quarters": f"{lo:.3f}-{hi:.3f}"}
+            for k, (r, lo, hi) in comparisons.items()
+        ],
+        ["comparison", "ratio", "spread over quarters"],
+    )
+    columns = [
+        "configuration",
+        "step (ms)",
+        "median (ms)",
+        "ratio",
+        "spread over quarters",
+        "rank-0 CPU (ms)",
+    ]
+    return {
+        "steps_per_configuration": n,
+        "samples_s": times,
+        "cpu_s": cpu,
+        "baseline": LABELS["bare"],
+        "ratios": ratios,
+        "spreads": spreads,
+        "comparisons": {k: v[0] for k, v in comparisons.items()},
+        "table": table(rows, columns) + "\n\nThe comparisons the issues name:\n\n" + compared,
+    }
 
 
 if __name__ == "__main__":

@@ -17,20 +17,22 @@ class TrainerControl:
 
     A hook requests by setting flags on ``context.control`` or by returning a
     ``TrainerControl``. The runner ORs the requests of every callback (``merge``) and applies
-    them on every rank at the same step boundary.
+    them on every rank at the same step boundary: the boundary of the current step for
+    requests made before its last backward (``on_step_begin`` to ``on_before_backward``), the
+    next one for requests made later (``on_step_end``, ``on_log``, ...).
 
     Args:
-        should_training_stop: stop after this step (a final checkpoint is saved).
-        should_save: save a checkpoint at this step boundary.
-        should_evaluate: evaluate at this step boundary.
-        should_log: log at this step boundary.
+        should_training_stop: stop at that boundary (a final checkpoint is saved).
+        should_save: save a checkpoint at that boundary.
+        should_evaluate: evaluate at that boundary.
+        should_log: log at that boundary.
         stop_reason: why the stop was requested; set by ``merge`` to the requesting
             callback's name when the request does not carry one.
 
     Example:
         >>> class StopAt100(TrainerCallback):
-        ...     def on_step_end(self, context):
-        ...         if context.global_step >= 100:
+        ...     def on_step_begin(self, context):  # global_step counts the finished steps
+        ...         if context.global_step + 1 >= 100:  # step 100 begins: it is the last
         ...             return TrainerControl(should_training_stop=True, stop_reason="step 100")
     """
 

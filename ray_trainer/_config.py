@@ -93,8 +93,8 @@ class TrainingArgs(BaseModel):
     callback_timeout_s: float = Field(60.0, gt=0)
     eval_timeout_s: float = Field(600.0, gt=0)
     actor_queue_size: int = Field(10_000, gt=0)
-    event_batch_size: int = Field(64, gt=0)
-    event_flush_interval_s: float = Field(0.02, gt=0)
+    event_batch_size: int = Field(256, gt=0)
+    event_flush_interval_s: float = Field(0.25, gt=0)
     event_max_in_flight: int = Field(4, gt=0)
 
     # Cluster and faults.

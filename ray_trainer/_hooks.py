@@ -5,8 +5,9 @@ Runs in every training worker (one Ray Train worker process per rank). Worker-si
 context. On rank 0, events that an actor-side callback subscribes to are handed to a forwarder,
 which batches them to the callback actor without waiting (see ``_forward.py``).
 
-Control requests made by any callback accumulate in ``pending`` until the next step boundary,
-where the loop agrees them across ranks.
+Control requests made by any callback accumulate in ``pending`` until the loop starts a step's
+all-reduce (just before the last micro-batch's backward), which agrees them across ranks for
+that step's boundary.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Hooks:
             self.forwarder.push(event, ctx, kwargs)
 
     def take_pending(self) -> TrainerControl:
-        """The requests made since the last boundary (local and from the actor); resets them."""
+        """The requests made since the last call (local and from the actor); resets them."""
         if self.forwarder is not None:
             remote = self.forwarder.poll_control()
             if remote is not None and remote.any:

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from callbacks import (
@@ -190,12 +191,22 @@ def check_resources(args: TrainingArgs) -> None:
     )
 
 
-def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResult:
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+@dataclass
+class Launch:
+    """What a run hands its workers (`spec`), and its callback actor if it has one."""
 
-    from ray_trainer._loop import RunSpec, train_loop_per_worker
+    spec: Any  # ray_trainer._loop.RunSpec
+    files: RunFiles
+    actor: Any = None
+    actor_ready: Any = None
+
+
+def prepare_launch(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> Launch:
+    """Record the run, put the callbacks in the object store, start the callback actor if some
+    callback runs there. Ray is initialised; no worker exists yet."""
+    import ray
+
+    from ray_trainer._loop import RunSpec
 
     launch_id = secrets.token_hex(4)
     files = RunFiles(run_dir, launch_id)
@@ -208,10 +219,10 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     spec = RunSpec(
         args=worker_args, callbacks_ref=callbacks_ref, run_dir=run_dir, launch_id=launch_id
     )
-    actor = actor_ready = None
+    launch = Launch(spec=spec, files=files)
     actor_events = subscribed_events(lists, keep_for_actor)
     if actor_events:
-        actor, actor_ready = start_actor(
+        launch.actor, launch.actor_ready = start_actor(
             callbacks_ref,
             args.run_name,
             run_dir,
@@ -222,6 +233,17 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
         spec.actor_name, spec.actor_namespace = actor_name(args.run_name), NAMESPACE
         # on_save also feeds the actor's state writer; on_train_end ends the actor's run.
         spec.forward_events = actor_events | {"on_save", "on_train_end"}
+    return launch
+
+
+def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResult:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_trainer._loop import train_loop_per_worker
+
+    launch = prepare_launch(args, lists, run_dir)
+    spec, files, actor, actor_ready = launch.spec, launch.files, launch.actor, launch.actor_ready
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"spec": spec},

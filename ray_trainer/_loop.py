@@ -9,14 +9,19 @@ One optimizer step, top to bottom (`_train_step`)::
     on_step_begin
       per micro-batch: on_before_forward, forward, on_after_forward,
                        on_before_backward, backward, on_after_backward
+                       (before the LAST backward: start the step's ONE all-reduce of
+                        [loss, tokens, stop, save, evaluate, log, abort]; with DDP it rides
+                        in the gradient all-reduce of that backward, see _GradRider)
     on_before_optimizer_step, clip, optimizer.step(), on_after_optimizer_step
     on_step_end                      (its `loss` is this rank's loss for the step)
-    -- step boundary: ONE all-reduce of [loss, tokens, samples, stop, save, evaluate, log] --
+    -- step boundary: read the agreed values (done by now: backward waited for them) --
     on_log / evaluation + on_evaluate / checkpoint + on_save, as agreed; stop if agreed
 
-Requests made before the boundary (up to on_step_end) take effect at that boundary; requests made
-after it (in on_log, on_evaluate, on_save) and those from the callback actor take effect at the
-next one.
+Requests made before the last micro-batch's backward (on_step_begin up to on_before_backward,
+and any pending from the previous step) take effect at this step's boundary; requests made later
+(on_after_backward, the optimizer-step events, on_step_end, and on_log, on_evaluate, on_save
+after the boundary) take effect at the next boundary, one step later. Callback-actor requests
+are picked up at the same point, when their reply has arrived.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import DataLoader
 
 from callbacks import TrainerControl, TrainingContext
@@ -82,6 +88,7 @@ class _State:
     files: RunFiles
     total_steps: int
     steps_per_epoch: int
+    rider: _GradRider | None = None  # carries the agreement in DDP's gradient all-reduce
     progress: ckpt.TrainerState = field(default_factory=ckpt.TrainerState)
     last_saved_step: int = -1
     stop_reason: str | None = None
@@ -167,6 +174,7 @@ def _setup(spec: RunSpec) -> _State:
         optimizer, _lr_lambda(args.lr_schedule, args.warmup_steps, total_steps)
     )
     model, optimizer = accelerator.prepare(workload.model, optimizer)
+    rider = _GradRider.attach(model, world)
 
     ctx = TrainingContext(
         rank=rank,
@@ -218,6 +226,7 @@ def _setup(spec: RunSpec) -> _State:
         files=files,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
+        rider=rider,
         progress=ckpt.TrainerState(world_size=world),
     )
 
@@ -284,8 +293,10 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
     hooks, ctx, args, acc = s.hooks, s.ctx, s.args, s.accelerator
     started = time.perf_counter()
     hooks.fire("on_step_begin")
-    loss_sum = torch.zeros((), device=acc.device)
-    tokens = torch.zeros((), device=acc.device)
+    n_micro = len(micro_batches)
+    loss_sum: Any = 0
+    tokens: Any = 0
+    agreement = None
     for i, batch in enumerate(micro_batches):
         batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
         last = i == len(micro_batches) - 1
@@ -298,10 +309,12 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
                 loss = s.workload.loss_fn(outputs, batch)
             hooks.fire("on_after_forward", batch=batch, outputs=outputs, micro_step=i)
             hooks.fire("on_before_backward", batch=batch, outputs=outputs, micro_step=i)
-            acc.backward(loss / len(micro_batches))
+            loss_sum = loss_sum + loss.detach()
+            tokens = tokens + _count_tokens(batch)
+            if last:
+                agreement = _start_agreement(s, loss_sum, tokens)
+            acc.backward(loss / n_micro if n_micro > 1 else loss)
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
-        loss_sum += loss.detach()
-        tokens += _count_tokens(batch)
 
     hooks.fire("on_before_optimizer_step")
     grad_norm = None
@@ -318,12 +331,76 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
     ctx.global_step = p.global_step
     ctx.elapsed_time = time.perf_counter() - started
     if "on_step_end" in hooks.active:
-        ctx.loss = loss_sum.item() / len(micro_batches)  # this rank's loss: a CPU-GPU sync
+        ctx.loss = float(loss_sum) / n_micro  # this rank's loss: a CPU-GPU sync
         hooks.fire("on_step_end")
 
-    # Step boundary. All ranks must reach this collective: it averages the loss and agrees every
-    # control request, so all ranks act on the same step. It is also a CPU-GPU sync point.
-    requested = hooks.take_pending()
+    # Step boundary: the agreement started before the last backward is done by now.
+    total = agreement.result()
+    requested = agreement.requested
+    step_time = time.perf_counter() - started
+    ctx.loss = total[0] / (n_micro * s.world_size)
+    p.tokens_seen += round(total[1])
+    p.samples_seen += n_micro * args.batch_size * s.world_size
+    ctx.tokens_seen, ctx.samples_seen = p.tokens_seen, p.samples_seen
+    ctx.elapsed_time = step_time
+    ctx.throughput = total[1] / step_time if step_time > 0 else 0.0
+    ctx.learning_rate = s.scheduler.get_last_lr()[0]
+    ctx.grad_norm = float(grad_norm) if grad_norm is not None else None
+    agreed = TrainerControl(
+        should_training_stop=total[2 + _STOP] > 0,
+        should_save=total[2 + _SAVE] > 0,
+        should_evaluate=total[2 + _EVAL] > 0,
+        should_log=total[2 + _LOG] > 0,
+    )
+    s.abort = total[2 + _ABORT] > 0
+    if requested.should_training_stop:
+        s.stop_reason = requested.stop_reason
+    elif agreed.should_training_stop and s.stop_reason is None:
+        s.stop_reason = "a callback on another rank"
+    return agreed
+
+
+class _Agreement:
+    """The step's one all-reduce of [loss, tokens, stop, save, evaluate, log, abort], summed
+    over ranks, in flight; and this rank's requests that went into it."""
+
+    def __init__(
+        self, values: torch.Tensor, requested: TrainerControl, rider: _GradRider | None, world: int
+    ) -> None:
+        self.values = values
+        self.requested = requested
+        self.rider = rider
+        self.work = None
+        if rider is not None:
+            rider.pending = values  # rides in the gradient all-reduce of this backward
+        elif world > 1:
+            self.work = dist.all_reduce(values, async_op=True)
+
+    def result(self) -> list[float]:
+        """The summed values (waits if the all-reduce is still running; it rarely is)."""
+        if self.rider is None:
+            if self.work is not None:
+                self.work.wait()
+            return self.values.tolist()
+        summed, self.rider.result, self.rider.pending = self.rider.result, None, None
+        if summed is None:  # no gradient reached the carrying bucket: agree the plain way
+            summed = self.values
+            dist.all_reduce(summed)
+        return summed.tolist()
+
+
+def _start_agreement(s: _State, loss_sum: Any, tokens: Any) -> _Agreement:
+    """Start the step's agreement without waiting for it (called before the last backward).
+
+    It carries the step's loss and token count and every control request made so far, so the
+    ranks agree them at this step's boundary. With DDP it rides in the gradient all-reduce that
+    backward makes anyway (`_GradRider`); otherwise it is one asynchronous all-reduce of its
+    own. Either way it runs while backward and the optimizer step compute, so the loop does not
+    wait for it (a blocking collective at the boundary cost 3-5% of a 50 ms step here, and a
+    separate asynchronous one still ~0.5 ms of CPU per step). Requests made later in the step
+    act at the next boundary.
+    """
+    requested = s.hooks.take_pending()
     flags = [
         requested.should_training_stop,
         requested.should_save,
@@ -331,34 +408,62 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
         requested.should_log,
         requested.should_training_stop and ABORT_MARKER in (requested.stop_reason or ""),
     ]
-    n_samples = len(micro_batches) * args.batch_size
-    vec = torch.stack([loss_sum.double(), tokens.double()])
-    extra = torch.tensor([n_samples, *flags], dtype=torch.float64, device=vec.device)
-    vec = torch.cat([vec, extra])
-    if s.world_size > 1:
-        dist.all_reduce(vec)
-    total = vec.tolist()
-    step_time = time.perf_counter() - started
-    ctx.loss = total[0] / (len(micro_batches) * s.world_size)
-    p.tokens_seen += int(total[1])
-    p.samples_seen += int(total[2])
-    ctx.tokens_seen, ctx.samples_seen = p.tokens_seen, p.samples_seen
-    ctx.elapsed_time = step_time
-    ctx.throughput = total[1] / step_time if step_time > 0 else 0.0
-    ctx.learning_rate = s.scheduler.get_last_lr()[0]
-    ctx.grad_norm = float(grad_norm) if grad_norm is not None else None
-    agreed = TrainerControl(
-        should_training_stop=total[3 + _STOP] > 0,
-        should_save=total[3 + _SAVE] > 0,
-        should_evaluate=total[3 + _EVAL] > 0,
-        should_log=total[3 + _LOG] > 0,
-    )
-    s.abort = total[3 + _ABORT] > 0
-    if requested.should_training_stop:
-        s.stop_reason = requested.stop_reason
-    elif agreed.should_training_stop and s.stop_reason is None:
-        s.stop_reason = "a callback on another rank"
-    return agreed
+    dtype = s.rider.dtype if s.rider is not None else torch.float64
+    device = s.accelerator.device
+    values = torch.tensor([0.0, 0.0, *flags], dtype=dtype, device=device)
+    values[0] = loss_sum
+    values[1] = tokens
+    return _Agreement(values, requested, s.rider, s.world_size)
+
+
+class _GradRider:
+    """A DDP communication hook that carries the step's agreement values in the gradient
+    all-reduce of the bucket with index 0: no extra collective per step.
+
+    Before the last backward the loop sets `pending`; the hook appends it to that bucket,
+    all-reduces the bucket (sum), divides the gradients by the world size (DDP's average) and
+    keeps the summed values in `result`; every other bucket is averaged as DDP does by default.
+    Used when all trainable parameters are float32 or float64 (the bucket's dtype carries the
+    values: token counts are exact up to 2**24 per step in float32).
+    """
+
+    def __init__(self, world: int, dtype: torch.dtype) -> None:
+        self.world = world
+        self.dtype = dtype
+        self.pending: torch.Tensor | None = None
+        self.result: torch.Tensor | None = None
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, world: int) -> _GradRider | None:
+        if world < 2 or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float64}:
+            return None
+        rider = cls(world, dtypes.pop())
+        try:
+            model.register_comm_hook(rider, _ride_bucket)
+        except RuntimeError:  # a hook is already registered: use a separate all-reduce
+            return None
+        return rider
+
+
+def _ride_bucket(rider, bucket):  # no annotations: DDP checks them, and they are strings here
+    values = rider.pending
+    if values is None or bucket.index() != 0:
+        return allreduce_hook(None, bucket)
+    rider.pending = None
+    grads = bucket.buffer()
+    n = grads.numel()
+    joined = torch.cat([grads, values])
+    fut = dist.all_reduce(joined, async_op=True).get_future()
+
+    def split(done: torch.futures.Future) -> torch.Tensor:
+        out = done.value()[0]
+        rider.result = out[n:]
+        return out[:n].div_(rider.world)
+
+    return fut.then(split)
 
 
 def _after_boundary(s: _State, agreed: TrainerControl) -> bool:

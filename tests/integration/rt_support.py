@@ -100,6 +100,8 @@ def _recorder_methods():
                 val_metrics=dict(context.val_metrics or {}),
                 has_model=context.model is not None,
                 micro_step=kwargs.get("micro_step"),
+                loss=context.loss,
+                samples_seen=context.samples_seen,
             )
 
         hook.__name__ = event
@@ -147,16 +149,31 @@ ActorRecorder = type(
 
 
 class StopAt(TrainerCallback):
-    """Asks to stop at one step, from rank 0 (in the training process)."""
+    """Asks to stop during one step, from rank 0 (in the training process). The request is made
+    before the step's last backward, so it acts at that step's boundary."""
 
     runs_on = "rank0"
 
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_step_end(self, context, **kwargs):
-        if context.global_step == self.step:
+    def on_step_begin(self, context, **kwargs):
+        if context.global_step + 1 == self.step:  # global_step counts the finished steps
             context.control.should_training_stop = True
+
+
+class Rank1SaveAfter(TrainerCallback):
+    """Asks for a checkpoint from rank 1 only, in `on_step_end` of one step: a request made after
+    the step's last backward, so it acts at the next step's boundary, on every rank."""
+
+    runs_on = "all_ranks"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, context, **kwargs):
+        if context.rank == 1 and context.global_step == self.step:
+            context.control.should_save = True
 
 
 class StepCounter(TrainerCallback):

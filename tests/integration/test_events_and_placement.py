@@ -53,6 +53,24 @@ def run(ray_session, tmp_path_factory):
     return result, read_records(folder, "all_ranks"), read_records(folder, "actor")
 
 
+def test_logged_loss_is_the_mean_over_ranks_and_samples_add_up(run):
+    result, records, _ = run
+    local = {(r["rank"], r["step"]): r["loss"] for r in records if r["event"] == "on_step_end"}
+    logs = [r for r in records if r["event"] == "on_log"]
+    assert {r["step"] for r in logs} == {2, 4, 6}
+    for r in logs:  # on_step_end has this rank's loss; on_log the one agreed across ranks
+        mean = (local[(0, r["step"])] + local[(1, r["step"])]) / 2
+        assert r["loss"] == pytest.approx(mean, rel=1e-5)
+    assert local[(0, 2)] != local[(1, 2)]  # the ranks saw different data
+    per_step = ACCUM * 8 * 2  # micro-batches x batch_size x ranks
+    assert [r["samples_seen"] for r in logs if r["rank"] == 0] == [
+        2 * per_step,
+        4 * per_step,
+        6 * per_step,
+    ]
+    assert result.metrics["samples_seen"] == STEPS * per_step
+
+
 def test_every_event_fires_in_order_on_every_rank(run):
     result, records, _ = run
     assert result.global_step == STEPS

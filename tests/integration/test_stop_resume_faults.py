@@ -8,6 +8,7 @@ import pytest
 from rt_support import (
     AllRanksRecorder,
     KillRank1Once,
+    Rank1SaveAfter,
     StepCounter,
     StopAt,
     TinyDataset,
@@ -37,7 +38,13 @@ def stopped_then_continued(ray_session, tmp_path_factory):
     first_dir = str(tmp_path_factory.mktemp("first"))
     second_dir = str(tmp_path_factory.mktemp("second"))
     first = run_training(
-        **_args(storage, first_dir, [StopAt(4)], max_steps=10, run_name="stop-continue"),
+        **_args(
+            storage,
+            first_dir,
+            [StopAt(4), Rank1SaveAfter(2)],
+            max_steps=10,
+            run_name="stop-continue",
+        ),
     )
     second = run_training(**_args(storage, second_dir, max_steps=7, run_name="stop-continue"))
     return (
@@ -66,8 +73,10 @@ def test_stop_saves_a_final_checkpoint(stopped_then_continued):
     assert first.checkpoint_path.endswith("checkpoint_00000004")
     assert os.path.exists(os.path.join(first.checkpoint_path, "rank0.complete"))
     assert os.path.exists(os.path.join(first.checkpoint_path, "rank1.complete"))
-    saves = [r["step"] for r in records if r["rank"] == 0 and r["event"] == "on_save"]
-    assert saves == [4]
+    for rank in (0, 1):
+        saves = [r["step"] for r in records if r["rank"] == rank and r["event"] == "on_save"]
+        # 3: rank 1 asked in on_step_end of step 2 (after its backward: the next boundary).
+        assert saves == [3, 4]
 
 
 def test_new_call_continues_from_the_checkpoint(stopped_then_continued):

@@ -2,43 +2,37 @@
 
 from __future__ import annotations
 
-import pytest
+import concurrent.futures
 
 from callbacks import TrainingContext
-from ray_trainer import _forward
 from ray_trainer._forward import EventForwarder
 
 
 class FakeActor:
-    """Records `push` calls; `.remote()` returns a reference the test decides is ready or not."""
+    """Records `push` calls; each reply is a future that the test completes (or never does)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, list]] = []
+        self.replies: dict[int, concurrent.futures.Future] = {}
         outer = self
+
+        class _Ref:
+            def __init__(self, seq: int) -> None:
+                self.seq = seq
+
+            def future(self) -> concurrent.futures.Future:
+                return outer.replies.setdefault(self.seq, concurrent.futures.Future())
 
         class _Push:
             def remote(self, attempt, seq, batch):
                 outer.calls.append((attempt, seq, batch))
-                return ("ref", seq)
+                return _Ref(seq)
 
         self.push = _Push()
 
-
-@pytest.fixture
-def replies(monkeypatch):
-    """Control which references are ready, and what `ray.get` returns for them."""
-    state = {"ready": set(), "control": {}}
-
-    def wait(refs, timeout=None):
-        ready = [r for r in refs if r[1] in state["ready"]]
-        return ready, [r for r in refs if r not in ready]
-
-    def get(ref):
-        return {"ack": ref[1], "control": state["control"].get(ref[1])}
-
-    monkeypatch.setattr(_forward.ray, "wait", wait)
-    monkeypatch.setattr(_forward.ray, "get", get)
-    return state
+    def reply(self, seq: int, control: dict | None = None) -> None:
+        """The actor acknowledges batch `seq`, with the control requests of its callbacks."""
+        self.replies[seq].set_result({"ack": seq, "control": control})
 
 
 def make(actor, **kw):
@@ -46,7 +40,7 @@ def make(actor, **kw):
     return EventForwarder("x", events, attempt=0, namespace="n", actor=actor, **kw)
 
 
-def test_events_are_batched_and_urgent_events_go_at_once(replies):
+def test_events_are_batched_and_urgent_events_go_at_once():
     actor = FakeActor()
     fwd = make(actor, max_batch=4, flush_interval_s=60)
     ctx = TrainingContext(global_step=1)
@@ -60,7 +54,7 @@ def test_events_are_batched_and_urgent_events_go_at_once(replies):
     assert [c[1] for c in actor.calls] == [1, 2]  # sequence numbers
 
 
-def test_live_objects_are_never_shipped(replies):
+def test_live_objects_are_never_shipped():
     actor = FakeActor()
     fwd = make(actor, max_batch=1)
     fwd.push("on_before_forward", TrainingContext(model=object()), {"batch": 1, "micro_step": 0})
@@ -68,7 +62,7 @@ def test_live_objects_are_never_shipped(replies):
     assert kwargs == {"micro_step": 0} and "model" not in wire
 
 
-def test_buffer_is_bounded_and_only_low_value_events_are_dropped(replies):
+def test_buffer_is_bounded_and_only_low_value_events_are_dropped():
     actor = FakeActor()
     fwd = make(actor, max_batch=2, max_in_flight=1, max_buffer=10, flush_interval_s=60)
     ctx = TrainingContext()
@@ -82,22 +76,21 @@ def test_buffer_is_bounded_and_only_low_value_events_are_dropped(replies):
     assert fwd.dropped["on_log"] >= 80 and "on_save" not in fwd.dropped
 
 
-def test_replies_bring_control_back_and_close_waits_for_acks(replies):
+def test_replies_bring_control_back_and_close_waits_for_acks():
     actor = FakeActor()
     fwd = make(actor, max_batch=1, poll_interval_s=0)
     fwd.push("on_step_end", TrainingContext(global_step=5), {})
     assert fwd.poll_control() is None  # not acknowledged yet
-    replies["ready"].add(1)
-    replies["control"][1] = {"should_training_stop": True, "stop_reason": "Alarm"}
+    actor.reply(1, {"should_training_stop": True, "stop_reason": "Alarm"})
     control = fwd.poll_control()
     assert control.should_training_stop and control.stop_reason == "Alarm"
     fwd.push("on_log", TrainingContext(), {})
-    replies["ready"].add(2)
+    actor.reply(2)
     fwd.close(timeout=1)
     assert fwd.undelivered == 0
 
 
-def test_close_counts_what_was_never_acknowledged(replies):
+def test_close_counts_what_was_never_acknowledged():
     actor = FakeActor()
     fwd = make(actor, max_batch=1)
     fwd.push("on_step_end", TrainingContext(), {})
