@@ -28,12 +28,17 @@ Configurations:
   RayMetrics, EarlyStopping, DivergenceDetector and TensorBoardLogger (when tensorboard is
   installed), all on the callback actor, plus the slow callback.
 
+Runs: `--runs` independent Ray Train runs (fresh worker processes, the configurations built in
+another order each time), each reported, and the median over runs as the figure: within one
+run, a configuration's own luck (where its model landed in memory, say) moves all its steps
+together, and two identical bare loops can land 1.5% apart; only fresh runs average that out.
+
 Timing: rank 0 times each step with `perf_counter` (fetching the batch included), and its
 process CPU time. The first `--warmup` counted steps of each configuration are dropped; each configuration's figure is the mean of its steps without the
 slowest 10% (hiccups of the shared machine), and the ratio is that figure over bare's. The
 spread column gives the lowest and highest ratio over four consecutive quarters of the rounds.
 
-Usage: python bench/bench_loop.py [--rounds 150] [--block 8] [--warmup 14] [--json OUT]
+Usage: python bench/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14] [--json OUT]
 """
 
 from __future__ import annotations
@@ -219,7 +224,8 @@ def trimmed_mean(values: list[float]) -> float:
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--runs", type=int, default=3, help="independent runs (fresh workers)")
+    parser.add_argument("--rounds", type=int, default=70, help="rounds per run")
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=14, help="measured steps to drop")
     parser.add_argument("--profile", default=None, choices=list(LABELS), help="cProfile one")
@@ -227,17 +233,40 @@ def main() -> dict:
     opts = parser.parse_args()
 
     import ray
+
+    init_ray(num_cpus=4)
+    started = time.perf_counter()
+    runs = []
+    for run in range(opts.runs):
+        wall, cpu = measure_run(run, opts)
+        runs.append(summarize(wall, cpu))
+        print(f"run {run}: " + ", ".join(f"{v:.3f}" for v in runs[-1]["comparisons"].values()))
+    ray.shutdown()
+    report = combine(runs)
+    report.update(
+        machine=machine(),
+        runs=opts.runs,
+        rounds=opts.rounds,
+        block=opts.block,
+        warmup=opts.warmup,
+        wall_s=time.perf_counter() - started,
+    )
+    return emit(report, opts.json)
+
+
+def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """One Ray Train run stepping every configuration; rank 0's step times (wall, CPU)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from ray_trainer import TrainingArgs
     from ray_trainer._launch import _check_storage, _finish_actor, collect_callbacks, prepare_launch
 
-    init_ray(num_cpus=4)
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         launches = {}
-        for name, callbacks in _configs(tmp).items():
+        configs = list(_configs(tmp).items())
+        random.Random(run).shuffle(configs)  # another build order, another memory layout
+        for name, callbacks in configs:
             args = TrainingArgs(
                 max_steps=10**9,  # never reached: the benchmark decides how many steps
                 batch_size=64,
@@ -247,7 +276,7 @@ def main() -> dict:
                 log_every_steps=50,
                 save_at_end=False,
                 storage_path=os.path.join(tmp, "runs"),
-                run_name=f"bench-loop-{name}",
+                run_name=f"bench-loop-{run}-{name}",
                 callback_timeout_s=1.0,  # do not wait for the slow callback's backlog at the end
                 callbacks=callbacks,
             )
@@ -267,7 +296,7 @@ def main() -> dict:
                 "out": out,
             },
             scaling_config=ScalingConfig(num_workers=2),
-            run_config=RunConfig(storage_path=os.path.join(tmp, "ray"), name="interleaved"),
+            run_config=RunConfig(storage_path=os.path.join(tmp, "ray"), name=f"interleaved-{run}"),
         ).fit()
         for args, launch in launches.values():
             _finish_actor(launch.actor, launch.actor_ready, args, None)
@@ -276,30 +305,66 @@ def main() -> dict:
         if opts.profile:
             stats = pstats.Stats(out + ".prof").sort_stats("tottime")
             stats.print_stats(45)
-            stats.print_callers("find_spec|_handle_fromlist|_find_and_load")
-    ray.shutdown()
-    report = summarize(
+    return (
         {k: v[opts.warmup :] for k, v in measured["wall"].items()},
         {k: v[opts.warmup :] for k, v in measured["cpu"].items()},
     )
-    report.update(
-        machine=machine(),
-        rounds=opts.rounds,
-        warmup=opts.warmup,
-        wall_s=time.perf_counter() - started,
-    )
-    return emit(report, opts.json)
+
+
+def combine(runs: list[dict]) -> dict:
+    """Medians over the runs, with each run's figure: a run's own noise (a model's memory
+    layout, say) moves all its steps together, so only fresh runs average it out."""
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.3f}-{max(values):.3f}"
+
+    rows = []
+    ratios = {}
+    for label in LABELS.values():
+        per_run = [r["ratios"][label] for r in runs]
+        ratios[label] = statistics.median(per_run)
+        rows.append(
+            {
+                "configuration": label,
+                "step (ms)": f"{statistics.median(r['step_ms'][label] for r in runs):.1f}",
+                "ratio (median of runs)": f"{ratios[label]:.3f}",
+                "each run": ", ".join(f"{v:.3f}" for v in per_run),
+            }
+        )
+    compared = []
+    comparisons = {}
+    for name in runs[0]["comparisons"]:
+        per_run = [r["comparisons"][name] for r in runs]
+        comparisons[name] = statistics.median(per_run)
+        compared.append(
+            {
+                "comparison": name,
+                "ratio (median of runs)": f"{comparisons[name]:.3f}",
+                "each run": ", ".join(f"{v:.3f}" for v in per_run),
+                "range": spread(per_run),
+            }
+        )
+    return {
+        "per_run": runs,
+        "baseline": LABELS["bare"],
+        "ratios": ratios,
+        "comparisons": comparisons,
+        "table": table(rows, ["configuration", "step (ms)", "ratio (median of runs)", "each run"])
+        + "\n\nThe comparisons the issues name:\n\n"
+        + table(compared, ["comparison", "ratio (median of runs)", "each run", "range"]),
+    }
 
 
 def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict:
     base = trimmed_mean(times["bare"])
     n = len(times["bare"])
     quarters = [slice(i * n // 4, (i + 1) * n // 4) for i in range(4)]
-    rows, ratios, spreads = [], {}, {}
+    rows, ratios, spreads, step_ms = [], {}, {}, {}
     for key, label in LABELS.items():
         ratio = trimmed_mean(times[key]) / base
         parts = [trimmed_mean(times[key][q]) / trimmed_mean(times["bare"][q]) for q in quarters]
         ratios[label], spreads[label] = ratio, (min(parts), max(parts))
+        step_ms[label] = trimmed_mean(times[key]) * 1e3
         rows.append(
             {
                 "configuration": label,
@@ -352,6 +417,7 @@ def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dic
         "baseline": LABELS["bare"],
         "ratios": ratios,
         "spreads": spreads,
+        "step_ms": step_ms,
         "comparisons": {k: v[0] for k, v in comparisons.items()},
         "table": table(rows, columns) + "\n\nThe comparisons the issues name:\n\n" + compared,
     }

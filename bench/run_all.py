@@ -74,9 +74,10 @@ BENCHES: dict[str, Bench] = {
         "bench_loop.py",
         "Training step time (demo model, 2 workers)",
         "a bare accelerate loop (forward, backward, clip, step), no callbacks, in the same 2 Ray "
-        "Train workers, stepped in turn with every configuration (one step each, rotating "
-        "order); mean step time from rank 0 without the slowest 10% of steps",
-        quick=["--rounds", "8", "--warmup", "7"],
+        "Train workers, stepped in turn with every configuration (blocks of 8 steps, random "
+        "order); mean step time from rank 0 without the slowest 10% of steps; median of 3 "
+        "independent runs",
+        quick=["--runs", "1", "--rounds", "8", "--warmup", "7"],
         target=1.02,
         target_note="each comparison the issues name (worker-side callbacks against the bare "
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
