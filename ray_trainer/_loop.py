@@ -10,11 +10,10 @@ One optimizer step, top to bottom (`_train_step`)::
       per micro-batch: on_before_forward, forward, on_after_forward,
                        on_before_backward, backward, on_after_backward
                        (before the LAST backward: start the step's ONE all-reduce of
-                        [loss, tokens, stop, save, evaluate, log, abort]; with DDP it rides
-                        in the gradient all-reduce of that backward, see _GradRider)
+                        [loss, tokens, stop, save, evaluate, log, abort], asynchronously)
     on_before_optimizer_step, clip, optimizer.step(), on_after_optimizer_step
     on_step_end                      (its `loss` is this rank's loss for the step)
-    -- step boundary: read the agreed values (done by now: backward waited for them) --
+    -- step boundary: read the agreed values (done by now: it overlapped backward) --
     on_log / evaluation + on_evaluate / checkpoint + on_save, as agreed; stop if agreed
 
 Requests made before the last micro-batch's backward (on_step_begin up to on_before_backward,
@@ -38,7 +37,6 @@ import ray
 import ray.train
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import DataLoader
 
 from callbacks import TrainerControl, TrainingContext
@@ -88,7 +86,6 @@ class _State:
     files: RunFiles
     total_steps: int
     steps_per_epoch: int
-    rider: _GradRider | None = None  # carries the agreement in DDP's gradient all-reduce
     progress: ckpt.TrainerState = field(default_factory=ckpt.TrainerState)
     last_saved_step: int = -1
     stop_reason: str | None = None
@@ -174,7 +171,6 @@ def _setup(spec: RunSpec) -> _State:
         optimizer, _lr_lambda(args.lr_schedule, args.warmup_steps, total_steps)
     )
     model, optimizer = accelerator.prepare(workload.model, optimizer)
-    rider = _GradRider.attach(model, world)
 
     ctx = TrainingContext(
         rank=rank,
@@ -226,7 +222,6 @@ def _setup(spec: RunSpec) -> _State:
         files=files,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
-        rider=rider,
         progress=ckpt.TrainerState(world_size=world),
     )
 
@@ -364,41 +359,27 @@ class _Agreement:
     """The step's one all-reduce of [loss, tokens, stop, save, evaluate, log, abort], summed
     over ranks, in flight; and this rank's requests that went into it."""
 
-    def __init__(
-        self, values: torch.Tensor, requested: TrainerControl, rider: _GradRider | None, world: int
-    ) -> None:
+    def __init__(self, values: torch.Tensor, requested: TrainerControl, world: int) -> None:
         self.values = values
         self.requested = requested
-        self.rider = rider
-        self.work = None
-        if rider is not None:
-            rider.pending = values  # rides in the gradient all-reduce of this backward
-        elif world > 1:
-            self.work = dist.all_reduce(values, async_op=True)
+        self.work = dist.all_reduce(values, async_op=True) if world > 1 else None
 
     def result(self) -> list[float]:
         """The summed values (waits if the all-reduce is still running; it rarely is)."""
-        if self.rider is None:
-            if self.work is not None:
-                self.work.wait()
-            return self.values.tolist()
-        summed, self.rider.result, self.rider.pending = self.rider.result, None, None
-        if summed is None:  # no gradient reached the carrying bucket: agree the plain way
-            summed = self.values
-            dist.all_reduce(summed)
-        return summed.tolist()
+        if self.work is not None:
+            self.work.wait()
+        return self.values.tolist()
 
 
 def _start_agreement(s: _State, loss_sum: Any, tokens: Any) -> _Agreement:
-    """Start the step's agreement without waiting for it (called before the last backward).
+    """Start the step's all-reduce without waiting for it (called before the last backward).
 
     It carries the step's loss and token count and every control request made so far, so the
-    ranks agree them at this step's boundary. With DDP it rides in the gradient all-reduce that
-    backward makes anyway (`_GradRider`); otherwise it is one asynchronous all-reduce of its
-    own. Either way it runs while backward and the optimizer step compute, so the loop does not
-    wait for it (a blocking collective at the boundary cost 3-5% of a 50 ms step here, and a
-    separate asynchronous one still ~0.5 ms of CPU per step). Requests made later in the step
-    act at the next boundary.
+    ranks agree them at this step's boundary. It runs while backward and the optimizer step
+    compute, so the loop does not wait for it: a blocking all-reduce at the boundary cost 3-5%
+    of a 50 ms step here. (Riding in DDP's gradient all-reduce through a Python comm hook was
+    measured too, and cost more: every bucket then goes through Python instead of DDP's C++
+    path.) Requests made later in the step act at the next boundary.
     """
     requested = s.hooks.take_pending()
     flags = [
@@ -408,62 +389,10 @@ def _start_agreement(s: _State, loss_sum: Any, tokens: Any) -> _Agreement:
         requested.should_log,
         requested.should_training_stop and ABORT_MARKER in (requested.stop_reason or ""),
     ]
-    dtype = s.rider.dtype if s.rider is not None else torch.float64
-    device = s.accelerator.device
-    values = torch.tensor([0.0, 0.0, *flags], dtype=dtype, device=device)
+    values = torch.tensor([0.0, 0.0, *flags], dtype=torch.float64, device=s.accelerator.device)
     values[0] = loss_sum
     values[1] = tokens
-    return _Agreement(values, requested, s.rider, s.world_size)
-
-
-class _GradRider:
-    """A DDP communication hook that carries the step's agreement values in the gradient
-    all-reduce of the bucket with index 0: no extra collective per step.
-
-    Before the last backward the loop sets `pending`; the hook appends it to that bucket,
-    all-reduces the bucket (sum), divides the gradients by the world size (DDP's average) and
-    keeps the summed values in `result`; every other bucket is averaged as DDP does by default.
-    Used when all trainable parameters are float32 or float64 (the bucket's dtype carries the
-    values: token counts are exact up to 2**24 per step in float32).
-    """
-
-    def __init__(self, world: int, dtype: torch.dtype) -> None:
-        self.world = world
-        self.dtype = dtype
-        self.pending: torch.Tensor | None = None
-        self.result: torch.Tensor | None = None
-
-    @classmethod
-    def attach(cls, model: torch.nn.Module, world: int) -> _GradRider | None:
-        if world < 2 or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return None
-        dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.float64}:
-            return None
-        rider = cls(world, dtypes.pop())
-        try:
-            model.register_comm_hook(rider, _ride_bucket)
-        except RuntimeError:  # a hook is already registered: use a separate all-reduce
-            return None
-        return rider
-
-
-def _ride_bucket(rider, bucket):  # no annotations: DDP checks them, and they are strings here
-    values = rider.pending
-    if values is None or bucket.index() != 0:
-        return allreduce_hook(None, bucket)
-    rider.pending = None
-    grads = bucket.buffer()
-    n = grads.numel()
-    joined = torch.cat([grads, values])
-    fut = dist.all_reduce(joined, async_op=True).get_future()
-
-    def split(done: torch.futures.Future) -> torch.Tensor:
-        out = done.value()[0]
-        rider.result = out[n:]
-        return out[:n].div_(rider.world)
-
-    return fut.then(split)
+    return _Agreement(values, requested, s.world_size)
 
 
 def _after_boundary(s: _State, agreed: TrainerControl) -> bool:
