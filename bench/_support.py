@@ -91,7 +91,9 @@ def machine() -> str:
     )
 
 
-def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """A markdown table; the columns default to the first row's keys, in order."""
+    columns = columns if columns is not None else list(rows[0])
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         out.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")

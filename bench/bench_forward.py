@@ -178,16 +178,7 @@ def main() -> dict:
         },
         "baseline": "one actor call per event (baseline)",
         "ratios": ratios,
-        "table": table(
-            rows,
-            [
-                "sending",
-                "loop thread CPU per event (µs)",
-                "process CPU per event (µs)",
-                "ratio",
-                "process CPU, share of a core",
-            ],
-        ),
+        "table": table(rows),
     }
     return emit(report, opts.json)
 

@@ -349,37 +349,34 @@ def combine(runs: list[dict]) -> dict:
         "baseline": LABELS["bare"],
         "ratios": ratios,
         "comparisons": comparisons,
-        "table": table(rows, ["configuration", "step (ms)", "ratio (median of runs)", "each run"])
-        + "\n\nThe comparisons the issues name:\n\n"
-        + table(compared, ["comparison", "ratio (median of runs)", "each run", "range"]),
+        "table": table(rows) + "\n\nThe comparisons the issues name:\n\n" + table(compared),
     }
 
 
 def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict:
-    base = trimmed_mean(times["bare"])
     n = len(times["bare"])
     quarters = [slice(i * n // 4, (i + 1) * n // 4) for i in range(4)]
+
+    def vs(key: str, base_key: str) -> tuple[float, float, float]:
+        """Ratio of `key` to `base_key` over the run, and its lowest and highest by quarter."""
+        parts = [trimmed_mean(times[key][q]) / trimmed_mean(times[base_key][q]) for q in quarters]
+        return trimmed_mean(times[key]) / trimmed_mean(times[base_key]), min(parts), max(parts)
+
     rows, ratios, spreads, step_ms = [], {}, {}, {}
     for key, label in LABELS.items():
-        ratio = trimmed_mean(times[key]) / base
-        parts = [trimmed_mean(times[key][q]) / trimmed_mean(times["bare"][q]) for q in quarters]
-        ratios[label], spreads[label] = ratio, (min(parts), max(parts))
+        ratio, lo, hi = vs(key, "bare")
+        ratios[label], spreads[label] = ratio, (lo, hi)
         step_ms[label] = trimmed_mean(times[key]) * 1e3
         rows.append(
             {
                 "configuration": label,
-                "step (ms)": f"{trimmed_mean(times[key]) * 1e3:.1f}",
+                "step (ms)": f"{step_ms[label]:.1f}",
                 "median (ms)": f"{statistics.median(times[key]) * 1e3:.1f}",
                 "ratio": f"{ratio:.3f}",
-                "spread over quarters": f"{min(parts):.3f}-{max(parts):.3f}",
+                "spread over quarters": f"{lo:.3f}-{hi:.3f}",
                 "rank-0 CPU (ms)": f"{statistics.mean(cpu[key]) * 1e3:.1f}",
             }
         )
-
-    def vs(key: str, base_key: str) -> tuple[float, float, float]:
-        parts = [trimmed_mean(times[key][q]) / trimmed_mean(times[base_key][q]) for q in quarters]
-        return trimmed_mean(times[key]) / trimmed_mean(times[base_key]), min(parts), max(parts)
-
     comparisons = {
         "runner + 3 worker-side callbacks vs the bare accelerate loop (issue 3)": vs(
             "runner_cb", "bare"
@@ -395,20 +392,9 @@ def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dic
         ),
         "noise floor: the bare loop against itself": vs("bare_again", "bare"),
     }
-    compared = table(
-        [
-            {"comparison": k, "ratio": f"{r:.3f}", "spread over quarters": f"{lo:.3f}-{hi:.3f}"}
-            for k, (r, lo, hi) in comparisons.items()
-        ],
-        ["comparison", "ratio", "spread over quarters"],
-    )
-    columns = [
-        "configuration",
-        "step (ms)",
-        "median (ms)",
-        "ratio",
-        "spread over quarters",
-        "rank-0 CPU (ms)",
+    compared = [
+        {"comparison": k, "ratio": f"{r:.3f}", "spread over quarters": f"{lo:.3f}-{hi:.3f}"}
+        for k, (r, lo, hi) in comparisons.items()
     ]
     return {
         "steps_per_configuration": n,
@@ -419,7 +405,7 @@ def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dic
         "spreads": spreads,
         "step_ms": step_ms,
         "comparisons": {k: v[0] for k, v in comparisons.items()},
-        "table": table(rows, columns) + "\n\nThe comparisons the issues name:\n\n" + compared,
+        "table": table(rows) + "\n\nThe comparisons the issues name:\n\n" + table(compared),
     }
 
 

@@ -14,8 +14,8 @@ Policy (documented in the README, "Forwarding to the callback actor"):
   rank 0 makes about 4 calls a second for ordinary events, well under 1% of a core, however
   many events there are; with steps longer than the window, one call per step.
 * Nothing waits for the actor: a batch is sent with `.remote()` and its reply, a future that Ray
-  completes from its own thread, is checked later without waiting. At most `max_in_flight` batches are unacknowledged; beyond that
-  events wait in a buffer of at most `max_buffer` events. When that buffer is full, low-value
+  completes from its own thread, is checked later without waiting. At most `max_in_flight`
+  batches are unacknowledged; beyond that events wait in a buffer of at most `max_buffer` events. When that buffer is full, low-value
   events (`on_log`, per-micro-batch and per-step events) are dropped oldest first and counted;
   `on_save`, `on_evaluate`, `on_train_begin`, `on_train_end` and `on_exception` never are.
 * Every batch carries a sequence number and stays on rank 0 until the actor acknowledges it; a

@@ -294,7 +294,7 @@ def _train_step(s: _State, micro_batches: list[dict[str, torch.Tensor]]) -> Trai
     agreement = None
     for i, batch in enumerate(micro_batches):
         batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
-        last = i == len(micro_batches) - 1
+        last = i == n_micro - 1
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         sync = contextlib.nullcontext() if last else acc.no_sync(s.model)
         with sync:
