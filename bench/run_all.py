@@ -73,7 +73,8 @@ BENCHES: dict[str, Bench] = {
     "loop": Bench(
         "bench_loop.py",
         "Training step time (demo model, 2 workers)",
-        "a bare accelerate loop (forward, backward, clip, step), no callbacks, in the same 2 Ray "
+        "a bare accelerate loop (forward, backward, clip, optimizer and scheduler step), no "
+        "callbacks, in the same 2 Ray "
         "Train workers, stepped in turn with every configuration (blocks of 8 steps, random "
         "order); mean step time from rank 0 without the slowest 10% of steps; median of 3 "
         "independent runs",
