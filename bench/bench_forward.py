@@ -72,13 +72,16 @@ def _event(i: int, per_step: int) -> str:
     return "on_step_end" if i % per_step == 0 else "on_before_forward"
 
 
+_ATTEMPTS = iter(range(1, 1_000_000))  # each sender its own attempt: the actor dedups by it
+
+
 def bench_batched(actor_name: str, namespace: str, n: int, per_step: int, step_s: float) -> Meter:
-    from ray_trainer._forward import EventForwarder
+    from ray_trainer._worker.forward import EventForwarder
 
     fwd = EventForwarder(
         actor_name,
         frozenset({"on_step_end", "on_log", "on_before_forward"}),
-        attempt=0,
+        attempt=next(_ATTEMPTS),
         namespace=namespace,
     )
     ctx = TrainingContext(global_step=0, loss=1.0, run_name="bench", args={"lr": 1e-3})
@@ -97,12 +100,16 @@ def bench_batched(actor_name: str, namespace: str, n: int, per_step: int, step_s
 def bench_per_event(actor, n: int, per_step: int, step_s: float) -> Meter:
     import ray
 
+    from ray_trainer._contract import EventBatch
+
     ctx = TrainingContext(global_step=0, loss=1.0, run_name="bench", args={"lr": 1e-3})
     refs = []
+    attempt = next(_ATTEMPTS)
     with Meter() as meter:
         for i in range(n):
             ctx.global_step = i // per_step
-            refs.append(actor.push.remote(1, i + 1, [(_event(i, per_step), ctx.to_wire(), {})]))
+            batch = EventBatch(attempt, i + 1, [(_event(i, per_step), ctx.to_wire(), {})])
+            refs.append(actor.push.remote(batch))
             if i % per_step == per_step - 1:
                 time.sleep(step_s)
     ray.get(refs)
@@ -119,7 +126,8 @@ def main() -> dict:
 
     import ray
 
-    from ray_trainer._actor import NAMESPACE, actor_name, start_actor
+    from ray_trainer._actor.actor import start_actor
+    from ray_trainer._contract import NAMESPACE, actor_name
     from ray_trainer._placement import pack
 
     init_ray(num_cpus=2)

@@ -15,10 +15,10 @@ Configurations:
   step), no callbacks: what
   users write without this runner. The baseline.
 * bare, again: a second, identical bare loop. Its ratio is the noise floor of the method.
-* runner, no callbacks: the runner's own step (`_train_step` + `_after_boundary` from
-  `ray_trainer/_loop.py`: hooks, the per-step agreement all-reduce, on_log every 50 steps),
-  built by the loop's own `_setup` from a `RunSpec` that `prepare_launch` made, as in
-  `run_training`.
+* runner, no callbacks: the runner's own step (`train_step` + `after_boundary` from
+  `ray_trainer/_worker/loop.py`: hooks, the per-step agreement all-reduce, on_log every 50
+  steps), built by the worker's own `setup` from a `RunSpec` that `prepare_launch` made, as in
+  `run_training` (so with its callback actor).
 * runner + 3 worker-side callbacks: a step timer (rank 0), a grad-norm watcher (all ranks),
   a loss keeper (rank 0, on_log).
 * ... + a slow actor-side callback: the same plus a callback on the callback actor that sleeps
@@ -132,18 +132,25 @@ class RunnerLoop:
     """The runner's loop for one run spec, one optimizer step per call."""
 
     def __init__(self, spec) -> None:
-        from ray_trainer import _loop
+        from ray_trainer._worker import loop, setup
+        from ray_trainer._worker.boundary import Schedule
 
-        self.loop = _loop
-        self.s = _loop._setup(spec)
+        self.loop = loop
+        self.s = setup.setup(spec)
         self.s.hooks.fire("on_init_end")
         self.s.hooks.fire("on_train_begin")
         self.batches = _forever(self.s.loader)
+        args = self.s.args
+        self.schedule = Schedule(
+            total_steps=self.s.total_steps,
+            log_every_steps=args.log_every_steps,
+            save_at_end=args.save_at_end,
+        )
 
     def step(self) -> None:
         micro = [next(self.batches) for _ in range(self.s.args.grad_accum_steps)]
-        control = self.loop._train_step(self.s, micro)
-        self.loop._after_boundary(self.s, control)
+        control = self.loop.train_step(self.s, micro)
+        self.loop.after_boundary(self.s, control, self.schedule)
 
     def end(self) -> None:
         self.s.hooks.fire("on_train_end")
@@ -260,7 +267,8 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
     from ray.train.torch import TorchTrainer
 
     from ray_trainer import TrainingArgs
-    from ray_trainer._launch import _check_storage, _finish_actor, collect_callbacks, prepare_launch
+    from ray_trainer._driver.checks import check_storage, collect_callbacks
+    from ray_trainer._driver.launch import finish_actor, prepare_launch
 
     with tempfile.TemporaryDirectory() as tmp:
         launches = {}
@@ -282,7 +290,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
             )
             launches[name] = (
                 args,
-                prepare_launch(args, collect_callbacks(args), _check_storage(args)),
+                prepare_launch(args, collect_callbacks(args), check_storage(args)),
             )
         out = os.path.join(tmp, "times.json")
         TorchTrainer(
@@ -299,7 +307,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
             run_config=RunConfig(storage_path=os.path.join(tmp, "ray"), name=f"interleaved-{run}"),
         ).fit()
         for args, launch in launches.values():
-            _finish_actor(launch.actor, launch.actor_ready, args, None)
+            finish_actor(launch, args, None)
         with open(out) as f:
             measured = json.load(f)
         if opts.profile:

@@ -10,8 +10,8 @@ from callbacks._callback import TrainerCallback
 
 __all__ = ["ABORT_MARKER", "DivergenceDetector"]
 
-#: A ``stop_reason`` containing this marker asks the runner to stop WITHOUT a final checkpoint
-#: (the runner checks for it; a diverged model is not worth saving).
+#: The tag in the ``stop_reason`` of an abort, for people reading logs and results; the runner
+#: acts on ``TrainerControl.should_abort``, never on this text.
 ABORT_MARKER = "(abort)"
 _ACTIONS = ("stop", "abort")
 
@@ -27,9 +27,9 @@ class DivergenceDetector(TrainerCallback):
     at once, even during warm-up. The EMA and its best are tracked from the first log.
 
     ``action="stop"`` stops like any callback (the runner saves a final checkpoint).
-    ``action="abort"`` stops without saving: the ``stop_reason`` starts with
-    ``"DivergenceDetector(abort)"``, and the runner treats a stop reason containing ``"(abort)"``
-    (``ABORT_MARKER``) as "stop, no final checkpoint" (the previous checkpoints stay).
+    ``action="abort"`` sets ``TrainerControl.should_abort``: the run stops without a final
+    checkpoint (the previous checkpoints stay), and the ``stop_reason`` starts with
+    ``"DivergenceDetector(abort)"``.
 
     Logs of a step not newer than the last one seen (events delivered again after a restart)
     are ignored for the EMA. Stateful: EMA, best EMA, the consecutive count and the last step
@@ -131,6 +131,8 @@ class DivergenceDetector(TrainerCallback):
             f"DivergenceDetector{ABORT_MARKER}" if self.action == "abort" else "DivergenceDetector"
         )
         context.control.should_training_stop = True
+        if self.action == "abort":
+            context.control.should_abort = True  # stop without a final checkpoint
         context.control.stop_reason = f"{tag}: {why}"
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,13 +7,13 @@ import os
 import time
 from typing import Any
 
-from callbacks._builtin_common import as_float, json_safe, run_dir_of, throughput_of
-from callbacks._callback import TrainerCallback
+from callbacks._builtin_common import as_float, json_safe, throughput_of
+from callbacks._builtin_run_files import RunFileLogger
 
 __all__ = ["JsonlLogger"]
 
 
-class JsonlLogger(TrainerCallback):
+class JsonlLogger(RunFileLogger):
     """Write the training metrics as JSON lines, for ``tail -f``, pandas or jq.
 
     Runs on the callback actor (``runs_on="actor"``), so the file is written on the head node.
@@ -41,27 +41,19 @@ class JsonlLogger(TrainerCallback):
         >>> # then: tail -f ~/ray_results/<run_name>/metrics.jsonl | jq .loss
     """
 
+    _writer_attr = "_file"
+
     def __init__(self, path: str | os.PathLike[str] | None = None, filename: str = "metrics.jsonl"):
         if not filename or os.sep in filename:
             raise ValueError(f"JsonlLogger: filename must be a plain file name, got {filename!r}")
+        super().__init__(path, filename)
         self.path = os.fspath(path) if path is not None else None
         self.filename = filename
-        self._resolved: str | None = None
-        self._file: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_file"] = None  # an open file cannot travel; reopened lazily where it runs
-        return state
 
     @property
     def file_path(self) -> str | None:
         """The file being written (None until known: the run directory comes with events)."""
         return self._resolved
-
-    def on_train_begin(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor before training: learns the run directory."""
-        self._resolve(context)
 
     def on_log(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor at each log: appends a line."""
@@ -103,16 +95,6 @@ class JsonlLogger(TrainerCallback):
             "samples_seen": context.samples_seen,
             "tokens_seen": context.tokens_seen,
         }
-
-    def _resolve(self, context: Any) -> str | None:
-        if self._resolved is None:
-            if self.path is not None:
-                self._resolved = os.path.abspath(os.path.expanduser(self.path))
-            else:
-                run_dir = run_dir_of(context)
-                if run_dir is not None:
-                    self._resolved = os.path.join(run_dir, self.filename)
-        return self._resolved
 
     def _append(self, record: dict[str, Any], context: Any) -> None:
         if self._file is None:

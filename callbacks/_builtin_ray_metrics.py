@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+import weakref
 from typing import Any
 
 from callbacks._builtin_common import as_float, throughput_of
@@ -57,16 +59,16 @@ class RayMetrics(TrainerCallback):
     Ray prefixes application metrics with ``ray_`` itself, so the metric objects are created
     without it (``Gauge("trainer_step")`` is exported as ``ray_trainer_step``); a ``prefix``
     that does not start with ``ray_`` still gets it on the endpoint. A Ray gauge that is not set
-    again for about two report intervals disappears from the endpoint, so every event this
-    callback receives re-sets all known gauges when ``report_every_s`` has passed since the
-    last re-set (a pause with no events at all, e.g. a very long checkpoint, can still let them
-    lapse). The metric objects are created on the first event (``ray.util.metrics`` is imported
-    there, in the actor) and are not pickled.
+    again for about two report intervals disappears from the endpoint, so a refresher thread
+    (started with the metrics, in the process the callback runs in) re-sets every known gauge
+    every ``report_every_s``, events or not, until ``on_train_end``; an event that arrives when
+    a re-set is due re-sets them too. The metric objects and the thread are created on the
+    first event (``ray.util.metrics`` is imported there, in the actor) and are not pickled.
 
     Args:
         prefix: the exported name prefix (default ``"ray_trainer"``).
-        report_every_s: the longest time between two re-sets of every gauge, while events
-            arrive.
+        report_every_s: the longest time between two re-sets of every gauge (keep it under
+            Ray's metrics report interval, 10 s by default).
 
     Example:
         >>> run_training(callbacks=[RayMetrics()])
@@ -94,13 +96,29 @@ class RayMetrics(TrainerCallback):
         self._run = ""
         self._last_report: float | None = None
         self._warned_cap = False
+        self._lock = threading.Lock()  # the refresher thread and the hooks both set gauges
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_metrics", "_counter"):
+        for name in ("_metrics", "_counter", "_refresher"):
             state[name] = None
         state["_gauges"] = {}
+        del state["_lock"], state["_stop"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def close(self) -> None:
+        """Stop the refresher thread (the gauges then lapse after two report intervals)."""
+        self._stop.set()
+        thread, self._refresher = self._refresher, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
     @property
     def object_prefix(self) -> str:
@@ -141,8 +159,10 @@ class RayMetrics(TrainerCallback):
         self._event(context, "on_epoch_end", {})
 
     def on_train_end(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor once at the end: a last re-set of every gauge."""
+        """Called on the callback actor once at the end: a last re-set of every gauge, then
+        the refresher stops."""
         self._event(context, "on_train_end", {"step": context.global_step}, force=True)
+        self.close()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -154,6 +174,11 @@ class RayMetrics(TrainerCallback):
                 description="Training events handled by the RayMetrics callback",
                 tag_keys=("run", "event"),
             )
+            self._start_refresher()
+        with self._lock:
+            self._set(context, event, values, force)
+
+    def _set(self, context: Any, event: str, values: dict[str, Any], force: bool) -> None:
         self._run = str(context.run_name or (context.args or {}).get("run_name") or "")
         errors = getattr(context, "callback_errors_total", None)
         if errors is not None:
@@ -175,6 +200,25 @@ class RayMetrics(TrainerCallback):
         if due:
             self._last_report = now
         self._counter.inc(1, tags={"run": self._run, "event": event})
+
+    def _start_refresher(self) -> None:
+        self._stop.clear()
+        # The thread holds the callback weakly: a dropped callback's thread ends by itself.
+        self._refresher = threading.Thread(
+            target=_refresh_until_stopped,
+            args=(weakref.ref(self), self._stop, self.report_every_s),
+            name="RayMetrics-refresher",
+            daemon=True,
+        )
+        self._refresher.start()
+
+    def refresh(self) -> None:
+        """Re-set every known gauge to its last value (what the refresher thread calls)."""
+        with self._lock:
+            tags = {"run": self._run}
+            for suffix, value in self._values.items():
+                self._gauges[suffix].set(value, tags=tags)
+            self._last_report = self._clock()
 
     def _make_gauge(self, suffix: str) -> bool:
         evals = sum(1 for s in self._gauges if s.startswith("eval_"))
@@ -198,3 +242,16 @@ class RayMetrics(TrainerCallback):
             f"{self.object_prefix}_{suffix}", description=description, tag_keys=("run",)
         )
         return True
+
+
+def _refresh_until_stopped(ref: Any, stop: threading.Event, every_s: float) -> None:
+    """The refresher thread: re-sets the gauges every ``every_s`` until stopped."""
+    while not stop.wait(every_s):
+        callback = ref()
+        if callback is None:
+            return
+        try:
+            callback.refresh()
+        except Exception as exc:  # a metrics failure must not kill the thread silently
+            logger.warning("RayMetrics: re-setting the gauges failed: %s", exc)
+        del callback

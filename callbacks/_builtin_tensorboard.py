@@ -7,8 +7,8 @@ import importlib.util
 import os
 from typing import Any
 
-from callbacks._builtin_common import as_float, run_dir_of, throughput_of
-from callbacks._callback import TrainerCallback
+from callbacks._builtin_common import as_float, throughput_of
+from callbacks._builtin_run_files import RunFileLogger
 
 __all__ = ["TensorBoardLogger"]
 
@@ -27,7 +27,7 @@ def find_backend() -> str | None:
     return None
 
 
-class TensorBoardLogger(TrainerCallback):
+class TensorBoardLogger(RunFileLogger):
     """Write scalars for TensorBoard: ``train/*`` at each log, ``eval/*`` at each evaluation.
 
     Runs on the callback actor (``runs_on="actor"``), so event files are written on the head
@@ -54,24 +54,14 @@ class TensorBoardLogger(TrainerCallback):
                 "TensorBoardLogger needs the tensorboard package: "
                 "pip install 'ray-trainer[tensorboard]' (or pip install tensorboardX)"
             )
+        super().__init__(log_dir, "tensorboard")
         self.backend = backend
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
-        self._resolved: str | None = None
-        self._writer: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_writer"] = None  # holds a file and a thread; recreated where it runs
-        return state
 
     @property
     def resolved_log_dir(self) -> str | None:
         """The directory written to (None until known: the run directory comes with events)."""
         return self._resolved
-
-    def on_train_begin(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor before training: learns the run directory."""
-        self._resolve(context)
 
     def on_log(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor at each log: writes the ``train/*`` scalars."""
@@ -100,16 +90,6 @@ class TensorBoardLogger(TrainerCallback):
             self._writer = None
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _resolve(self, context: Any) -> str | None:
-        if self._resolved is None:
-            if self.log_dir is not None:
-                self._resolved = os.path.abspath(os.path.expanduser(self.log_dir))
-            else:
-                run_dir = run_dir_of(context)
-                if run_dir is not None:
-                    self._resolved = os.path.join(run_dir, "tensorboard")
-        return self._resolved
 
     def _write(self, context: Any, scalars: dict[str, Any], step: int, flush: bool) -> None:
         if self._writer is None:

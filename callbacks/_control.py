@@ -21,12 +21,19 @@ class TrainerControl:
     requests made before its last backward (``on_step_begin`` to ``on_before_backward``), the
     next one for requests made later (``on_step_end``, ``on_log``, ...).
 
+    The same object travels end to end: from a hook to the manager, from the callback actor to
+    rank 0 (pickled with its fields), and into the step's all-reduce (encoded as numbers beside
+    it, in ``ray_trainer/_worker/agreement.py``).
+
     Args:
         should_training_stop: stop at that boundary (a final checkpoint is saved).
         should_save: save a checkpoint at that boundary.
         should_evaluate: evaluate at that boundary.
         should_log: log at that boundary.
-        stop_reason: why the stop was requested; set by ``merge`` to the requesting
+        should_abort: stop at that boundary without saving anything (the checkpoints already
+            written stay); what ``DivergenceDetector(action="abort")`` asks for. Needs no
+            ``should_training_stop`` beside it.
+        stop_reason: why the stop (or abort) was requested; set by ``merge`` to the requesting
             callback's name when the request does not carry one.
 
     Example:
@@ -40,24 +47,39 @@ class TrainerControl:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
+    should_abort: bool = False
     stop_reason: str | None = None
 
     @property
     def any(self) -> bool:
         """True when at least one flag is set."""
         return bool(
-            self.should_training_stop or self.should_save or self.should_evaluate or self.should_log
+            self.should_training_stop
+            or self.should_save
+            or self.should_evaluate
+            or self.should_log
+            or self.should_abort
         )
+
+    @property
+    def stops(self) -> bool:
+        """True when this control ends training (a stop or an abort)."""
+        return bool(self.should_training_stop or self.should_abort)
 
     def merge(self, other: TrainerControl, source_name: str | None = None) -> TrainerControl:
         """OR the flags of ``other`` into this control and return ``self``.
 
-        When ``other`` newly requests a stop, ``stop_reason`` becomes ``other.stop_reason``,
-        or ``source_name`` (the requesting callback's name) when that is not set.
+        ``should_abort`` is kept whenever either side has it. The first stop reason is kept:
+        when ``other`` asks to stop or abort and this control has no reason yet, it becomes
+        ``other.stop_reason``, or ``source_name`` (the requesting callback's name).
         """
-        if other.should_training_stop and not self.should_training_stop:
-            self.should_training_stop = True
-            self.stop_reason = other.stop_reason or source_name
+        if other.should_training_stop or other.should_abort:
+            if not self.stops:
+                self.stop_reason = other.stop_reason or source_name
+            if other.should_training_stop:
+                self.should_training_stop = True
+            if other.should_abort:
+                self.should_abort = True
         if other.should_save:
             self.should_save = True
         if other.should_evaluate:

@@ -1,11 +1,9 @@
-"""``CallbackManager``: holds callbacks and dispatches events to them.
+"""``CallbackManager``: holds callbacks and dispatches events to them, synchronously.
 
-Two dispatchers over the same manager:
-
-- synchronous (default): ``fire`` runs the hooks in the calling thread and returns the merged
-  ``TrainerControl``; used inside the training process (every rank).
-- ordered asynchronous (``asynchronous=True``): ``fire`` enqueues and returns ``None``; one
-  background thread handles events one at a time in the order fired; used on the callback actor.
+``fire`` runs the hooks in the calling thread and returns the merged ``TrainerControl``; used
+inside the training process (every rank). ``CallbackManager(asynchronous=True)`` builds the
+ordered asynchronous manager of ``_manager_async.py`` instead (the callback actor): the two
+share registration, ordering, state and error handling, and keep their dispatch apart.
 """
 
 from __future__ import annotations
@@ -13,29 +11,21 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import time
 import warnings
 from typing import Any
 
-from callbacks._context import TrainingContext, detach_template, make_snapshot, snapshot_template
+from callbacks._context import TrainingContext, make_snapshot, snapshot_template
 from callbacks._control import NO_CONTROL, TrainerControl
-from callbacks._dispatch import AsyncDispatcher, CoroutineRunner
+from callbacks._dispatch import CoroutineRunner
 from callbacks._errors import CallbackError, ErrorLog
-from callbacks._events import (
-    ALIASES,
-    LOW_VALUE_EVENTS,
-    resolve_event,
-    unknown_event_message,
-)
+from callbacks._events import ALIASES, EVENTS, resolve_event, unknown_event_message
 from callbacks._hooks import hooks_of, is_function
-from callbacks._index import BARRIER, CLOSED_INDEX, Registration, build_index
+from callbacks._index import CLOSED_INDEX, Registration, build_index
 from callbacks._registry import global_callbacks as _current_globals
 
 __all__ = ["CallbackManager"]
 
 logger = logging.getLogger("callbacks")
-
-_DISPATCHER = "<dispatcher>"
 
 
 class _BadReturn(TypeError):
@@ -55,7 +45,8 @@ class CallbackManager:
         core: built-in callbacks that run before the user's.
         global_callbacks: ``None`` takes the global registry as it is now; a list means exactly
             those (the runner passes ``[]`` on workers: globals travel in its list).
-        asynchronous: handle events on a background thread, in order (the callback actor).
+        asynchronous: handle events on a background thread, in order (the callback actor); the
+            manager is then an ``AsyncCallbackManager`` (see ``_manager_async.py``).
         max_queue: bound of the asynchronous queue; when full, ``LOW_VALUE_EVENTS`` are dropped
             (counted in ``dropped_events``) and other events wait for room.
         end_timeout: seconds ``fire("on_train_end")`` and ``close()`` wait for pending events.
@@ -66,6 +57,18 @@ class CallbackManager:
         >>> manager.register("on_save", lambda ctx: print("saved", ctx.checkpoint_path))
         >>> control = manager.fire("on_save", TrainingContext(global_step=5), checkpoint_path="x")
     """
+
+    #: What ``fire`` returns for an event nobody subscribed to.
+    _idle_result: Any = NO_CONTROL
+    #: Whether ``on_train_end`` always reaches the dispatch (the asynchronous end barrier).
+    _end_barrier = False
+
+    def __new__(cls, *args: Any, asynchronous: bool = False, **kwargs: Any) -> CallbackManager:
+        if asynchronous and cls is CallbackManager:
+            from callbacks._manager_async import AsyncCallbackManager
+
+            cls = AsyncCallbackManager
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -80,6 +83,7 @@ class CallbackManager:
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        self._max_queue = max_queue
         self._lock = threading.RLock()
         self._user_state: dict[str, Any] = {}
         self._errors = ErrorLog(max_errors)
@@ -87,15 +91,12 @@ class CallbackManager:
         self._end_timeout = end_timeout
         self._closed = False
         self._handled: dict[str, int] = {}
-        self._control_lock = threading.Lock()
-        self._pending_control: TrainerControl | None = None
-        self._idle_result = None if asynchronous else NO_CONTROL
         globals_ = _current_globals() if global_callbacks is None else list(global_callbacks)
         self._core = [self._prepare(cb) for cb in _as_list(core)]
         self._global = [self._prepare(cb) for cb in globals_]
         self._user: list[Registration] = []
         self._index: dict[str, tuple] = CLOSED_INDEX
-        self._dispatcher = AsyncDispatcher(self._handle, max_queue) if asynchronous else None
+        self._start()
         self._commit(self._user)
         if callbacks is not None:
             self.add(callbacks)
@@ -142,12 +143,14 @@ class CallbackManager:
     def _prepare(self, cb: Any) -> Registration:
         return Registration(cb, hooks_of(cb), is_object=not is_function(cb))
 
+    def _start(self) -> None:
+        """Set up the dispatch machinery (nothing for the synchronous manager)."""
+
     def _commit(self, user: list[Registration]) -> None:
         """Validate and install a new user list, rebuilding the per-event index."""
-        barrier = self._dispatcher is not None
-        index = build_index(self._core, user, self._global, end_barrier=barrier)
+        index = build_index(self._core, user, self._global, end_barrier=self._end_barrier)
         self._user, self._regs, self._stateful = user, index.registrations, index.stateful
-        self._subscribed, self._events = index.subscribed, index.events
+        self._subscribed, self._subscribed_events = index.subscribed, index.events
         self._index = CLOSED_INDEX if self._closed else index.dispatch
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -159,9 +162,9 @@ class CallbackManager:
         takes them. An event nobody subscribes to costs one dict lookup.
 
         Returns:
-            Synchronous mode: the merged ``TrainerControl`` (a shared read-only one when nothing
-            was requested: merge it into your own, don't mutate it). Asynchronous mode:
-            ``None`` (take requests later with ``take_control()``). After ``close()``, a no-op.
+            The merged ``TrainerControl`` (a shared read-only one when nothing was requested:
+            merge it into your own, don't mutate it); ``None`` from an asynchronous manager
+            (take requests later with ``take_control()``). After ``close()``, a no-op.
 
         Raises:
             ValueError: unknown event name (with a did-you-mean).
@@ -169,10 +172,8 @@ class CallbackManager:
         hooks = self._index.get(event)
         if hooks:
             event = ALIASES.get(event, event)
-            if self._dispatcher is None:
-                template = snapshot_template(context, event, kwargs, self._user_state)
-                return self._run(event, hooks, template, kwargs)
-            return self._enqueue(event, hooks, context, kwargs)
+            template = snapshot_template(context, event, kwargs, self._user_state)
+            return self._run(event, hooks, template, kwargs)
         if hooks is None:
             raise ValueError(unknown_event_message(event))
         return self._idle_result
@@ -216,52 +217,19 @@ class CallbackManager:
             "a hook returns None or a TrainerControl"
         )
 
-    def _enqueue(self, event: str, hooks: tuple, context: Any, kwargs: dict) -> None:
-        dispatcher = self._dispatcher
-        assert dispatcher is not None
-        template = snapshot_template(context, event, kwargs, self._user_state)
-        seq = None
-        if hooks is not BARRIER:
-            detach_template(template)  # the caller may reuse its dicts once fire returns
-            item = (event, hooks, template, kwargs)
-            seq = dispatcher.submit(event, item, droppable=event in LOW_VALUE_EVENTS)
-        if event != "on_train_end" or dispatcher.on_dispatcher_thread:
-            return  # only on_train_end waits (and a hook firing it cannot wait for itself)
-        if not dispatcher.wait_for(seq, self._end_timeout):
-            self._errors.record(
-                _DISPATCHER,
-                event,
-                template.get("global_step"),
-                f"TimeoutError: on_train_end waited {self._end_timeout:g} s for earlier events "
-                f"and its callbacks; {dispatcher.pending()} event(s) still pending",
-            )
-
-    def _handle(self, item: tuple) -> None:
-        """Runs on the dispatcher thread, one event at a time."""
-        event, hooks, template, kwargs = item
-        try:
-            control = self._run(event, hooks, template, kwargs)
-        except Exception as exc:  # a bug here must not end the dispatcher thread
-            self._errors.record_exception(_DISPATCHER, event, template.get("global_step"), exc)
-            return
-        if control.any:
-            with self._control_lock:
-                pending = self._pending_control or TrainerControl()
-                self._pending_control = pending.merge(control, control.stop_reason)
-
     def take_control(self) -> TrainerControl | None:
-        """Return and clear the control merged from asynchronously handled events (or None)."""
-        with self._control_lock:
-            control, self._pending_control = self._pending_control, None
-        return control
+        """The control merged from asynchronously handled events, cleared (None here: a
+        synchronous ``fire`` returns its control at once)."""
+        return None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event fired so far is handled; False on timeout."""
-        return True if self._dispatcher is None else self._dispatcher.wait_for(None, timeout)
+        return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Stop accepting events, drain the queue (at most ``timeout``, default ``end_timeout``)
-        and stop the dispatcher thread. Idempotent; ``fire`` is a no-op afterwards.
+        """Stop accepting events (``fire`` is a no-op afterwards) and, for an asynchronous
+        manager, drain its queue (at most ``timeout``, default ``end_timeout``) and stop its
+        thread. Idempotent.
 
         Returns:
             True when everything pending was handled in time.
@@ -271,21 +239,14 @@ class CallbackManager:
                 return True
             self._closed = True
             self._index = CLOSED_INDEX
-        timeout = self._end_timeout if timeout is None else timeout
-        done = True
-        if self._dispatcher is not None:
-            deadline = time.monotonic() + timeout
-            done = self._dispatcher.wait_for(None, timeout)
-            if not done:
-                logger.warning(
-                    "callbacks: %d event(s) still pending after %g s at close",
-                    self._dispatcher.pending(),
-                    timeout,
-                )
-            done = self._dispatcher.stop(max(0.0, deadline - time.monotonic())) and done
+        done = self._drain(self._end_timeout if timeout is None else timeout)
         if done:
             self._runner.close()
         return done
+
+    def _drain(self, timeout: float) -> bool:
+        """Handle what is pending before closing; True when done in time."""
+        return True
 
     def __enter__(self) -> CallbackManager:
         return self
@@ -342,8 +303,14 @@ class CallbackManager:
 
     @property
     def events(self) -> frozenset[str]:
+        """Every valid event name (``EVENTS``): what ``register`` and ``fire`` accept, aliases
+        aside. The events somebody subscribed to are ``subscribed_events``."""
+        return EVENTS
+
+    @property
+    def subscribed_events(self) -> frozenset[str]:
         """The events with at least one subscriber."""
-        return self._events
+        return self._subscribed_events
 
     @property
     def user_state(self) -> dict[str, Any]:
@@ -363,16 +330,17 @@ class CallbackManager:
     @property
     def dropped_events(self) -> dict[str, int]:
         """Low-value events dropped because the asynchronous queue was full, by event."""
-        return {} if self._dispatcher is None else dict(self._dispatcher.dropped)
+        return {}
 
     @property
     def handled_events(self) -> dict[str, int]:
         """How many events with subscribers were handled, by event."""
         return dict(self._handled)
 
+    _mode = "synchronous"
+
     def __repr__(self) -> str:
-        mode = "asynchronous" if self._dispatcher is not None else "synchronous"
-        return f"CallbackManager({len(self._regs)} callbacks, {mode})"
+        return f"CallbackManager({len(self._regs)} callbacks, {self._mode})"
 
 
 def _as_list(cb_or_list: Any) -> list[Any]:

@@ -15,35 +15,7 @@ import json
 import os
 
 from ray_trainer import ProgressBar, run_training
-
-
-def make_tiny_model(path: str) -> str:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<pad>", "<eos>", "<unk>", "the", "cat", "dog", "sat", "ran", "on", "mat", "home"]
-    backend = Tokenizer(
-        models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>")
-    )
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    config = transformers.GPT2Config(
-        vocab_size=len(words),
-        n_positions=32,
-        n_embd=64,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=1,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+from ray_trainer.demo import make_tiny_causal_lm
 
 
 def make_data(path: str) -> str:
@@ -65,7 +37,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=100)
     opts = parser.parse_args()
     os.makedirs("runs", exist_ok=True)
-    model = opts.model or make_tiny_model(os.path.abspath("runs/tiny-gpt2"))
+    model = opts.model or str(make_tiny_causal_lm(os.path.abspath("runs/tiny-gpt2")))
     data = opts.data or make_data(os.path.abspath("runs/tiny-data.jsonl"))
     result = run_training(
         model=model,

@@ -1,6 +1,8 @@
-"""ray-trainer: distributed PyTorch training on Ray Train, built around callbacks.
+"""ray-trainer's public API, imported in the driver (and anywhere a checkpoint is read).
 
-The public API. Everything else lives in ``_``-prefixed modules. The callback API is re-exported
+The public API, imported in the driver (and anywhere a checkpoint is read). Everything else
+lives in ``_``-prefixed modules, laid out by the process that runs them: ``_driver``,
+``_worker``, ``_actor``, and at the top what several of them share. The callback API is re-exported
 here too, for users whose own project has a ``callbacks.py`` that shadows the ``callbacks``
 package.
 """
@@ -9,8 +11,9 @@ from callbacks import *  # noqa: F403  (re-export the callback API; see callback
 from callbacks import __all__ as _callbacks_all
 from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, load_model_state
 from ray_trainer._config import TrainingArgs, TrainingArgsError
-from ray_trainer._launch import ResourceRequestError, RunFailedError, run_training
-from ray_trainer._result import TrainingResult
+from ray_trainer._driver.checks import ResourceRequestError
+from ray_trainer._driver.launch import RunFailedError, run_training
+from ray_trainer._driver.result import TrainingResult
 
 __all__ = [
     "CheckpointError",

@@ -1,6 +1,7 @@
-"""Checkpoint files: written completely or not at all, verified before they are trusted.
+"""Every process: the checkpoint format, written by the workers, complete or refused.
 
-Runs in the training processes. Every rank writes its own part into its own temporary folder
+Written in the training processes; read there (resume), in the callback actor (its state), in
+the driver (``resume_from``) and in evaluation tasks and notebooks (``load_model_state``). Every rank writes its own part into its own temporary folder
 (its RNG state and the state of its stateful callbacks); rank 0 also writes the model, optimizer,
 scheduler and trainer state. Ray Train merges the folders of all ranks into one persisted
 checkpoint. Each rank writes ``rank<r>.complete`` last: a JSON manifest of its files and their
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
+
+from ray_trainer._contract import CHECKPOINT_PREFIX
 
 if TYPE_CHECKING:
     import torch  # noqa: F401  (imported lazily: the callback actor reads manifests without torch)
@@ -193,7 +196,7 @@ def latest_checkpoint(run_dir: str) -> str | None:
     """The newest complete checkpoint folder under a run folder, or None."""
     if not os.path.isdir(run_dir):
         return None
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint_"))
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith(CHECKPOINT_PREFIX))
     for name in reversed(names):
         try:
             verify(os.path.join(run_dir, name))

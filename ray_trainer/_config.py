@@ -1,4 +1,4 @@
-"""`TrainingArgs`: everything a run needs, validated before any Ray resource is taken.
+"""Every process: `TrainingArgs`, validated in the driver before any Ray resource is taken.
 
 Runs in the driver. The validated args travel to the workers (and to the callback actor) as a
 plain dict; the objects in them (model factories, datasets, callbacks) travel cloudpickled.

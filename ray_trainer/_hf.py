@@ -1,4 +1,4 @@
-"""Hugging Face models and tokenizers, loaded offline unless a download is allowed.
+"""Driver, workers and eval tasks: Hugging Face models and tokenizers, loaded offline.
 
 Needs the optional extra ``ray-trainer[hf]`` (transformers). :func:`check_model_ref` runs in the
 driver before Ray starts, so that a wrong model name fails at once; the loaders run in each
@@ -118,3 +118,55 @@ def load_hf_tokenizer(name_or_path: str, allow_download: bool = False, **kwargs:
         return transformers.AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(_not_found("tokenizer", name, e, allow_download)) from e
+
+
+#: The words of `make_tiny_causal_lm`'s tokenizer (after <pad>=0, <eos>=1, <unk>=2).
+TINY_WORDS: tuple[str, ...] = (
+    "the", "cat", "dog", "sat", "ran", "on", "mat", "home", "what", "did", "do", "?", "it",
+)  # fmt: skip
+
+
+def make_tiny_causal_lm(
+    path: str | os.PathLike[str],
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 2,
+    n_positions: int = 32,
+    seed: int = 0,
+) -> Path:
+    """Save a tiny randomly initialised GPT-2 and a word-level tokenizer to `path`, as
+    ``save_pretrained`` writes them, and return `path`. Nothing is downloaded.
+
+    Runs in the calling process (examples, tests). The tokenizer splits on whitespace and knows
+    ``TINY_WORDS``; pad is 0, eos is 1, unknown words map to 2.
+
+    Example:
+        >>> run_training(model=str(make_tiny_causal_lm("runs/tiny-gpt2")), data="train.jsonl")
+    """
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    transformers = _transformers("tiny GPT-2")
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>", *TINY_WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    config = transformers.GPT2Config(
+        vocab_size=len(vocab),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    path = Path(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,4 +1,4 @@
-"""Which callbacks run where, and building the manager for one process.
+"""Every process: which callbacks run where, and building the manager for one process.
 
 Runs in the driver (to split subscriptions), in each training worker and in the callback actor.
 The driver ships one cloudpickled dict ``{"core": [...], "user": [...], "global": [...]}``; a
@@ -19,7 +19,10 @@ def _where(item: Any) -> str:
     return runs_on_of(item[1] if isinstance(item, tuple) else item)
 
 
-def keep_for_worker(rank: int, actor_available: bool) -> Callable[[Any], bool]:
+def keep_for_worker(rank: int, actor_available: bool = True) -> Callable[[Any], bool]:
+    """Which entries a training worker of `rank` runs (actor-side ones go to rank 0 only when
+    there is no callback actor; every run has one, so only tools use `actor_available=False`)."""
+
     def keep(item: Any) -> bool:
         where = _where(item)
         if where == "all_ranks":
@@ -56,7 +59,7 @@ def build_manager(
 
 def subscribed_events(lists: CallbackLists, keep: Callable[[Any], bool]) -> frozenset[str]:
     """Events some selected callback subscribes to (known before training starts)."""
-    return build_manager(lists, keep).events
+    return build_manager(lists, keep).subscribed_events
 
 
 def pack(lists: CallbackLists) -> bytes:

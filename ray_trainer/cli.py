@@ -1,6 +1,7 @@
-"""The ``ray-trainer`` command: parse, build, fit, report.
+"""Driver (and the user's terminal): the ``ray-trainer`` command, parse, build, fit, report.
 
-Runs in the driver process (a terminal, or the entrypoint of a Ray job).
+Runs in the driver process (a terminal, or the entrypoint of a Ray job); ``status`` and
+``submit`` run in the user's terminal.
 
     ray-trainer run CONFIG.yaml [--set key=value ...]
     ray-trainer demo [--num-workers 2] [--max-steps N] [--set key=value ...]
@@ -35,7 +36,10 @@ def _with_default_callbacks(args: TrainingArgs, *, quiet: bool, demo: bool) -> T
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ray-trainer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="ray-trainer",
+        description="Distributed PyTorch training on Ray, built around callbacks.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train with the TrainingArgs in a YAML file")
@@ -80,13 +84,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
-    if opts.command in ("status", "submit"):
-        from ray_trainer import _cluster
+    if opts.command == "status":
+        from ray_trainer._driver.status import status_main
 
-        return (
-            _cluster.status_main(opts) if opts.command == "status" else _cluster.submit_main(opts)
-        )
-    from ray_trainer._launch import ResourceRequestError, RunFailedError, run_training
+        return status_main(opts)
+    if opts.command == "submit":
+        from ray_trainer._driver.submit import submit_main
+
+        return submit_main(opts)
+    from ray_trainer._driver.checks import ResourceRequestError
+    from ray_trainer._driver.launch import RunFailedError, run_training
 
     try:
         if opts.command == "run":

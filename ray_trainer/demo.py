@@ -1,9 +1,21 @@
-"""The built-in demo task, public: a tiny causal transformer learning multi-digit addition.
+"""Anywhere (driver, eval tasks, notebooks): the built-in demo task and tiny models, public.
 
-`run_training()` with no `model` and no `data` trains it. These names let your own code (an
-evaluation task, an example) rebuild the same model and data: ``build_demo().model_factory()``.
+`run_training()` with no `model` and no `data` trains the demo. These names let your own code
+(an evaluation task, an example) rebuild the same model and data:
+``build_demo().model_factory()``. ``make_tiny_causal_lm(path)`` writes a tiny random Hugging
+Face GPT-2 and its tokenizer on the spot (needs ``ray-trainer[hf]``), for examples and tests
+that must not download anything.
 """
 
 from ray_trainer._demo import DEMO_DEFAULTS, AdditionDataset, TinyCausalLM, build_demo, exact_match
+from ray_trainer._hf import TINY_WORDS, make_tiny_causal_lm
 
-__all__ = ["DEMO_DEFAULTS", "AdditionDataset", "TinyCausalLM", "build_demo", "exact_match"]
+__all__ = [
+    "DEMO_DEFAULTS",
+    "TINY_WORDS",
+    "AdditionDataset",
+    "TinyCausalLM",
+    "build_demo",
+    "exact_match",
+    "make_tiny_causal_lm",
+]

@@ -1,4 +1,4 @@
-"""The built-in demo: a tiny causal transformer learning multi-digit addition written as text.
+"""Workers, driver and eval tasks: the built-in demo, a tiny transformer learning addition.
 
 It needs no download (the data is generated from a seed) and shows real learning within a couple
 of minutes on two CPU workers: the validation loss falls and the exact-match accuracy of the

@@ -1,4 +1,4 @@
-"""The demo task: multi-digit addition written as text, e.g. ``"123+45=168"`` then EOS.
+"""Workers and eval tasks: the demo task, multi-digit addition written as text.
 
 Everything here is generated from a seed, so the demo needs no download. Datasets are built in
 the driver and shipped to the workers (they are small tensors); :func:`exact_match` runs wherever

@@ -1,4 +1,4 @@
-"""A small causal transformer in plain torch, used by the built-in demo and the tests.
+"""Workers and eval tasks: a small causal transformer in plain torch (the demo's model).
 
 It follows the Hugging Face causal-LM calling convention that the training loop relies on:
 ``model(input_ids, labels=None, attention_mask=None)`` returns an object with ``.loss`` (``None``

@@ -42,6 +42,11 @@ class TinyDataset(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
+def tiny_data_4_steps_per_epoch() -> TinyDataset:
+    """64 samples: 32 per rank of 2, 4 optimizer steps of batch 8 per epoch."""
+    return TinyDataset(64)
+
+
 def tiny_run(tmp_path, **overrides: Any) -> dict[str, Any]:
     """The fields of a short real run: the tiny model and data, 2 workers, storage in tmp_path."""
     fields: dict[str, Any] = dict(
@@ -90,6 +95,7 @@ def _recorder_methods():
             self.log.write(
                 event=event,
                 step=context.global_step,
+                epoch=context.epoch,
                 rank=context.rank,
                 world_size=context.world_size,
                 attempt=context.attempt,

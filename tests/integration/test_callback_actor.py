@@ -100,7 +100,7 @@ def test_actor_stop_request_reaches_every_rank_within_the_lag(ray_session, tmp_p
 def test_killed_actor_is_restarted_and_loses_no_save(ray_session, tmp_path):
     import ray
 
-    from ray_trainer._actor import NAMESPACE, actor_name
+    from ray_trainer._contract import NAMESPACE, actor_name
 
     folder = str(tmp_path / "records")
     outcome: dict = {}

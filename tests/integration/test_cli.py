@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import yaml
-from tiny_hf import make_tiny_hf
+
+from ray_trainer.demo import make_tiny_causal_lm
 
 
 def _cli(args, env_extra=None, timeout=300):
@@ -23,7 +24,7 @@ def _cli(args, env_extra=None, timeout=300):
 
 
 def test_run_yaml_with_hf_model_and_jsonl_data(ray_session, tmp_path):
-    hf_dir = make_tiny_hf(tmp_path / "tiny-gpt2")
+    hf_dir = make_tiny_causal_lm(tmp_path / "tiny-gpt2", n_layer=1, n_embd=32)
     data = tmp_path / "data.jsonl"
     lines = [
         {"text": "the cat sat on the mat"},

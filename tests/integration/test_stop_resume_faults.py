@@ -14,13 +14,14 @@ from rt_support import (
     TinyDataset,
     TinyRegressor,
     read_records,
+    tiny_data_4_steps_per_epoch,
 )
 
 
-def _args(storage: str, folder: str, extra=(), **overrides):
+def _args(storage: str, folder: str, extra=(), data=TinyDataset, **overrides):
     return dict(
         model=TinyRegressor,
-        data=TinyDataset,
+        data=data,
         batch_size=8,
         num_workers=2,
         storage_path=storage,
@@ -42,11 +43,20 @@ def stopped_then_continued(ray_session, tmp_path_factory):
             storage,
             first_dir,
             [StopAt(4), Rank1SaveAfter(2)],
+            data=tiny_data_4_steps_per_epoch,  # step 4 is the last of epoch 0
             max_steps=10,
             run_name="stop-continue",
         ),
     )
-    second = run_training(**_args(storage, second_dir, max_steps=7, run_name="stop-continue"))
+    second = run_training(
+        **_args(
+            storage,
+            second_dir,
+            data=tiny_data_4_steps_per_epoch,
+            max_steps=7,
+            run_name="stop-continue",
+        )
+    )
     return (
         first,
         second,
@@ -93,6 +103,19 @@ def test_new_call_continues_from_the_checkpoint(stopped_then_continued):
         (0, 7, 7),
         (1, 7, 7),
     ]
+
+
+def test_resuming_at_an_epoch_boundary_starts_the_next_epoch(stopped_then_continued):
+    # The first run stopped (and saved) at step 4, the last step of epoch 0: the continued run
+    # begins epoch 1, without an empty epoch 0 (on_epoch_begin then at once on_epoch_end).
+    _, _, _, records, _ = stopped_then_continued
+    for rank in (0, 1):
+        epochs = [
+            (r["event"], r["step"], r["epoch"])
+            for r in records
+            if r["rank"] == rank and r["event"] in ("on_epoch_begin", "on_epoch_end")
+        ]
+        assert epochs == [("on_epoch_begin", 4, 1)], f"rank {rank}"
 
 
 def test_worker_crash_restarts_from_latest_checkpoint(ray_session, tmp_path):

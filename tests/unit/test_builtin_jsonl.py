@@ -46,7 +46,7 @@ def log_ctx(step, storage, **fields):
 def test_lines_are_whole_and_valid_after_every_event(tmp_path):
     logger = JsonlLogger()
     m = manager_for(logger)
-    assert {"on_log", "on_evaluate", "on_train_end"} <= m.events
+    assert {"on_log", "on_evaluate", "on_train_end"} <= m.subscribed_events
     m.fire("on_train_begin", log_ctx(0, tmp_path))
     path = tmp_path / "run1" / "metrics.jsonl"
     assert logger.file_path == str(path)

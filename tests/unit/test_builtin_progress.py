@@ -50,7 +50,7 @@ def log_ctx(step, **fields):
 def test_log_line_format_on_a_plain_stream():
     out = io.StringIO()
     _, clock, m = make(out)
-    assert {"on_log", "on_evaluate", "on_train_end"} <= m.events
+    assert {"on_log", "on_evaluate", "on_train_end"} <= m.subscribed_events
     m.fire("on_log", log_ctx(100))
     clock.now += 10.0
     m.fire("on_log", log_ctx(120))

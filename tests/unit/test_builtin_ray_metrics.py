@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import threading
 import types
 
 import pytest
@@ -70,7 +71,13 @@ def last(metric):
 def test_nothing_is_created_or_imported_before_the_first_event(fake_metrics):
     cb, _, m = make()
     assert fake_metrics["_imports"] == [] and cb._gauges == {}
-    assert {"on_log", "on_evaluate", "on_train_begin", "on_train_end", "on_save"} <= m.events
+    assert {
+        "on_log",
+        "on_evaluate",
+        "on_train_begin",
+        "on_train_end",
+        "on_save",
+    } <= m.subscribed_events
     m.fire("on_log", log_ctx(1))
     assert fake_metrics["_imports"] == [1]
 
@@ -191,3 +198,39 @@ def test_real_ray_metrics_objects_need_no_running_cluster():
     assert set(cb._gauges) >= {"step", "loss", "eval_val_loss"}
     assert type(cb._gauges["step"]).__module__ == "ray.util.metrics"
     assert ray.is_initialized() == was_initialized  # creating them started no Ray
+
+
+def test_gauges_are_re_set_between_events_by_the_refresher(fake_metrics):
+    # Ray drops a gauge not set within about two report intervals: the values must be set
+    # again while no event arrives (a long checkpoint, an idle actor).
+    cb = RayMetrics(report_every_s=0.05)
+    m = CallbackManager([cb], global_callbacks=[])
+    m.fire("on_log", log_ctx(1))
+    loss = fake_metrics["trainer_loss"]
+    refreshed = threading.Event()
+    real_set = loss.set
+
+    def watched_set(value, tags=None):
+        real_set(value, tags)
+        if len(loss.records) >= 3:
+            refreshed.set()
+
+    loss.set = watched_set
+    assert refreshed.wait(timeout=10), "no re-set without events"
+    assert all(r == (1.5, {"run": "r1"}) for r in loss.records)
+    thread = cb._refresher
+    m.fire("on_train_end", TrainingContext(global_step=1, run_name="r1"))
+    assert cb._refresher is None and not thread.is_alive()  # stopped at the end of the run
+
+
+def test_refresher_is_not_pickled_and_restarts_where_the_callback_runs(fake_metrics):
+    cb = RayMetrics(report_every_s=0.05)
+    cb.on_log(log_ctx(1))
+    assert cb._refresher is not None and cb._refresher.is_alive()
+    [copy] = loads_callbacks(dumps_callbacks([cb]))
+    assert copy._refresher is None
+    copy.on_log(log_ctx(2))
+    assert copy._refresher is not None and copy._refresher.is_alive()
+    cb.close()
+    copy.close()
+    assert cb._refresher is None and copy._refresher is None

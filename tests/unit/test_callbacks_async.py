@@ -287,7 +287,7 @@ def test_max_queue_must_be_positive(max_queue):
 
 def test_async_mode_reports_only_real_subscriptions():
     manager = make_manager(Record())
-    assert manager.events == {"on_log", "on_save"}
+    assert manager.subscribed_events == {"on_log", "on_save"}
     assert not manager.has_callbacks("on_train_end")  # the end barrier is not a subscriber
     assert manager.list_callbacks("on_train_end") == []
     assert manager.fire("on_step_end") is None  # unsubscribed: None too in async mode

@@ -43,7 +43,7 @@ class Log(TrainerCallback):
 def test_only_overridden_hooks_are_called_and_subscribed():
     calls = []
     manager = make_manager(Log(calls))
-    assert manager.events == {"on_log", "on_save"}
+    assert manager.subscribed_events == {"on_log", "on_save"}
     for event in sorted(EVENTS):
         manager.fire(event, TrainingContext())
     assert sorted(calls) == [("Log", "on_log"), ("Log", "on_save")]
@@ -53,8 +53,27 @@ def test_only_overridden_hooks_are_called_and_subscribed():
 
 def test_events_is_empty_without_callbacks():
     manager = make_manager()
-    assert manager.events == frozenset()
+    assert manager.subscribed_events == frozenset()
     assert manager.callbacks == []
+
+
+def test_events_lists_every_valid_event_as_in_megatron_bridge():
+    # Ported code checks `event in manager.events` before registering: every valid name.
+    manager = make_manager(Log([]))
+    assert manager.events == EVENTS
+    assert make_manager().events == EVENTS
+    assert all(manager.register(e, lambda ctx: None) is None for e in sorted(manager.events))
+    assert make_manager(asynchronous=True).events == EVENTS
+
+
+def test_sync_and_async_dispatch_are_separate_classes():
+    from callbacks._manager_async import AsyncCallbackManager
+
+    sync, async_ = make_manager(), make_manager(asynchronous=True)
+    assert type(sync) is CallbackManager and isinstance(async_, AsyncCallbackManager)
+    assert not hasattr(sync, "_dispatcher")
+    assert sync.fire("on_log") is not None and async_.fire("on_log") is None
+    async_.close()
 
 
 def test_duck_typed_object_is_a_callback():
@@ -67,7 +86,7 @@ def test_duck_typed_object_is_a_callback():
     manager = make_manager(Plain())
     manager.fire("on_evaluate", TrainingContext(), val_metrics={"loss": 1.0})
     assert calls == [{"loss": 1.0}]
-    assert manager.events == {"on_evaluate"}
+    assert manager.subscribed_events == {"on_evaluate"}
 
 
 def test_alias_method_names_are_called_for_their_event():
@@ -87,7 +106,7 @@ def test_alias_method_names_are_called_for_their_event():
             calls.append(("pre", context.event))
 
     manager = make_manager(Ported())
-    assert manager.events == {
+    assert manager.subscribed_events == {
         "on_save",
         "on_after_optimizer_step",
         "on_evaluate",
@@ -148,7 +167,7 @@ def test_event_named_function_is_registered_for_its_event():
         calls.append("checkpoint")
 
     manager = make_manager(on_save, on_checkpoint)
-    assert manager.events == {"on_save"}
+    assert manager.subscribed_events == {"on_save"}
     manager.fire("on_save")
     assert calls == ["save", "checkpoint"]
 
@@ -251,7 +270,7 @@ def test_remove_bound_method_registration():
     manager = make_manager()
     manager.register("on_step_end", cb.on_log)
     manager.remove(cb.on_log)  # a new bound-method object, equal to the registered one
-    assert manager.events == frozenset()
+    assert manager.subscribed_events == frozenset()
 
 
 # -- order ----------------------------------------------------------------------------------

@@ -9,20 +9,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_trainer import _cluster
-from ray_trainer._cluster import (
+from ray_trainer._config import TrainingArgsError
+from ray_trainer._driver import status as status_cmd
+from ray_trainer._driver import submit as submit_cmd
+from ray_trainer._driver.status import (
     ClusterUnreachable,
     NoLiveRun,
-    SubmitError,
-    build_entrypoint,
     check_reachable,
-    config_in_working_dir,
     format_status,
     live_run_names,
     no_live_run_message,
+)
+from ray_trainer._driver.submit import (
+    SubmitError,
+    build_entrypoint,
+    config_in_working_dir,
     prepare_submission,
 )
-from ray_trainer._config import TrainingArgsError
 from ray_trainer.cli import _parser, main
 
 DASH = "http://127.0.0.2:8265"
@@ -140,12 +143,12 @@ def test_submit_address_from_flag_or_environment(monkeypatch):
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address: not for the job API
     with pytest.raises(SubmitError, match="--address http://HOST:8265"):
-        _cluster.submit_address(None)
+        submit_cmd.submit_address(None)
     monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265")
-    assert _cluster.submit_address(None) == "http://10.0.0.1:8265"
+    assert submit_cmd.submit_address(None) == "http://10.0.0.1:8265"
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://h:1")
-    assert _cluster.submit_address(None) == "http://h:1"
-    assert _cluster.submit_address("http://x:2") == "http://x:2"
+    assert submit_cmd.submit_address(None) == "http://h:1"
+    assert submit_cmd.submit_address("http://x:2") == "http://x:2"
 
 
 # ---- submit: talking to the job API (a fake client) ----------------------------------------
@@ -232,7 +235,7 @@ def test_wait_falls_back_to_polling_when_streaming_fails():
             return "line 1\nline 2\n"[: 7 * self.polls]
 
     out = _Out()
-    assert _cluster.wait_for_job(NoStream(), "j", out, poll_s=0) == "SUCCEEDED"
+    assert submit_cmd.wait_for_job(NoStream(), "j", out, poll_s=0) == "SUCCEEDED"
     assert out.text == "line 1\nline 2\n"
 
 
@@ -335,11 +338,11 @@ def test_status_exit_codes(monkeypatch, capsys):
     def missing(run_name, address, timeout_s):
         raise NoLiveRun(no_live_run_message(run_name, address, ["a"]))
 
-    monkeypatch.setattr(_cluster, "fetch_status", missing)
+    monkeypatch.setattr(status_cmd, "fetch_status", missing)
     assert main(["status", "r1", "--address", "h:1"]) == 1
     assert "no live run named r1 on h:1; live runs: a" in capsys.readouterr().err
 
-    monkeypatch.setattr(_cluster, "fetch_status", lambda run_name, address, timeout_s: STATUS)
+    monkeypatch.setattr(status_cmd, "fetch_status", lambda run_name, address, timeout_s: STATUS)
     assert main(["status", "r1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["global_step"] == 30
     assert main(["status", "r1"]) == 0
@@ -348,7 +351,7 @@ def test_status_exit_codes(monkeypatch, capsys):
 
 def test_status_address_defaults_to_ray_address_then_auto(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert _cluster.resolve_address(None) == "10.0.0.1:6379"
-    assert _cluster.resolve_address("h:1") == "h:1"
+    assert status_cmd.resolve_address(None) == "10.0.0.1:6379"
+    assert status_cmd.resolve_address("h:1") == "h:1"
     monkeypatch.delenv("RAY_ADDRESS")
-    assert _cluster.resolve_address(None) == "auto"
+    assert status_cmd.resolve_address(None) == "auto"

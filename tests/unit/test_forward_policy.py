@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from callbacks import TrainingContext
-from ray_trainer._forward import EventForwarder
+from callbacks import TrainerControl, TrainingContext
+from ray_trainer._contract import BatchReply
+from ray_trainer._worker.forward import EventForwarder
 
 
 class FakeActor:
@@ -24,15 +25,23 @@ class FakeActor:
                 return outer.replies.setdefault(self.seq, concurrent.futures.Future())
 
         class _Push:
-            def remote(self, attempt, seq, batch):
-                outer.calls.append((attempt, seq, batch))
-                return _Ref(seq)
+            def remote(self, batch):
+                outer.calls.append((batch.attempt, batch.seq, batch.events))
+                return _Ref(batch.seq)
 
+        class _StartAttempt:
+            def remote(self, attempt):
+                outer.attempts.append(attempt)
+
+        self.attempts: list[int] = []
         self.push = _Push()
+        self.start_attempt = _StartAttempt()
 
     def reply(self, seq: int, control: dict | None = None) -> None:
         """The actor acknowledges batch `seq`, with the control requests of its callbacks."""
-        self.replies[seq].set_result({"ack": seq, "control": control})
+        self.replies[seq].set_result(
+            BatchReply(ack=seq, control=TrainerControl(**control) if control else None)
+        )
 
 
 def make(actor, **kw):

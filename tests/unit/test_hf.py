@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-from tiny_hf import WORDS, make_tiny_hf
 
 from ray_trainer._data import JsonlTextDataset, collate_batch
 from ray_trainer._hf import (
@@ -17,13 +16,15 @@ from ray_trainer._hf import (
     load_hf_causal_lm,
     load_hf_tokenizer,
 )
+from ray_trainer.demo import TINY_WORDS as WORDS
+from ray_trainer.demo import make_tiny_causal_lm
 
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory):
     """A directory holding a 1-layer GPT-2 and its tokenizer, as save_pretrained writes them."""
     pytest.importorskip("transformers")
-    return make_tiny_hf(tmp_path_factory.mktemp("tiny-gpt2"))
+    return make_tiny_causal_lm(tmp_path_factory.mktemp("tiny-gpt2"), n_layer=1, n_embd=32)
 
 
 def test_builtin_names():

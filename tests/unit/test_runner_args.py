@@ -132,9 +132,9 @@ def test_storage_path_not_writable(tmp_path):
 
 
 def test_run_name_of_a_different_existing_run(tmp_path):
-    from ray_trainer._run_files import RunFiles
+    from ray_trainer._driver.checks import write_run_record
 
-    RunFiles(str(tmp_path / "taken")).write_run_record({"fingerprint": "model=other;data=x"})
+    write_run_record(str(tmp_path / "taken"), {"fingerprint": "model=other;data=x"})
     with pytest.raises(TrainingArgsError, match="already holds a different run"):
         run_training(run_name="taken", storage_path=str(tmp_path))
 

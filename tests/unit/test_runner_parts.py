@@ -9,7 +9,6 @@ import torch
 
 from callbacks import TrainerCallback
 from ray_trainer import _checkpoint as ckpt
-from ray_trainer._loop import _lr_lambda
 from ray_trainer._placement import (
     build_manager,
     keep_for_actor,
@@ -18,7 +17,8 @@ from ray_trainer._placement import (
     subscribed_events,
     unpack,
 )
-from ray_trainer._sampler import ResumableDistributedSampler
+from ray_trainer._worker.sampler import ResumableDistributedSampler
+from ray_trainer._worker.setup import lr_lambda as _lr_lambda
 
 
 class Counter(TrainerCallback):
@@ -162,19 +162,19 @@ def test_placement_splits_callbacks_by_process():
     rank0 = build_manager(lists, keep_for_worker(0, actor_available=True))
     rank1 = build_manager(lists, keep_for_worker(1, actor_available=True))
     assert [type(c).__name__ for c in rank0.callbacks][:2] == ["Counter", "OnRank0"]
-    assert rank1.events == {"on_step_end", "on_save"}
+    assert rank1.subscribed_events == {"on_step_end", "on_save"}
     assert subscribed_events(lists, keep_for_actor) == {"on_evaluate"}
     # Without an actor, actor-side callbacks run on rank 0 and only there.
     no_actor = build_manager(lists, keep_for_worker(0, actor_available=False))
-    assert "on_evaluate" in no_actor.events
-    assert "on_evaluate" not in build_manager(lists, keep_for_worker(1, False)).events
+    assert "on_evaluate" in no_actor.subscribed_events
+    assert "on_evaluate" not in build_manager(lists, keep_for_worker(1, False)).subscribed_events
 
 
 def test_workload_batches_variable_length_jsonl_for_any_model(tmp_path):
     from torch.utils.data import DataLoader
 
     from ray_trainer import TrainingArgs
-    from ray_trainer._workload import build_workload
+    from ray_trainer._worker.workload import build_workload
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "short"}\n{"text": "a much longer line of text"}\n' * 10)

@@ -1,9 +1,9 @@
-"""Firing events inside a training process.
+"""Training worker: firing events inside a training process.
 
 Runs in every training worker (one Ray Train worker process per rank). Worker-side callbacks
 (``runs_on="rank0"``/``"all_ranks"``) run here, synchronously, with the live model in the
-context. On rank 0, events that an actor-side callback subscribes to are handed to a forwarder,
-which batches them to the callback actor without waiting (see ``_forward.py``).
+context. On rank 0, the events the callback actor needs are handed to a forwarder, which
+batches them to the actor without waiting (see ``forward.py``).
 
 Control requests made by any callback accumulate in ``pending`` until the loop starts a step's
 all-reduce (just before the last micro-batch's backward), which agrees them across ranks for
@@ -15,20 +15,22 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from callbacks import CallbackManager, TrainerControl, TrainingContext
+from ray_trainer._contract import WorkerSummary
 
 _NO_REQUEST = TrainerControl()  # read-only by convention: the loop only reads the flags
 
 
 class Forwarder(Protocol):
-    """Ships rank-0 events to the callback actor; see `ray_trainer._forward.EventForwarder`."""
+    """Ships rank-0 events to the callback actor; see `forward.EventForwarder`."""
 
     events: frozenset[str]
+    undelivered: int
 
     def push(self, event: str, context: TrainingContext, kwargs: dict[str, Any]) -> None: ...
 
     def poll_control(self) -> TrainerControl | None: ...
 
-    def close(self, timeout: float) -> None: ...
+    def close(self, timeout: float, summary: WorkerSummary | None = None) -> None: ...
 
 
 class Hooks:
@@ -46,7 +48,7 @@ class Hooks:
         self.manager = manager
         self.context = context
         self.forwarder = forwarder
-        self.local_events = manager.events
+        self.local_events = manager.subscribed_events
         self.forward_events = forwarder.events if forwarder is not None else frozenset()
         self.active = self.local_events | self.forward_events
         self.pending = TrainerControl()
@@ -74,7 +76,9 @@ class Hooks:
         pending, self.pending = self.pending, TrainerControl()
         return pending
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, summary: WorkerSummary | None = None) -> None:
+        """End of the attempt: rank 0 delivers what is pending and the summary to the actor
+        (waiting at most `timeout`); the manager stops taking events."""
         if self.forwarder is not None:
-            self.forwarder.close(timeout)
+            self.forwarder.close(timeout, summary)
         self.manager.close()

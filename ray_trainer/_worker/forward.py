@@ -1,4 +1,4 @@
-"""Rank 0 -> callback actor: batched, never-blocking event forwarding with redelivery.
+"""Training worker, rank 0: batched, never-blocking event forwarding to the callback actor.
 
 Runs in the rank-0 training process only, on the training loop's thread.
 
@@ -21,8 +21,13 @@ Policy (documented in the README, "Forwarding to the callback actor"):
 * Every batch carries a sequence number and stays on rank 0 until the actor acknowledges it; a
   batch whose call failed (the actor died) is sent again after Ray restarts the actor, and the
   actor ignores a sequence number it has already handled.
-* Control requests from actor-side callbacks come back in the replies and are merged into the
-  rank-0 requests when the loop next starts a step's all-reduce (`poll_control`).
+* Control requests from actor-side callbacks come back in the replies (a ``BatchReply`` with
+  a ``TrainerControl``) and are merged into the rank-0 requests when the loop next starts a
+  step's all-reduce (`poll_control`).
+* At the end of an attempt, `close` delivers what is left and then the attempt's
+  ``WorkerSummary`` (``CallbackActor.finish``): the way the result reaches the driver.
+
+The messages are the contract's (``ray_trainer/_contract.py``).
 """
 
 from __future__ import annotations
@@ -35,13 +40,17 @@ from typing import Any
 
 import ray
 
-from callbacks import NEVER_DROPPED_EVENTS, TrainerControl, TrainingContext
+from callbacks import TrainerControl, TrainingContext
+from ray_trainer._contract import (
+    LIVE_KWARGS,
+    URGENT_EVENTS,
+    BatchReply,
+    EventBatch,
+    WireEvent,
+    WorkerSummary,
+)
 
 logger = logging.getLogger("ray_trainer")
-
-URGENT_EVENTS = NEVER_DROPPED_EVENTS
-# Keyword arguments that hold live objects of the training process: never shipped.
-_LIVE_KWARGS = frozenset({"batch", "outputs", "model", "optimizer", "lr_scheduler", "exception"})
 
 
 class EventForwarder:
@@ -69,14 +78,15 @@ class EventForwarder:
         self.poll_interval_s = poll_interval_s
         self.dropped: collections.Counter[str] = collections.Counter()
         self.undelivered = 0
-        self._buffer: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+        self._buffer: list[WireEvent] = []
         self._oldest = 0.0
         self._flush_at = max_batch
-        self._in_flight: collections.deque[list[Any]] = collections.deque()  # [seq, ref, batch]
+        self._in_flight: collections.deque[list[Any]] = collections.deque()  # [reply, batch]
         self._seq = 0
         self._last_poll = 0.0
         self._control: TrainerControl | None = None
         self.dead = False
+        self.actor.start_attempt.remote(attempt)  # the actor counts worker-group starts
 
     def push(self, event: str, context: TrainingContext, kwargs: dict[str, Any]) -> None:
         """Queue one event (called by the loop); may send a batch, never waits."""
@@ -84,7 +94,7 @@ class EventForwarder:
             self.undelivered += 1
             return
         wire = context.to_wire()
-        shipped = {k: v for k, v in kwargs.items() if k not in _LIVE_KWARGS} if kwargs else kwargs
+        shipped = {k: v for k, v in kwargs.items() if k not in LIVE_KWARGS} if kwargs else kwargs
         if not self._buffer:
             self._oldest = time.monotonic()
         self._buffer.append((event, wire, shipped))
@@ -107,8 +117,9 @@ class EventForwarder:
         control, self._control = self._control, None
         return control
 
-    def close(self, timeout: float) -> None:
-        """End of training: send everything and wait for the acknowledgements, up to `timeout`."""
+    def close(self, timeout: float, summary: WorkerSummary | None = None) -> None:
+        """End of the attempt: send everything and wait for the acknowledgements, then hand
+        the actor the attempt's summary; all within `timeout`."""
         deadline = time.monotonic() + timeout
         while self._buffer or self._in_flight:
             self._flush(force=True)
@@ -116,10 +127,21 @@ class EventForwarder:
             if left <= 0:
                 break
             self._collect(timeout=min(left, 1.0))
-        lost = sum(len(entry[2]) for entry in self._in_flight) + len(self._buffer)
+        lost = sum(len(entry[1].events) for entry in self._in_flight) + len(self._buffer)
         if lost:
             logger.warning("%d event(s) could not be delivered to the callback actor", lost)
         self.undelivered += lost
+        if summary is None or self.dead:
+            return
+        summary.undelivered_events = self.undelivered
+        summary.dropped_events = dict(self.dropped)
+        try:
+            ray.get(
+                self.actor.finish.remote(summary),
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+        except Exception as e:  # the driver then builds the result from the actor's own view
+            logger.warning("could not hand the run summary to the callback actor: %s", e)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -136,13 +158,15 @@ class EventForwarder:
                 self._shed()
                 return
         self._flush_at = self.max_batch
-        batch, self._buffer = self._buffer, []
         self._seq += 1
-        reply = _reply(self.actor.push.remote(self.attempt, self._seq, batch))
-        self._in_flight.append([self._seq, reply, batch])
+        batch = EventBatch(self.attempt, self._seq, self._buffer)
+        self._buffer = []
+        self._in_flight.append([_reply(self.actor.push.remote(batch)), batch])
 
     def _give_up(self) -> None:
-        self.undelivered += sum(len(entry[2]) for entry in self._in_flight) + len(self._buffer)
+        self.undelivered += sum(len(entry[1].events) for entry in self._in_flight) + len(
+            self._buffer
+        )
         self._in_flight.clear()
         self._buffer = []
         self.events = frozenset()
@@ -165,18 +189,20 @@ class EventForwarder:
     def _collect(self, timeout: float) -> None:
         """Take the replies that are ready, in order; resend a batch whose call failed."""
         while self._in_flight:
-            seq, reply, batch = self._in_flight[0]
-            if not reply.done():
+            future, batch = self._in_flight[0]
+            if not future.done():
                 if timeout <= 0:
                     return
-                concurrent.futures.wait([reply], timeout=timeout)
-                if not reply.done():
+                concurrent.futures.wait([future], timeout=timeout)
+                if not future.done():
                     return
             try:
-                reply = reply.result()
+                reply: BatchReply = future.result()
             except ray.exceptions.ActorUnavailableError as e:
-                logger.warning("callback actor unavailable (%s); sending batch %d again", e, seq)
-                self._in_flight[0][1] = _reply(self.actor.push.remote(self.attempt, seq, batch))
+                logger.warning(
+                    "callback actor unavailable (%s); sending batch %d again", e, batch.seq
+                )
+                self._in_flight[0][0] = _reply(self.actor.push.remote(batch))
                 return
             except ray.exceptions.RayActorError as e:
                 # Ray retries calls while it restarts the actor (max_task_retries=-1), so an
@@ -185,9 +211,8 @@ class EventForwarder:
                 self._give_up()
                 return
             self._in_flight.popleft()
-            control = reply.get("control")
-            if control:
-                incoming = TrainerControl(**control)
+            incoming = reply.control
+            if incoming is not None and incoming.any:
                 if self._control is None:
                     self._control = incoming
                 else:

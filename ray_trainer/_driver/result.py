@@ -1,9 +1,16 @@
-"""`TrainingResult`: what `run_training` returns to the driver."""
+"""Driver: `TrainingResult`, built from the callback actor's summary.
+
+Runs in the driver. The result has one way back (see ``_contract.py``): the callback actor's
+``ActorSummary``, which holds rank 0's end-of-attempt ``WorkerSummary`` when rank 0 got to hand
+it over, and the actor's own view of the run otherwise.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from ray_trainer._contract import ActorSummary
 
 
 @dataclass
@@ -51,6 +58,43 @@ class TrainingResult:
         if self.callback_errors:
             lines.append(f"callback errors: {len(self.callback_errors)}")
         return "\n".join(lines)
+
+
+def build_result(run_name: str, run_dir: str, actor: ActorSummary) -> TrainingResult:
+    """The `TrainingResult` of a run that ended without error."""
+    worker = actor.worker
+    if worker is None:  # rank 0 could not hand its summary over: what the actor saw
+        return TrainingResult(
+            global_step=actor.last_step,
+            metrics={},
+            checkpoint_path=actor.last_checkpoint,
+            evaluations=actor.evaluations,
+            callback_errors=list(actor.callback_errors),
+            events=actor.events,
+            attempts=actor.attempts,
+            run_name=run_name,
+            run_dir=run_dir,
+        )
+    metrics = {
+        "loss": worker.loss,
+        "samples_seen": worker.samples_seen,
+        "tokens_seen": worker.tokens_seen,
+        "epoch": worker.epoch,
+    }
+    return TrainingResult(
+        global_step=worker.global_step,
+        metrics={k: v for k, v in metrics.items() if v is not None} | dict(worker.val_metrics),
+        checkpoint_path=worker.checkpoint_path or actor.last_checkpoint,
+        evaluations=actor.evaluations,
+        stopped_early=worker.stopped_early,
+        stop_reason=worker.stop_reason,
+        callback_errors=list(worker.callback_errors) + list(actor.callback_errors),
+        events=actor.events,
+        attempts=actor.attempts,
+        run_name=run_name,
+        run_dir=run_dir,
+        undelivered_events=worker.undelivered_events,
+    )
 
 
 def _fmt(v: Any) -> str:

@@ -1,4 +1,4 @@
-"""Evaluation tasks launched from the callback actor, and their results.
+"""In the callback actor: launching evaluation tasks and collecting their results.
 
 Runs inside the callback actor process. `EvalOnSave.on_save` (on the actor's dispatcher thread)
 calls `EvalTracker.launch`, which starts ``eval_fn(checkpoint_path, step)`` as a Ray task with

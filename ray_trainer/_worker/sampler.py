@@ -1,4 +1,4 @@
-"""A distributed sampler that can start part-way through an epoch (for exact resume).
+"""Training worker: a distributed sampler that can start part-way through an epoch.
 
 Runs in each training worker.
 """

@@ -1,4 +1,4 @@
-"""What a worker trains: the model, its data and its loss, built from `TrainingArgs`.
+"""Training worker: what it trains (model, data, loss), built from `TrainingArgs`.
 
 Runs in each training worker (and, for validation only, in the driver). Every rank builds the
 same model from the same seed; DDP then keeps the replicas identical.

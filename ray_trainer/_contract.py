@@ -1,0 +1,165 @@
+"""Every process: the contract, everything that crosses a process boundary of a run.
+
+Imported by every process of a run: the driver, each training worker and the callback actor.
+Each side imports this module; none imports another side's package (``_driver`` never imports
+``_worker``; ``_worker`` and ``_actor`` never import each other). What travels, and how:
+
+* driver -> every worker: a ``RunSpec`` in Ray Train's ``train_loop_config``; the callbacks as
+  one Ray object reference inside it (cloudpickled lists, see ``_placement.py``). The driver
+  hands Ray Train ``train_loop_per_worker`` below, which imports the worker loop only once it
+  runs inside a worker process.
+* driver -> callback actor: its constructor arguments (the same callbacks reference). Every run
+  has one callback actor, named ``actor_name(run_name)`` in ``NAMESPACE``, on the head node.
+* rank 0 -> callback actor: ``EventBatch`` objects (``CallbackActor.push``), each answered by a
+  ``BatchReply`` that acknowledges it and carries the actor-side callbacks' ``TrainerControl``.
+  Which events travel is fixed before training: ``forwarded_events``.
+* rank 0 -> callback actor, at the end of an attempt: a ``WorkerSummary``
+  (``CallbackActor.finish``).
+* **The result has one way back: through the callback actor.** The driver asks the actor for
+  its ``summary()`` (the last ``WorkerSummary`` plus what the actor itself saw: events,
+  evaluations, its callbacks' errors, the checkpoints saved). Nothing of the result is read
+  from a disk.
+* every rank <-> every rank: the step's control and loss, agreed in one all-reduce
+  (``_worker/agreement.py``).
+* checkpoints: folders named ``checkpoint_dir_name(step)`` under the run folder; the format
+  is ``_checkpoint.py``'s, the actor's state file inside is ``ACTOR_STATE_FILE``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from callbacks import NEVER_DROPPED_EVENTS, TrainerControl
+from ray_trainer._config import TrainingArgs
+
+# ---- the callback actor ---------------------------------------------------------------------
+
+NAMESPACE = "ray_trainer"
+_ACTOR_PREFIX = "ray-trainer:"
+
+
+def actor_name(run_name: str) -> str:
+    """The Ray name of a run's callback actor (in ``NAMESPACE``)."""
+    return f"{_ACTOR_PREFIX}{run_name}"
+
+
+def run_name_of_actor(name: str) -> str | None:
+    """The run name inside a callback actor's Ray name, or None for any other actor."""
+    return name[len(_ACTOR_PREFIX) :] if name.startswith(_ACTOR_PREFIX) else None
+
+
+# ---- events from rank 0 to the actor --------------------------------------------------------
+
+#: Events the actor needs whatever its callbacks subscribe to: ``on_save`` (it writes its own
+#: callbacks' state beside each checkpoint and records the checkpoint) and ``on_train_end``.
+ACTOR_EVENTS: frozenset[str] = frozenset({"on_save", "on_train_end"})
+#: Events sent at once rather than batched; never dropped when the actor falls behind.
+URGENT_EVENTS: frozenset[str] = NEVER_DROPPED_EVENTS
+#: Keyword arguments of an event that hold live objects of the training process: never sent.
+LIVE_KWARGS: frozenset[str] = frozenset(
+    {"batch", "outputs", "model", "optimizer", "lr_scheduler", "exception"}
+)
+
+
+def forwarded_events(actor_subscribed: frozenset[str]) -> frozenset[str]:
+    """The events rank 0 sends to the actor: what its callbacks subscribe to, plus its own."""
+    return actor_subscribed | ACTOR_EVENTS
+
+
+#: One event on the wire: (event name, ``TrainingContext.to_wire()``, plain keyword arguments).
+WireEvent = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+@dataclass
+class EventBatch:
+    """Rank-0 events for the actor, in the order they fired. ``seq`` counts the batches of one
+    worker-group start (``attempt``) from 1; the actor ignores a ``seq`` it has handled."""
+
+    attempt: int
+    seq: int
+    events: list[WireEvent]
+
+
+@dataclass
+class BatchReply:
+    """The actor's answer to one ``EventBatch``: the acknowledged ``seq`` and the requests of
+    the actor-side callbacks that handled events so far (None when nothing was requested)."""
+
+    ack: int
+    control: TrainerControl | None = None
+
+
+@dataclass
+class WorkerSummary:
+    """What the training workers know at the end of an attempt, gathered on rank 0."""
+
+    attempt: int
+    global_step: int
+    epoch: int
+    samples_seen: int
+    tokens_seen: int
+    loss: float | None
+    val_metrics: dict[str, Any]
+    checkpoint_path: str | None  # the last checkpoint this attempt wrote
+    stopped_early: bool
+    stop_reason: str | None
+    callback_errors: list[dict[str, Any]] = field(default_factory=list)  # every rank's
+    undelivered_events: int = 0
+    dropped_events: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ActorSummary:
+    """The run's result as the callback actor knows it at the end (``CallbackActor.summary``):
+    the driver builds ``TrainingResult`` from this alone."""
+
+    worker: WorkerSummary | None  # the last attempt's, when rank 0 got to hand it over
+    attempts: int  # worker-group starts of this launch
+    last_step: int  # the newest global_step rank 0 reported
+    last_checkpoint: str | None  # the newest checkpoint an on_save announced
+    events: dict[str, int] = field(default_factory=dict)  # delivered to the actor, by event
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    callback_errors: list[dict[str, Any]] = field(default_factory=list)  # actor-side ones
+    dropped_events: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    restarted: bool = False
+    restored_from: str | None = None
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+CHECKPOINT_PREFIX = "checkpoint_"
+#: The actor-side callbacks' state, written by the actor into each checkpoint folder.
+ACTOR_STATE_FILE = "actor_state.pkl"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """The folder name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+# ---- driver -> workers ----------------------------------------------------------------------
+
+
+@dataclass
+class RunSpec:
+    """What the driver hands every worker, through Ray Train's ``train_loop_config``."""
+
+    args: TrainingArgs  # without callbacks: those travel in `callbacks_ref`
+    callbacks_ref: Any  # ray.ObjectRef of the cloudpickled {"core", "user", "global"} lists
+    run_dir: str
+    launch_id: str  # one per run_training call: attempts are counted per launch
+    actor_name: str
+    actor_namespace: str = NAMESPACE
+    forward_events: frozenset[str] = ACTOR_EVENTS
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """The function the driver hands Ray Train; it runs in every worker process.
+
+    Imports the worker loop here, inside the worker, so that the driver never imports it.
+    """
+    from ray_trainer._worker.loop import run_worker
+
+    run_worker(config["spec"])

@@ -1,0 +1,207 @@
+"""Driver: `run_training` validates, starts Ray, launches the workers, collects the result.
+
+Runs in the driver process: a user's script, `ray-trainer run`, or a Ray job's entrypoint.
+Everything that can be checked without Ray is checked before `ray.init()`, and everything that
+needs the cluster's size is checked before a worker starts (``checks.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from callbacks import ALIASES, EVENTS
+from ray_trainer._actor.actor import start_actor
+from ray_trainer._config import TrainingArgs
+from ray_trainer._contract import (
+    NAMESPACE,
+    ActorSummary,
+    RunSpec,
+    actor_name,
+    forwarded_events,
+    train_loop_per_worker,
+)
+from ray_trainer._driver.checks import (
+    ResourceRequestError,
+    check_inputs,
+    check_resources,
+    check_storage,
+    collect_callbacks,
+    fingerprint,
+    per_worker,
+    write_run_record,
+)
+from ray_trainer._driver.result import TrainingResult, build_result
+from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
+
+logger = logging.getLogger("ray_trainer")
+
+
+class RunFailedError(RuntimeError):
+    """Training failed and could not be recovered (see `__cause__` and the message)."""
+
+
+def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> TrainingResult:
+    """Train on Ray: validate, launch `num_workers` Ray Train workers, and wait for the result.
+
+    Runs in the driver. Accepts a `TrainingArgs`, a dict, or the fields themselves. Uses the Ray
+    cluster at ``ray_address`` / ``RAY_ADDRESS`` if set, else starts an embedded local Ray (and
+    shuts it down at the end).
+
+    Example:
+        >>> result = run_training(max_steps=100, num_workers=2, on_save=lambda ctx: print(ctx))
+        >>> result.global_step
+        100
+    """
+    args = TrainingArgs.coerce(args, **fields)
+    if args.run_name is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        args = args.model_copy(update={"run_name": f"run-{stamp}-{secrets.token_hex(2)}"})
+    lists = collect_callbacks(args)
+    check_inputs(args)
+    run_dir = check_storage(args)
+
+    import ray
+
+    started_ray = _init_ray(args)
+    try:
+        check_resources(args)
+        return _fit(args, lists, run_dir)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _init_ray(args: TrainingArgs) -> bool:
+    """Join the cluster at ray_address/RAY_ADDRESS, or start an embedded local Ray. True if started."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(num_cpus=max(os.cpu_count() or 1, args.num_workers), include_dashboard=False)
+    return True
+
+
+@dataclass
+class Launch:
+    """What a run hands its workers (`spec`), and its callback actor."""
+
+    spec: RunSpec
+    actor: Any
+    actor_ready: Any
+
+
+def prepare_launch(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> Launch:
+    """Record the run, put the callbacks in the object store, start the callback actor. Ray is
+    initialised; no worker exists yet."""
+    import ray
+
+    write_run_record(run_dir, {"fingerprint": fingerprint(args), "run_name": args.run_name})
+    callbacks_ref = ray.put(pack(lists))
+    actor, ready = start_actor(
+        callbacks_ref,
+        args.run_name,
+        run_dir,
+        max_queue=args.actor_queue_size,
+        end_timeout_s=args.callback_timeout_s,
+        eval_timeout_s=args.eval_timeout_s,
+    )
+    # The args travel as a plain pydantic object; the callbacks only through `callbacks_ref`.
+    worker_args = args.model_copy(
+        update={"callbacks": [], **{e: None for e in EVENTS | set(ALIASES)}}
+    )
+    spec = RunSpec(
+        args=worker_args,
+        callbacks_ref=callbacks_ref,
+        run_dir=run_dir,
+        launch_id=secrets.token_hex(4),
+        actor_name=actor_name(args.run_name),
+        actor_namespace=NAMESPACE,
+        forward_events=forwarded_events(subscribed_events(lists, keep_for_actor)),
+    )
+    return Launch(spec=spec, actor=actor, actor_ready=ready)
+
+
+def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResult:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    launch = prepare_launch(args, lists, run_dir)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": launch.spec},
+        scaling_config=ScalingConfig(
+            num_workers=args.num_workers,
+            use_gpu=args.use_gpu,
+            resources_per_worker=per_worker(args),
+            placement_strategy=args.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=args.run_name,
+            storage_path=os.path.dirname(run_dir),
+            # Ray Train retries a worker group that cannot start forever by default: bound it.
+            failure_config=FailureConfig(
+                max_failures=args.max_failures, controller_failure_limit=args.max_start_retries
+            ),
+            checkpoint_config=CheckpointConfig(num_to_keep=args.num_checkpoints_to_keep),
+        ),
+    )
+    error: BaseException | None = None
+    # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
+    try:
+        trainer.fit()
+    except Exception as e:  # ray.train.TrainingFailedError and friends
+        error = e
+    summary = finish_actor(launch, args, error)
+    if error is not None:
+        capacity = ""
+        try:
+            check_resources(args)
+        except ResourceRequestError as lost:  # e.g. a node was lost during the run
+            capacity = f" The cluster can no longer place the workers: {lost}"
+        raise RunFailedError(
+            f"run {args.run_name!r} failed after {summary.attempts} attempt(s) "
+            f"(max_failures={args.max_failures}): {root_message(error)}.{capacity} "
+            f"Latest checkpoint: {summary.last_checkpoint}"
+        ) from error
+    return build_result(args.run_name, run_dir, summary)
+
+
+def finish_actor(launch: Launch, args: TrainingArgs, error: BaseException | None) -> ActorSummary:
+    """Make sure the actor ran `on_train_end` (rank 0 may have died), take its summary (the
+    run's result), and remove it. Bounded by the callback and evaluation timeouts."""
+    import ray
+
+    actor = launch.actor
+    timeout = args.callback_timeout_s * 2 + args.eval_timeout_s
+    lost = ActorSummary(worker=None, attempts=0, last_step=0, last_checkpoint=None)
+    try:
+        ray.get(launch.actor_ready, timeout=args.callback_timeout_s)
+    except Exception as e:  # its constructor failed: report it, the training result stands
+        ray.kill(actor, no_restart=True)
+        failure = {"callback": "<callback actor>", "event": "start", "step": None, "error": str(e)}
+        lost.callback_errors = [failure]
+        return lost
+    try:
+        ray.get(actor.end.remote(root_message(error) if error else None), timeout=timeout)
+        return ray.get(actor.summary.remote(), timeout=args.callback_timeout_s)
+    except Exception as e:  # the actor is gone for good: nothing comes back
+        logger.warning("callback actor did not finish cleanly: %s", e)
+        return lost
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
+def root_message(e: BaseException) -> str:
+    """The last line of an error's message (Ray wraps the worker's error in several lines)."""
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__

@@ -1,0 +1,93 @@
+"""Training worker: the attempt number of a worker-group start, and the checkpoint it resumes.
+
+Runs in each training worker at the start of every worker-group start (attempt). Rank 0 keeps
+the attempt counter of the launch in ``<run_dir>/.ray_trainer/attempts-<launch_id>`` (only
+the workers read it; it survives a restart of the worker group and of the callback actor).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import ray.train
+import torch.distributed as dist
+
+from ray_trainer import _checkpoint as ckpt
+from ray_trainer._contract import RunSpec
+
+if TYPE_CHECKING:
+    from ray_trainer._worker.setup import WorkerState
+
+_META = ".ray_trainer"
+
+
+def agree_attempt(spec: RunSpec, rank: int, world: int) -> int:
+    """Rank 0 counts this start of the worker group; every rank learns the count."""
+    holder = [_bump_attempt(spec.run_dir, spec.launch_id) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _bump_attempt(run_dir: str, launch_id: str) -> int:
+    path = os.path.join(run_dir, _META, f"attempts-{launch_id}")
+    try:
+        with open(path) as f:
+            previous = int(f.read() or -1)
+    except FileNotFoundError:
+        previous = -1
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(previous + 1))
+    os.replace(tmp, path)  # a reader never sees half a file
+    return previous + 1
+
+
+def maybe_resume(s: WorkerState) -> None:
+    """Restore from the run's newest complete checkpoint (after a restart, or when a new call
+    continues the run), else from `resume_from`.
+
+    The newest complete checkpoint in storage is preferred to `ray.train.get_checkpoint()`: Ray
+    Train registers a reported checkpoint only when its controller next polls (~2 s), so a crash
+    right after a save would otherwise restart from an older one (or from scratch).
+    """
+    spec = s.spec
+    reported = ray.train.get_checkpoint()
+    path = ckpt.latest_checkpoint(spec.run_dir)
+    if path is None and reported is not None:
+        path = reported.path
+    if path is None:
+        path = spec.args.resume_from
+    if path is None:
+        return
+    loaded = ckpt.load(path, s.rank)
+    s.accelerator.unwrap_model(s.model).load_state_dict(loaded.model)
+    if loaded.optimizer is not None:
+        s.optimizer.load_state_dict(loaded.optimizer)
+    if loaded.scheduler is not None:
+        s.scheduler.load_state_dict(loaded.scheduler)
+    if loaded.rng is not None:
+        ckpt.set_rng_state(loaded.rng)
+    s.hooks.manager.load_state_dict(loaded.callbacks)
+    s.hooks.manager.user_state.update(loaded.user_state)
+    p = s.progress = loaded.state
+    p.world_size = s.world_size
+    s.last_saved_step = p.global_step
+    p.epoch, p.step_in_epoch = position_after(p.epoch, p.step_in_epoch, s.steps_per_epoch)
+    ctx = s.ctx
+    ctx.global_step, ctx.epoch = p.global_step, p.epoch
+    ctx.samples_seen, ctx.tokens_seen = p.samples_seen, p.tokens_seen
+    s.hooks.fire("on_load_checkpoint", checkpoint_path=path)
+
+
+def position_after(epoch: int, step_in_epoch: int, steps_per_epoch: int) -> tuple[int, int]:
+    """Where a resumed run continues: (epoch, optimizer steps already taken in it).
+
+    A checkpoint saved at the last step of an epoch continues with the next epoch (firing
+    `on_epoch_begin` and at once `on_epoch_end` for the finished one would be noise).
+    """
+    if step_in_epoch >= steps_per_epoch:
+        return epoch + 1, 0
+    return epoch, step_in_epoch

@@ -1,0 +1,135 @@
+"""Training worker: checkpoints, validation and the end-of-attempt summary.
+
+Runs in each training worker. Every function here is a collective: all ranks call it at the
+same boundary (``ray.train.report`` is a barrier; validation all-reduces its sums; the summary
+gathers every rank's errors).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+import ray.train
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ray_trainer import _checkpoint as ckpt
+from ray_trainer._contract import WorkerSummary, checkpoint_dir_name
+
+if TYPE_CHECKING:
+    from ray_trainer._worker.setup import WorkerState
+
+
+def save(s: WorkerState) -> None:
+    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`."""
+    p, acc = s.progress, s.accelerator
+    name = checkpoint_dir_name(p.global_step)
+    manager = s.hooks.manager
+    with tempfile.TemporaryDirectory(prefix="ray_trainer_ckpt_") as folder:
+        part = {}
+        if s.rank == 0:
+            part = dict(
+                model=acc.unwrap_model(s.model).state_dict(),
+                optimizer=s.optimizer.state_dict(),
+                scheduler=s.scheduler.state_dict(),
+                trainer_state=p,
+            )
+        ckpt.write_rank_part(
+            folder,
+            rank=s.rank,
+            world_size=s.world_size,
+            callback_state=manager.state_dict(),
+            user_state=dict(manager.user_state),
+            **part,
+        )
+        metrics = {"global_step": p.global_step, "epoch": p.epoch, "loss": s.ctx.loss}
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(folder),
+            checkpoint_dir_name=name,
+        )
+    s.last_saved_step = p.global_step
+    path = os.path.join(s.spec.run_dir, name)
+    s.ctx.checkpoint_path = path
+    s.hooks.fire("on_save", checkpoint_path=path)
+
+
+def evaluate(s: WorkerState) -> None:
+    """Validation pass on this rank's shard, reduced across ranks, then `on_evaluate`."""
+    wl, acc = s.workload, s.accelerator
+    if wl.val_dataset is None:
+        return
+    model = acc.unwrap_model(s.model)  # no DDP hooks: ranks may see different batch counts
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        wl.val_dataset, num_replicas=s.world_size, rank=s.rank, shuffle=False
+    )
+    loader = DataLoader(
+        wl.val_dataset, batch_size=s.args.batch_size, sampler=sampler, collate_fn=wl.collate_fn
+    )
+    was_training = model.training
+    model.eval()
+    loss_sum, count = 0.0, 0
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if s.args.eval_max_batches is not None and i >= s.args.eval_max_batches:
+                break
+            batch = {k: v.to(acc.device) for k, v in batch.items()}
+            with acc.autocast():
+                loss = wl.loss_fn(model(**batch), batch)
+            n = len(next(iter(batch.values())))
+            loss_sum += float(loss) * n
+            count += n
+        extra = wl.rank0_metrics(model) if wl.rank0_metrics and s.rank == 0 else {}
+    model.train(was_training)
+    names = sorted(extra) if s.rank == 0 else []
+    if s.world_size > 1:
+        # Every rank must join; rank 0 tells the others which extra metrics it computed.
+        holder = [names]
+        dist.broadcast_object_list(holder, src=0)
+        names = holder[0]
+    vec = torch.tensor([loss_sum, count, *(extra.get(n, 0.0) for n in names)], dtype=torch.float64)
+    if s.world_size > 1:
+        vec = vec.to(acc.device)
+        dist.all_reduce(vec)
+    values = vec.tolist()
+    metrics = {"val_loss": values[0] / max(values[1], 1)}
+    metrics.update(zip(names, values[2:], strict=True))
+    s.ctx.val_metrics = metrics
+    s.hooks.fire("on_evaluate", val_metrics=metrics, eval_step=s.progress.global_step)
+
+
+def gather_summary(s: WorkerState) -> WorkerSummary | None:
+    """Every rank's errors and stop reason, gathered on rank 0 into the attempt's summary
+    (None on the other ranks)."""
+    mgr = s.hooks.manager
+    local = {
+        "errors": [{k: v for k, v in vars(e).items() if k != "traceback"} for e in mgr.errors],
+        "stop_reason": s.stop_reason,
+    }
+    gathered = [local]
+    if s.world_size > 1:
+        gathered = [None] * s.world_size
+        dist.all_gather_object(gathered, local)
+    if s.rank != 0:
+        return None
+    p, fwd = s.progress, s.hooks.forwarder
+    return WorkerSummary(
+        attempt=s.ctx.attempt,
+        global_step=p.global_step,
+        epoch=p.epoch,
+        samples_seen=p.samples_seen,
+        tokens_seen=p.tokens_seen,
+        loss=s.ctx.loss,
+        val_metrics=dict(s.ctx.val_metrics or {}),
+        checkpoint_path=os.path.join(s.spec.run_dir, checkpoint_dir_name(s.last_saved_step))
+        if s.last_saved_step > 0
+        else None,
+        stopped_early=p.global_step < s.total_steps,
+        stop_reason=next((g["stop_reason"] for g in gathered if g["stop_reason"]), None),
+        callback_errors=[e for g in gathered for e in g["errors"]],
+        undelivered_events=fwd.undelivered if fwd is not None else 0,
+        dropped_events=dict(fwd.dropped) if fwd is not None else {},
+    )

@@ -1,0 +1,190 @@
+"""Training worker: building one rank's model, optimizer, scheduler, data and hooks.
+
+Runs in each training worker, once per worker-group start, inside the process group that Ray
+Train set up (gloo on CPU, nccl on GPU). Accelerate prepares the model and optimizer (DDP,
+mixed precision); the data is sharded by our own resumable sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.train
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks import TrainingContext
+from ray_trainer import _checkpoint as ckpt
+from ray_trainer._config import TrainingArgs
+from ray_trainer._contract import RunSpec
+from ray_trainer._placement import build_manager, keep_for_worker, unpack
+from ray_trainer._worker.hooks import Hooks
+from ray_trainer._worker.resume import agree_attempt
+from ray_trainer._worker.sampler import ResumableDistributedSampler
+from ray_trainer._worker.workload import Workload, build_workload
+
+
+@dataclass
+class WorkerState:
+    """Everything the loop mutates, in one place (passed around, never global)."""
+
+    spec: RunSpec
+    args: TrainingArgs
+    rank: int
+    world_size: int
+    accelerator: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    workload: Workload
+    loader: DataLoader
+    sampler: ResumableDistributedSampler
+    hooks: Hooks
+    ctx: TrainingContext
+    total_steps: int
+    steps_per_epoch: int
+    progress: ckpt.TrainerState = field(default_factory=ckpt.TrainerState)
+    last_saved_step: int = -1
+    stop_reason: str | None = None
+    abort: bool = False
+
+
+def setup(spec: RunSpec) -> WorkerState:
+    """Build this rank's model, optimizer, scheduler, data loader, callbacks and context."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    args = spec.args
+    train_ctx = ray.train.get_context()
+    rank, world = train_ctx.get_world_rank(), train_ctx.get_world_size()
+    attempt = agree_attempt(spec, rank, world)
+
+    lists = unpack(ray.get(spec.callbacks_ref))
+    manager = build_manager(lists, keep_for_worker(rank))
+
+    accelerator = Accelerator(cpu=not args.use_gpu, mixed_precision=mixed_precision(args))
+    set_seed(args.seed)  # same initial weights on every rank; DDP also broadcasts them
+    workload = build_workload(args)
+    sampler = ResumableDistributedSampler(
+        workload.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
+    )
+    loader = DataLoader(
+        workload.train_dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        collate_fn=workload.collate_fn,
+        drop_last=True,  # every rank takes the same number of steps: collectives stay matched
+    )
+    steps_per_epoch = len(loader) // args.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"data: {len(workload.train_dataset)} samples are too few for one optimizer step of "
+            f"batch_size={args.batch_size} x grad_accum_steps={args.grad_accum_steps} x "
+            f"num_workers={world}; add data or lower batch_size"
+        )
+    total_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    optimizer = _optimizer(workload.model, args)
+    # The scheduler is ours, not accelerate's: its wrapper steps once per process per call.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(args.lr_schedule, args.warmup_steps, total_steps)
+    )
+    model, optimizer = accelerator.prepare(workload.model, optimizer)
+
+    ctx = TrainingContext(
+        rank=rank,
+        world_size=world,
+        local_rank=train_ctx.get_local_rank(),
+        is_world_process_zero=rank == 0,
+        is_local_process_zero=train_ctx.get_local_rank() == 0,
+        run_name=args.run_name,
+        attempt=attempt,
+        max_steps=total_steps,
+        args=args.to_public_dict(),
+        user_state=manager.user_state,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        global_step=0,
+        epoch=0,
+        samples_seen=0,
+        tokens_seen=0,
+    )
+    return WorkerState(
+        spec=spec,
+        args=args,
+        rank=rank,
+        world_size=world,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        workload=workload,
+        loader=loader,
+        sampler=sampler,
+        hooks=Hooks(manager, ctx, _forwarder(spec, rank, attempt)),
+        ctx=ctx,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        progress=ckpt.TrainerState(world_size=world),
+    )
+
+
+def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:
+    """Rank 0's event forwarder to the callback actor (None on the other ranks)."""
+    if rank != 0:
+        return None
+    from ray_trainer._worker.forward import EventForwarder
+
+    args = spec.args
+    return EventForwarder(
+        spec.actor_name,
+        spec.forward_events,
+        attempt=attempt,
+        namespace=spec.actor_namespace,
+        max_batch=args.event_batch_size,
+        flush_interval_s=args.event_flush_interval_s,
+        max_in_flight=args.event_max_in_flight,
+        max_buffer=args.actor_queue_size,
+    )
+
+
+def _optimizer(model: torch.nn.Module, args: TrainingArgs) -> torch.optim.Optimizer:
+    """AdamW, with weight decay on matrices only (not on biases and norms)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0},
+        ],
+        lr=args.learning_rate,
+    )
+
+
+def mixed_precision(args: TrainingArgs) -> str:
+    """Accelerate's mixed precision for the run: bf16 on a GPU that has it, with ``"auto"``."""
+    if args.mixed_precision != "auto":
+        return args.mixed_precision
+    if args.use_gpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def lr_lambda(kind: str, warmup: int, total: int):
+    """The LR factor per step: linear warm-up, then linear, cosine or constant."""
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        progress = min(max(progress, 0.0), 1.0)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return max(0.0, 1.0 - progress)
+
+    return factor
