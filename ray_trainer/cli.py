@@ -53,45 +53,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("--quiet", action="store_true")
 
-    status = sub.add_parser("status", help="progress of a live run on a Ray cluster")
-    status.add_argument("run_name", help="the run's run_name")
-    status.add_argument(
-        "--address",
-        default=None,
-        help="cluster address HOST:PORT (default: RAY_ADDRESS, else auto)",
-    )
-    status.add_argument("--json", action="store_true", help="print the status dict as JSON")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the run")
+    # The cluster commands define their own options, beside the code that reads them.
+    from ray_trainer._driver import status, submit
 
-    submit = sub.add_parser("submit", help="submit a run as a Ray job (validated here first)")
-    submit.add_argument("config", help="YAML file of TrainingArgs fields, inside --working-dir")
-    submit.add_argument(
-        "--address",
-        default=None,
-        help="dashboard URL http://HOST:8265 (default: RAY_API_SERVER_ADDRESS)",
-    )
-    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    submit.add_argument("--wait", action="store_true", help="stream the job's logs until it ends")
-    files = submit.add_mutually_exclusive_group()
-    files.add_argument(
-        "--working-dir", default=".", help="folder uploaded with the job (default .)"
-    )
-    files.add_argument(
-        "--no-working-dir", action="store_true", help="upload nothing: every node sees the config"
-    )
+    status.add_parser(sub)
+    submit.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
-    if opts.command == "status":
-        from ray_trainer._driver.status import status_main
-
-        return status_main(opts)
-    if opts.command == "submit":
-        from ray_trainer._driver.submit import submit_main
-
-        return submit_main(opts)
+    if getattr(opts, "main", None) is not None:  # a command with its own entry point
+        return opts.main(opts)
     from ray_trainer._driver.checks import ResourceRequestError
     from ray_trainer._driver.launch import RunFailedError, run_training
 

@@ -166,6 +166,20 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def add_parser(sub: Any) -> None:
+    """The ``status`` subcommand's options (``sub`` is argparse's subparsers object)."""
+    status = sub.add_parser("status", help="progress of a live run on a Ray cluster")
+    status.add_argument("run_name", help="the run's run_name")
+    status.add_argument(
+        "--address",
+        default=None,
+        help="cluster address HOST:PORT (default: RAY_ADDRESS, else auto)",
+    )
+    status.add_argument("--json", action="store_true", help="print the status dict as JSON")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the run")
+    status.set_defaults(main=status_main)
+
+
 def status_main(opts: argparse.Namespace) -> int:
     """``ray-trainer status RUN_NAME [--address ADDR] [--json]``."""
     address = resolve_address(opts.address)

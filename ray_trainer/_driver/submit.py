@@ -108,6 +108,27 @@ def follow_hint(address: str, job_id: str, run_name: str) -> str:
     )
 
 
+def add_parser(sub: Any) -> None:
+    """The ``submit`` subcommand's options (``sub`` is argparse's subparsers object)."""
+    submit = sub.add_parser("submit", help="submit a run as a Ray job (validated here first)")
+    submit.add_argument("config", help="YAML file of TrainingArgs fields, inside --working-dir")
+    submit.add_argument(
+        "--address",
+        default=None,
+        help="dashboard URL http://HOST:8265 (default: RAY_API_SERVER_ADDRESS)",
+    )
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--wait", action="store_true", help="stream the job's logs until it ends")
+    files = submit.add_mutually_exclusive_group()
+    files.add_argument(
+        "--working-dir", default=".", help="folder uploaded with the job (default .)"
+    )
+    files.add_argument(
+        "--no-working-dir", action="store_true", help="upload nothing: every node sees the config"
+    )
+    submit.set_defaults(main=submit_main)
+
+
 def submit_main(opts: argparse.Namespace) -> int:
     """``ray-trainer submit CONFIG --address URL [--set k=v ...] [--wait]``."""
     try:
