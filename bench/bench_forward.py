@@ -131,8 +131,8 @@ def main() -> dict:
     from ray_trainer._placement import pack
 
     init_ray(num_cpus=2)
-    ref = ray.put(pack({"core": [], "user": [Sink()], "global": []}))
-    actor, ready = start_actor(ref, "bench", tempfile.mkdtemp(), push_wait_s=0.0)
+    packed = pack({"core": [], "user": [Sink()], "global": []})
+    actor, ready = start_actor(packed, "bench", tempfile.mkdtemp(), push_wait_s=0.0)
     ray.get(ready)
     step_s = opts.step_ms / 1e3
     samples: dict[str, list[Meter]] = {}

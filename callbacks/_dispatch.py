@@ -29,7 +29,11 @@ class CoroutineRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
 
-    def run(self, awaitable: Awaitable[Any]) -> Any:
+    def run(self, awaitable: Awaitable[Any], timeout: float | None = None) -> Any:
+        """Run ``awaitable`` to completion; past ``timeout`` seconds it is cancelled and
+        ``asyncio.TimeoutError`` is raised."""
+        if timeout is not None:
+            awaitable = asyncio.wait_for(_wrap(awaitable), timeout)
         if not _loop_running() and self._lock.acquire(blocking=False):
             try:
                 if self._loop is None or self._loop.is_closed():

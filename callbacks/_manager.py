@@ -8,6 +8,7 @@ share registration, ordering, state and error handling, and keep their dispatch 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import threading
@@ -22,6 +23,7 @@ from callbacks._events import ALIASES, EVENTS, resolve_event, unknown_event_mess
 from callbacks._hooks import hooks_of, is_function
 from callbacks._index import CLOSED_INDEX, Registration, build_index
 from callbacks._registry import global_callbacks as _current_globals
+from callbacks._serialize import unpicklable_state
 
 __all__ = ["CallbackManager"]
 
@@ -51,6 +53,11 @@ class CallbackManager:
             (counted in ``dropped_events``) and other events wait for room.
         end_timeout: seconds ``fire("on_train_end")`` and ``close()`` wait for pending events.
         max_errors: how many ``CallbackError`` records ``errors`` keeps (all are counted).
+        hook_timeout: seconds one hook may run on an asynchronous manager: an ``async def``
+            hook still running then is cancelled, a plain one is reported (it cannot be
+            stopped); either way a ``TimeoutError`` is recorded against that callback and
+            event. ``None``: no bound. The synchronous manager runs hooks in the caller's
+            thread and does not bound them.
 
     Example:
         >>> manager = CallbackManager([PrintLoss()])
@@ -80,10 +87,12 @@ class CallbackManager:
         max_queue: int = 10_000,
         end_timeout: float = 60.0,
         max_errors: int = 1000,
+        hook_timeout: float | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self._max_queue = max_queue
+        self._hook_timeout = hook_timeout
         self._lock = threading.RLock()
         self._user_state: dict[str, Any] = {}
         self._errors = ErrorLog(max_errors)
@@ -178,11 +187,15 @@ class CallbackManager:
             raise ValueError(unknown_event_message(event))
         return self._idle_result
 
-    def _run(self, event: str, hooks: tuple, template: dict, kwargs: dict) -> TrainerControl:
-        """Call each hook with its own snapshot; return the merged requests."""
-        self._handled[event] = self._handled.get(event, 0) + 1
+    def _run(
+        self, event: str, hooks: tuple, template: dict, kwargs: dict, track: Any = None
+    ) -> TrainerControl:
+        """Call each hook with its own snapshot; return the merged requests. ``track(name)``,
+        when given, is told which hook starts (the asynchronous manager's watchdog)."""
         merged = None
         for name, fn, takes, _ in hooks:  # Hook fields, unpacked: cheaper than attributes
+            if track is not None:
+                track(name)
             ctx = make_snapshot(template)
             try:
                 if kwargs and takes:
@@ -203,13 +216,20 @@ class CallbackManager:
                 self._errors.record(name, event, template.get("global_step"), str(exc))
             except Exception as exc:
                 self._errors.record_exception(name, event, template.get("global_step"), exc)
+        self._handled[event] = self._handled.get(event, 0) + 1
         return NO_CONTROL if merged is None else merged
 
     def _check_result(self, name: str, event: str, result: Any) -> TrainerControl | None:
         if isinstance(result, TrainerControl):
             return result
         if inspect.isawaitable(result):  # an async def hook: run it to completion
-            result = self._runner.run(result)
+            try:
+                result = self._runner.run(result, self._hook_timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise TimeoutError(
+                    f"{name}.{event} ran over the hook timeout of {self._hook_timeout:g} s "
+                    "(TrainingArgs.callback_timeout_s) and was cancelled"
+                ) from None
             if result is None or isinstance(result, TrainerControl):
                 return result
         raise _BadReturn(
@@ -257,13 +277,27 @@ class CallbackManager:
     # -- state -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{state_key: callback.state_dict()}`` for every stateful callback."""
+        """``{state_key: callback.state_dict()}`` for every stateful callback whose state can
+        be saved.
+
+        A ``state_dict()`` that raises, or returns what cloudpickle cannot pickle, is recorded
+        as an error against that callback (event ``"state_dict"``) and left out: the checkpoint
+        is still written, without that callback's state.
+        """
         state = {}
         for key, cb in self._stateful:
             try:
-                state[key] = cb.state_dict()
+                value = cb.state_dict()
+                unpicklable_state(key, value)
             except Exception as exc:
-                self._errors.record_exception(key, "state_dict", None, exc)
+                self._errors.record(
+                    key,
+                    "state_dict",
+                    None,
+                    f"{type(exc).__name__}: {exc}; left out of this checkpoint",
+                )
+                continue
+            state[key] = value
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

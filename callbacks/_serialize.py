@@ -15,9 +15,15 @@ import cloudpickle
 
 from callbacks._hooks import callback_name, is_function
 
-__all__ = ["CallbackPicklingError", "dumps_callbacks", "loads_callbacks", "validate_picklable"]
+__all__ = [
+    "CallbackPicklingError",
+    "dumps_callbacks",
+    "loads_callbacks",
+    "unpicklable_state",
+    "validate_picklable",
+]
 
-_MAX_DEPTH = 3  # how deep to look for the value that cannot be pickled
+_MAX_DEPTH = 8  # how deep to look for the value that cannot be pickled
 _MAX_CHILDREN = 200  # per container, to keep the search bounded
 
 
@@ -42,30 +48,51 @@ def loads_callbacks(data: bytes) -> list[Any]:
     return callbacks
 
 
-def validate_picklable(callbacks: Any) -> bytes:
+def validate_picklable(callbacks: Any, labels: list[str] | None = None) -> bytes:
     """Check that the callbacks survive a cloudpickle round trip; return the pickled bytes.
+
+    ``labels`` name where each callback was given (``"callbacks[0]"``, ``"on_save"``...);
+    by default its position in ``callbacks``.
 
     Raises:
         CallbackPicklingError: naming the callback and the attribute that cannot be pickled,
             or the callback that pickles but cannot be unpickled.
     """
     cbs = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    labels = labels or [f"callbacks[{i}]" for i in range(len(cbs))]
     try:
         data = dumps_callbacks(cbs)
     except Exception as exc:
-        raise CallbackPicklingError(_explain_dumps(cbs, exc)) from exc
+        raise CallbackPicklingError(_explain_dumps(cbs, labels, exc)) from exc
     try:
         loads_callbacks(data)
     except Exception as exc:
-        raise CallbackPicklingError(_explain_loads(cbs, exc)) from exc
+        raise CallbackPicklingError(_explain_loads(cbs, labels, exc)) from exc
     return data
 
 
-def _explain_dumps(cbs: list[Any], exc: Exception) -> str:
-    for i, cb in enumerate(cbs):
+def unpicklable_state(key: str, state: Any) -> None:
+    """Raise ``CallbackPicklingError`` when a callback's ``state_dict()`` result cannot be
+    pickled, naming the callback (its ``state_key``) and the value inside the state."""
+    error = _pickle_error(state)
+    if error is None:
+        return
+    found = _culprit(state, [("value", "state_dict()")], _MAX_DEPTH)
+    where = ""
+    if found is not None:
+        path, value, error = found
+        where = f": {' -> '.join(f'{kind} {expr}' for kind, expr in path)} is a {_type_name(value)}"
+    raise CallbackPicklingError(
+        f"the state_dict() of callback {key!r} cannot be pickled{where} ({_describe(error)}); "
+        "return plain values (numbers, strings, lists, dicts, tensors) from state_dict()"
+    )
+
+
+def _explain_dumps(cbs: list[Any], labels: list[str], exc: Exception) -> str:
+    for cb, where in zip(cbs, labels, strict=True):
         if _pickle_error(cb) is None:
             continue
-        label = f"callback {callback_name(cb)!r} (callbacks[{i}]) cannot be pickled"
+        label = f"callback {callback_name(cb)!r} ({where}) cannot be pickled"
         is_fn = is_function(cb)
         root = [] if is_fn else [("attribute", "self")]
         found = _culprit(cb, root, _MAX_DEPTH)
@@ -82,13 +109,13 @@ def _explain_dumps(cbs: list[Any], exc: Exception) -> str:
     return f"the callbacks cannot be pickled together ({_describe(exc)})"
 
 
-def _explain_loads(cbs: list[Any], exc: Exception) -> str:
-    for i, cb in enumerate(cbs):
+def _explain_loads(cbs: list[Any], labels: list[str], exc: Exception) -> str:
+    for cb, where in zip(cbs, labels, strict=True):
         try:
             cloudpickle.loads(cloudpickle.dumps(cb))
         except Exception as error:
             return (
-                f"callback {callback_name(cb)!r} (callbacks[{i}]) pickles but cannot be "
+                f"callback {callback_name(cb)!r} ({where}) pickles but cannot be "
                 f"unpickled ({_describe(error)}); check its __reduce__/__setstate__ and what "
                 "its class needs at import time"
             )

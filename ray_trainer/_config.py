@@ -55,6 +55,8 @@ class TrainingArgs(BaseModel):
     val_data: str | Any | None = None
     loss_fn: Callable[..., Any] | None = None
     tokenizer: str | None = None
+    # Hugging Face names are loaded from a local folder or the HF cache only, unless this is set.
+    allow_download: bool = False
     text_field: str = "text"
     max_length: int = Field(128, gt=0)
     demo: dict[str, Any] = Field(default_factory=dict)
@@ -218,20 +220,22 @@ class TrainingArgs(BaseModel):
             raise TrainingArgsError(
                 f"{path}: the top level must be a mapping of TrainingArgs fields"
             )
-        for item in overrides or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise TrainingArgsError(f"--set {item!r}: expected key=value, e.g. max_steps=100")
-            raw[key.strip()] = yaml.safe_load(value)
+        raw.update(parse_overrides(overrides or []))
+        callbacks = raw.get("callbacks") or []
+        if not isinstance(callbacks, list):
+            callbacks = [callbacks]
+        raw["callbacks"] = [
+            _load(path, f"callbacks[{i}]", spec, _import_callback)
+            for i, spec in enumerate(callbacks)
+        ]
+        for name in EVENTS | set(ALIASES):
+            if isinstance(raw.get(name), (str, list)):
+                specs = raw[name] if isinstance(raw[name], list) else [raw[name]]
+                raw[name] = [_load(path, name, spec, _import_object) for spec in specs]
         try:
-            raw["callbacks"] = [_import_callback(spec) for spec in raw.get("callbacks") or []]
-            for name in EVENTS | set(ALIASES):
-                if isinstance(raw.get(name), (str, list)):
-                    specs = raw[name] if isinstance(raw[name], list) else [raw[name]]
-                    raw[name] = [_import_object(s) for s in specs]
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            return cls.coerce(raw)
+        except TrainingArgsError as e:
             raise TrainingArgsError(f"{path}: {e}") from None
-        return cls.coerce(raw)
 
     def resolved_run_name(self) -> str:
         return self.run_name or "run"
@@ -249,6 +253,30 @@ class TrainingArgs(BaseModel):
             else:
                 out[k] = repr(v)
         return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set key=value`` items as fields (values parsed as YAML; ``null`` unsets a field).
+
+    Raises ``TrainingArgsError`` for an item without ``=`` or with an empty value (``max_steps=``
+    would silently mean ``None``: write ``max_steps=null`` to mean that).
+    """
+    fields: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise TrainingArgsError(f"--set {item!r}: expected key=value, e.g. max_steps=100")
+        if not value.strip():
+            raise TrainingArgsError(
+                f"--set {item!r}: the value is empty; give one (e.g. {key}=100), or {key}=null "
+                "to unset the field"
+            )
+        try:
+            fields[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise TrainingArgsError(f"--set {item!r}: the value is not valid YAML ({e})") from None
+    return fields
 
 
 def is_builtin(model: Any) -> bool:
@@ -273,14 +301,43 @@ def format_validation_error(e: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _import_object(spec: str) -> Any:
+def _load(path: Path, entry: str, spec: Any, load: Callable[[Any], Any]) -> Any:
+    """Import (and build) one callback entry of a config file; any failure becomes one
+    `TrainingArgsError` naming the file, the entry and what went wrong."""
+    try:
+        return load(spec)
+    except _EntryError as e:
+        raise TrainingArgsError(f"{path}: {entry} {_shown(spec)}: {e}") from None
+
+
+class _EntryError(ValueError):
+    """A callback entry of a config file that cannot be loaded; the message says why."""
+
+
+def _shown(spec: Any) -> str:
+    text = repr(spec)
+    return f"({text if len(text) <= 80 else text[:77] + '...'})"
+
+
+def _import_object(spec: Any) -> Any:
+    if not isinstance(spec, str):
+        raise _EntryError("expected an import string like 'package.module:Name'")
     module, sep, attr = spec.partition(":")
     if not sep:
         module, _, attr = spec.rpartition(".")
     if not module or not attr:
-        raise ValueError(f"{spec!r} is not an import string like 'package.module:Name'")
-    obj: Any = importlib.import_module(module)
+        raise _EntryError("not an import string like 'package.module:Name'")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise _EntryError(
+            f"no module named {e.name!r} (is it installed, or on PYTHONPATH?)"
+        ) from None
+    except Exception as e:  # the user's module raised while being imported
+        raise _EntryError(f"importing {module!r} raised {type(e).__name__}: {e}") from None
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise _EntryError(f"{module!r} has no attribute {part!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -288,11 +345,19 @@ def _import_object(spec: str) -> Any:
 def _import_callback(spec: Any) -> Any:
     if isinstance(spec, str):
         obj = _import_object(spec)
-        return obj() if isinstance(obj, type) else obj
+        return _construct(obj, {}) if isinstance(obj, type) else obj
     if isinstance(spec, dict) and "class" in spec:
         kwargs = {k: v for k, v in spec.items() if k != "class"}
-        return _import_object(spec["class"])(**kwargs)
-    raise TypeError(
-        f"callback entry {spec!r}: use an import string 'module:Name' or a mapping with a "
-        "'class' key and the constructor arguments"
+        return _construct(_import_object(spec["class"]), kwargs)
+    raise _EntryError(
+        "use an import string 'module:Name' or a mapping with a 'class' key and the "
+        "constructor arguments"
     )
+
+
+def _construct(cls: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        return cls(**kwargs)
+    except Exception as e:  # the user's constructor raised
+        name = getattr(cls, "__qualname__", repr(cls))
+        raise _EntryError(f"{name}({', '.join(kwargs)}) raised {type(e).__name__}: {e}") from None

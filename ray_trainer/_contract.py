@@ -118,7 +118,8 @@ class ActorSummary:
     attempts: int  # worker-group starts of this launch
     last_step: int  # the newest global_step rank 0 reported
     last_checkpoint: str | None  # the newest checkpoint an on_save announced
-    events: dict[str, int] = field(default_factory=dict)  # delivered to the actor, by event
+    events: dict[str, int] = field(default_factory=dict)  # rank-0 events handled, by event
+    unhandled_events: dict[str, int] = field(default_factory=dict)  # received, not handled
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     callback_errors: list[dict[str, Any]] = field(default_factory=list)  # actor-side ones
     dropped_events: dict[str, int] = field(default_factory=dict)

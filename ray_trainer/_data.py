@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 IGNORE_INDEX = -100
+_UTF8_BOM = b"\xef\xbb\xbf"
 _EXAMPLE = '{"text": "..."}'
 _MAX_REPORTED = 3
 
@@ -72,9 +73,22 @@ def validate_jsonl(path: str | os.PathLike[str], text_field: str = "text") -> in
     """Check every line of a JSONL data file and return the number of records.
 
     Runs in the driver before Ray starts; needs no tokenizer. Raises :class:`DataFileError`
-    naming the file, the first bad line and the fix (and how many other lines are bad).
+    naming the file, the first bad line and the fix (and how many other lines are bad), and
+    when every record's text is empty (nothing to learn from).
     """
-    return len(_read_records(path, text_field))
+    records = _read_records(path, text_field)
+    if all(not _record_text(record, text_field) for _, record in records):
+        raise DataFileError(
+            f"{path}: all {len(records)} record(s) have empty text (nothing to train on); "
+            f"fill the {text_field!r} (or 'prompt'/'completion') fields"
+        )
+    return len(records)
+
+
+def _record_text(record: dict, text_field: str) -> str:
+    if text_field in record:
+        return record[text_field]
+    return record.get("prompt", "") + record.get("completion", "")
 
 
 def _read_records(path: str | os.PathLike[str], text_field: str) -> list[tuple[int, dict]]:
@@ -91,6 +105,8 @@ def _read_records(path: str | os.PathLike[str], text_field: str) -> list[tuple[i
     errors: list[str] = []
     with p.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(_UTF8_BOM):  # as editors on Windows write it
+                raw = raw[len(_UTF8_BOM) :]
             try:
                 record = _parse_line(raw, text_field)
             except _LineError as e:
@@ -231,7 +247,9 @@ class JsonlTextDataset(Dataset):
         self.eos_id: int | None = enc.eos_id
         self._items: list[tuple[torch.Tensor, torch.Tensor]] = []
         no_loss: list[int] = []
-        for lineno, record in _read_records(path, text_field):
+        records = _read_records(path, text_field)
+        record_texts = [_record_text(record, text_field) for _, record in records]
+        for lineno, record in records:
             if text_field in record:
                 prompt: list[int] = []
                 answer = enc.encode(record[text_field], first=True)
@@ -247,6 +265,11 @@ class JsonlTextDataset(Dataset):
                 no_loss.append(lineno)
             self._items.append((torch.tensor(ids), torch.tensor(labels)))
         if len(no_loss) == len(self._items):
+            if not any(record_texts):
+                raise DataFileError(
+                    f"{path}: all {len(self._items)} record(s) have empty text (nothing to "
+                    f"train on); fill the {text_field!r} (or 'prompt'/'completion') fields"
+                )
             raise DataFileError(
                 f"{path}: no record has a token to learn from within max_length={max_length} "
                 "(the prompts fill it); raise max_length or shorten the prompts"

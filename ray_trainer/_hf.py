@@ -49,7 +49,8 @@ def _not_found(what: str, name_or_path: str, cause: BaseException, allow_downloa
     else:
         where = (
             "it is neither a local directory nor in the Hugging Face cache, and downloads are off; "
-            f"download it first (`hf download {name_or_path}`) or pass allow_download=True"
+            f"download it first (`hf download {name_or_path}`), or set "
+            "TrainingArgs.allow_download=True (allow_download: true in a config file)"
         )
     return (
         f"{what} {name_or_path!r} is not a built-in model name ({', '.join(BUILTIN_MODELS)}) "

@@ -13,6 +13,7 @@ from the newest checkpoint that has it, and rank 0 sends the unacknowledged batc
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import time
 from typing import Any
@@ -32,6 +33,8 @@ from ray_trainer._contract import (
 )
 from ray_trainer._placement import build_manager, keep_for_actor, unpack
 
+logger = logging.getLogger("ray_trainer")
+
 _STATUS_FIELDS = (
     "global_step",
     "max_steps",
@@ -45,9 +48,14 @@ _STATUS_FIELDS = (
 
 
 class CallbackActor:
+    """Runs in the callback actor process. `packed` is the driver's cloudpickled callback
+    lists (bytes: small constructor arguments stay out of the object store, so a restart
+    never depends on an object that may be gone). `end_timeout_s` (the run's
+    `callback_timeout_s`) bounds each actor-side hook and each wait at the end."""
+
     def __init__(
         self,
-        packed: list[Any],
+        packed: bytes,
         run_name: str,
         run_dir: str,
         *,
@@ -56,11 +64,16 @@ class CallbackActor:
         eval_timeout_s: float = 600.0,
         push_wait_s: float = 0.05,
     ) -> None:
-        lists = unpack(ray.get(packed[0]))
+        lists = unpack(packed)
         self.writer = ActorStateWriter()
         lists = {**lists, "global": [*lists["global"], self.writer]}
         self.manager = build_manager(
-            lists, keep_for_actor, asynchronous=True, max_queue=max_queue, end_timeout=end_timeout_s
+            lists,
+            keep_for_actor,
+            asynchronous=True,
+            max_queue=max_queue,
+            end_timeout=end_timeout_s,
+            hook_timeout=end_timeout_s,
         )
         self.writer.manager = self.manager
         self.run_name = run_name
@@ -76,7 +89,7 @@ class CallbackActor:
         self.attempts = 0
         self.worker_summary: WorkerSummary | None = None
         self.restored_from = restore(self.manager, run_dir)
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restarted = _was_restarted()
         self._last_seq: dict[int, int] = {}
         self._status: dict[str, Any] = {"started_at": time.time()}
 
@@ -142,6 +155,7 @@ class CallbackActor:
             "run_name": self.run_name,
             **self._status,
             "events": dict(self.received),
+            "events_handled": self.handled(),
             "evaluations": self.evals.sorted_results()[-5:],
             "num_evaluations": len(self.evals.results),
             "evaluations_in_flight": self.evals.in_flight(),
@@ -151,14 +165,25 @@ class CallbackActor:
             "ended": self.ended,
         }
 
+    def handled(self) -> dict[str, int]:
+        """Rank-0 events the actor-side callbacks handled, by event (the `on_evaluate` events
+        of evaluation results are the actor's own: not counted)."""
+        handled = self.manager.handled_events
+        if self.evals.fired:
+            handled["on_evaluate"] = handled.get("on_evaluate", 0) - self.evals.fired
+        return {e: n for e, n in handled.items() if n > 0 and e in self.received}
+
     def summary(self) -> ActorSummary:
         """Everything `TrainingResult` takes, at the end of the run (the one way back)."""
+        handled = self.handled()
+        unhandled = {e: n - handled.get(e, 0) for e, n in self.received.items()}
         return ActorSummary(
             worker=self.worker_summary,
             attempts=self.attempts,
             last_step=int(self._status.get("global_step") or 0),
             last_checkpoint=self.writer.last_checkpoint,
-            events=dict(self.received),
+            events=handled,
+            unhandled_events={e: n for e, n in unhandled.items() if n > 0},
             evaluations=self.evals.sorted_results(),
             callback_errors=[
                 {k: v for k, v in vars(e).items() if k != "traceback"} for e in self.manager.errors
@@ -172,18 +197,53 @@ class CallbackActor:
     # ---- internals -------------------------------------------------------------------------
 
     def _end(self, wire: dict[str, Any], kwargs: dict[str, Any]) -> None:
-        """Every queued event, then every in-flight evaluation, then `on_train_end`."""
+        """Every queued event, then every in-flight evaluation, then `on_train_end`; each wait
+        bounded (callback_timeout_s, eval_timeout_s) and announced when it has to wait."""
         if self.ended:
             return
-        self.manager.flush(timeout=self.end_timeout_s)
+        self._drain("the queued events")
+        if self.evals.in_flight():
+            logger.warning(
+                "callback actor: waiting up to %g s (eval_timeout_s) for %d evaluation(s)",
+                self.eval_timeout_s,
+                self.evals.in_flight(),
+            )
         self.evals.wait_all(timeout=self.eval_timeout_s)
-        self.manager.flush(timeout=self.end_timeout_s)  # the on_evaluate events just fired
+        self._drain("the evaluation results")  # the on_evaluate events just fired
         context = TrainingContext.from_wire(wire)
         self.manager.fire("on_train_end", context, **kwargs)  # waits, bounded by end_timeout
         self.ended = True
 
+    def _drain(self, what: str) -> None:
+        if self.manager.flush(timeout=0.5):
+            return
+        logger.warning(
+            "callback actor: waiting up to %g s (callback_timeout_s) for %s: %s",
+            self.end_timeout_s,
+            what,
+            self.manager.waiting_for(),
+        )
+        if not self.manager.flush(timeout=self.end_timeout_s):
+            logger.warning(
+                "callback actor: gave up waiting for %s: %s; they count as not handled",
+                what,
+                self.manager.waiting_for(),
+            )
 
-def start_actor(packed_ref: Any, run_name: str, run_dir: str, **options: Any) -> tuple[Any, Any]:
+
+def _was_restarted() -> bool:
+    """Whether Ray restarted this actor (read from the GCS actor table, as Ray's deprecated
+    `was_current_actor_reconstructed` does)."""
+    try:
+        from ray._private.state import actors
+
+        info = actors(actor_id=ray.get_runtime_context().get_actor_id())
+        return bool(info) and info.get("NumRestarts", 0) != 0
+    except Exception:  # no GCS answer: assume a first start
+        return False
+
+
+def start_actor(packed: bytes, run_name: str, run_dir: str, **options: Any) -> tuple[Any, Any]:
     """Create the run's callback actor on the head node (no CPU, restarted if it dies).
 
     Runs in the driver. Returns the handle and the `ready()` reference without waiting for it:
@@ -199,5 +259,5 @@ def start_actor(packed_ref: Any, run_name: str, run_dir: str, **options: Any) ->
         max_restarts=-1,
         max_task_retries=-1,
         max_concurrency=1,  # one call at a time: batches are handled in the order they arrive
-    ).remote([packed_ref], run_name, run_dir, **options)
+    ).remote(packed, run_name, run_dir, **options)
     return actor, actor.ready.remote()

@@ -39,6 +39,7 @@ class EvalTracker:
         self.max_results = max_results
         self.results: list[dict[str, Any]] = []
         self.results_dropped = 0
+        self.fired = 0  # on_evaluate events fired for results (not rank 0's)
         self._in_flight: dict[Any, _Pending] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -156,6 +157,7 @@ class EvalTracker:
                 "val_metrics": metrics,
             }
         )
+        self.fired += 1
         self.manager.fire("on_evaluate", context, eval_step=p.step, source=p.source)
 
     def _record(self, step: int, path: str, source: str, **outcome: Any) -> None:

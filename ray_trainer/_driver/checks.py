@@ -12,8 +12,11 @@ import os
 from typing import Any
 
 from callbacks import ALIASES, EVENTS, global_callbacks, validate_picklable
-from ray_trainer._checkpoint import CheckpointError, verify
+from callbacks._serialize import unpicklable_state
+from callbacks._state import is_stateful
+from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, verify
 from ray_trainer._config import TrainingArgs, TrainingArgsError, is_builtin
+from ray_trainer._contract import CHECKPOINT_PREFIX
 from ray_trainer._placement import CallbackLists, build_manager
 
 RUN_RECORD = "run.json"
@@ -23,39 +26,130 @@ class ResourceRequestError(RuntimeError):
     """The cluster can never fit the requested workers; raised instead of waiting forever."""
 
 
+def resolve_paths(args: TrainingArgs) -> TrainingArgs:
+    """The args with every local path made absolute, once, in the driver.
+
+    Workers and the callback actor run in other folders (Ray's session directories), so a
+    relative ``data``, ``val_data``, ``model``, ``tokenizer``, ``resume_from`` or
+    ``storage_path`` means what it means here, where the user typed it. URIs (``s3://...``) and
+    Hugging Face names that are not local folders stay as they are.
+    """
+    update: dict[str, Any] = {}
+    for name in ("data", "val_data", "resume_from", "storage_path"):
+        value = getattr(args, name)
+        if isinstance(value, str) and not _is_uri(value):
+            update[name] = os.path.abspath(os.path.expanduser(value))
+    for name in ("model", "tokenizer"):
+        value = getattr(args, name)
+        if isinstance(value, str) and not is_builtin(value) and _is_local_path(value):
+            update[name] = os.path.abspath(os.path.expanduser(value))
+    return args.model_copy(update=update) if update else args
+
+
+def _is_uri(value: str) -> bool:
+    return "://" in value
+
+
+def _is_local_path(value: str) -> bool:
+    return value.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(value))
+
+
 def collect_callbacks(args: TrainingArgs) -> CallbackLists:
-    """The run's callbacks in contract order, validated (types, events, picklability)."""
+    """The run's callbacks in contract order, validated (types, events, picklability, and the
+    picklability of what `state_dict()` returns, where it can be called before the run)."""
     user: list[Any] = list(args.callbacks)
+    labels = [f"callbacks[{i}]" for i in range(len(user))]
     for name in sorted(EVENTS | set(ALIASES)):
-        for fn in getattr(args, name) or []:
+        fns = getattr(args, name) or []
+        for i, fn in enumerate(fns):
             user.append((name, fn))
+            labels.append(name if len(fns) == 1 else f"{name}[{i}]")
     lists: CallbackLists = {"core": [], "user": user, "global": global_callbacks()}
     try:
         build_manager(lists, keep=lambda _: True)  # TypeError/ValueError for bad entries
     except (TypeError, ValueError) as e:
         raise TrainingArgsError(f"callbacks: {e}") from None
-    objects = lists["core"] + [u[1] if isinstance(u, tuple) else u for u in user] + lists["global"]
-    validate_picklable(objects)
+    objects = [u[1] if isinstance(u, tuple) else u for u in user] + lists["global"]
+    labels += [f"global callback {i}" for i in range(len(lists["global"]))]
+    validate_picklable(objects, labels)
+    for obj in objects:
+        if is_stateful(obj):
+            _check_state(obj)
     return lists
 
 
+def _check_state(callback: Any) -> None:
+    """Refuse a callback whose `state_dict()` already returns what cannot be pickled (it would
+    be left out of every checkpoint). One that cannot be called before the run is skipped."""
+    try:
+        state = callback.state_dict()
+    except Exception:  # e.g. it needs on_train_begin first: checked at each save instead
+        return
+    key = getattr(callback, "state_key", None) or type(callback).__qualname__
+    unpicklable_state(key, state)
+
+
 def check_inputs(args: TrainingArgs) -> None:
-    """Data files and model names, checked in the driver so that no worker starts for nothing."""
+    """Data files, data size and model names, checked in the driver so that no worker starts
+    for nothing."""
+    records: int | None = None
     for field_name in ("data", "val_data"):
         value = getattr(args, field_name)
         if isinstance(value, str):
             from ray_trainer._data import validate_jsonl
 
-            validate_jsonl(value, text_field=args.text_field)
+            count = validate_jsonl(value, text_field=args.text_field)
+            records = count if field_name == "data" else records
+    held_out = args.eval_every_steps is not None and args.val_data is None
+    if records is None:
+        records = _known_length(args)
+        if args.data is None:
+            held_out = False  # the demo has its own validation set
+    if records is not None:
+        _check_enough_data(args, records, held_out)
     if isinstance(args.model, str) and not is_builtin(args.model):
         from ray_trainer._hf import check_model_ref
 
-        check_model_ref(args.model)
+        check_model_ref(args.model, allow_download=args.allow_download)
+
+
+def _known_length(args: TrainingArgs) -> int | None:
+    """The training set's size when the driver knows it without building anything."""
+    if args.data is None and is_builtin(args.model):
+        from ray_trainer._demo import DEMO_DEFAULTS
+
+        return int(args.demo.get("n_train", DEMO_DEFAULTS["n_train"]))
+    data = args.data
+    if data is not None and not callable(data) and hasattr(data, "__len__"):
+        try:
+            return len(data)
+        except TypeError:
+            return None
+    return None
+
+
+def _check_enough_data(args: TrainingArgs, records: int, hold_out: bool) -> None:
+    """At least one optimizer step per epoch: every worker needs batch_size x grad_accum_steps
+    samples of its own (after the 5% held out for validation when no val_data is given)."""
+    held_out = max(1, records // 20) if hold_out else 0
+    needed = args.batch_size * args.grad_accum_steps * args.num_workers
+    if records - held_out >= needed:
+        return
+    source = args.data if isinstance(args.data, str) else "the training data"
+    held = f" ({held_out} held out for validation)" if held_out else ""
+    raise TrainingArgsError(
+        f"data: {source} has {records} sample(s){held}, too few for one optimizer step of "
+        f"batch_size={args.batch_size} x grad_accum_steps={args.grad_accum_steps} x "
+        f"num_workers={args.num_workers} = {needed}; add data, or lower batch_size"
+    )
 
 
 def check_storage(args: TrainingArgs) -> str:
-    """The run folder ``<storage_path>/<run_name>``, after checking that storage is writable,
-    that the folder holds no other run, and that ``resume_from`` is a complete checkpoint."""
+    """The run folder ``<storage_path>/<run_name>``, after checking that ``resume_from`` is a
+    complete checkpoint, that storage is writable, and that the folder holds no other run.
+    Nothing is created when a check fails."""
+    if args.resume_from is not None:
+        _check_resume_from(args.resume_from)
     storage = os.path.abspath(os.path.expanduser(args.storage_path))
     run_dir = os.path.join(storage, args.run_name)
     try:
@@ -70,17 +164,41 @@ def check_storage(args: TrainingArgs) -> str:
             "folder you can write to (on a multi-node cluster, one every node shares)"
         ) from None
     record = read_run_record(run_dir)
-    if record is not None and record.get("fingerprint") != fingerprint(args):
+    # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
+    # a corrected retry under the same name replaces its record.
+    if (
+        record is not None
+        and record.get("fingerprint") != fingerprint(args)
+        and _has_checkpoints(run_dir)
+    ):
         raise TrainingArgsError(
             f"run_name {args.run_name!r}: {run_dir} already holds a different run "
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
         )
-    if args.resume_from is not None:
-        try:
-            verify(args.resume_from)
-        except CheckpointError as e:
-            raise TrainingArgsError(f"resume_from: {e}") from None
     return run_dir
+
+
+def _has_checkpoints(run_dir: str) -> bool:
+    try:
+        return any(n.startswith(CHECKPOINT_PREFIX) for n in os.listdir(run_dir))
+    except FileNotFoundError:
+        return False
+
+
+def _check_resume_from(path: str) -> None:
+    try:
+        verify(path)
+    except CheckpointError as e:
+        if _has_checkpoints(path):  # a run folder, not one of its checkpoints
+            names = sorted(n for n in os.listdir(path) if n.startswith(CHECKPOINT_PREFIX))
+            latest = latest_checkpoint(path)
+            hint = f"e.g. the newest complete one, {latest}" if latest else "none is complete"
+            raise TrainingArgsError(
+                f"resume_from: {path} is a run folder, not a checkpoint; it holds "
+                f"{', '.join(names)}: pass one of them ({hint}), or give its run_name to "
+                "continue that run"
+            ) from None
+        raise TrainingArgsError(f"resume_from: {e}") from None
 
 
 def fingerprint(args: TrainingArgs) -> str:
@@ -121,23 +239,48 @@ def per_worker(args: TrainingArgs) -> dict[str, float]:
     return res
 
 
-def check_resources(args: TrainingArgs) -> None:
-    """Fail fast when the cluster can never place `num_workers` workers of the requested size."""
-    import ray
+def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = None) -> None:
+    """Fail fast when the cluster can never place `num_workers` workers of the requested size.
 
+    ``nodes`` are the resources of each node (default: the live nodes of the Ray cluster this
+    driver joined; for the embedded local Ray, `embedded_resources()` before it starts).
+    """
     if os.environ.get("RAY_TRAINER_SKIP_RESOURCE_CHECK") == "1":  # autoscaling clusters
         return
+    if nodes is None:
+        import ray
+
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     need = per_worker(args)
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     fits = 0
     for res in nodes:
         fits += int(min(res.get(k, 0.0) / v for k, v in need.items() if v > 0))
     if fits >= args.num_workers:
         return
-    total = ray.cluster_resources()
-    have = ", ".join(f"{k}={total.get(k, 0):g}" for k in need)
+    have = ", ".join(f"{k}={sum(n.get(k, 0.0) for n in nodes):g}" for k in need)
     raise ResourceRequestError(
         f"num_workers={args.num_workers} x resources_per_worker={need} cannot be placed: "
         f"the cluster has {have} over {len(nodes)} node(s), room for {fits} such worker(s). "
-        "Lower num_workers or resources_per_worker, set use_gpu=False, or add nodes."
+        "Lower num_workers, or resources_per_worker (e.g. {'CPU': 0.5} puts two workers on "
+        "a core), set use_gpu=False, or add nodes."
     )
+
+
+def embedded_resources(count_gpus: bool) -> dict[str, float]:
+    """What the embedded local Ray gets: this machine's real CPUs (as Ray counts them, cgroup
+    limits included) and, when ``count_gpus``, its GPUs (counting them imports torch)."""
+    try:
+        from ray._private.utils import get_num_cpus
+
+        cpus = float(get_num_cpus())
+    except Exception:  # a Ray without that helper: the OS's count
+        cpus = float(os.cpu_count() or 1)
+    gpus = 0.0
+    if count_gpus and os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":
+        try:
+            import torch
+
+            gpus = float(torch.cuda.device_count())
+        except Exception:
+            gpus = 0.0
+    return {"CPU": cpus, "GPU": gpus}

@@ -31,8 +31,10 @@ from ray_trainer._driver.checks import (
     check_resources,
     check_storage,
     collect_callbacks,
+    embedded_resources,
     fingerprint,
     per_worker,
+    resolve_paths,
     write_run_record,
 )
 from ray_trainer._driver.result import TrainingResult, build_result
@@ -57,7 +59,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
         >>> result.global_step
         100
     """
-    args = TrainingArgs.coerce(args, **fields)
+    args = resolve_paths(TrainingArgs.coerce(args, **fields))
     if args.run_name is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         args = args.model_copy(update={"run_name": f"run-{stamp}-{secrets.token_hex(2)}"})
@@ -77,7 +79,8 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
 
 
 def _init_ray(args: TrainingArgs) -> bool:
-    """Join the cluster at ray_address/RAY_ADDRESS, or start an embedded local Ray. True if started."""
+    """Join the cluster at ray_address/RAY_ADDRESS, or start an embedded local Ray with this
+    machine's real resources (a request it cannot fit is refused first). True if started."""
     import ray
 
     if ray.is_initialized():
@@ -86,7 +89,9 @@ def _init_ray(args: TrainingArgs) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.num_workers), include_dashboard=False)
+    machine = embedded_resources(count_gpus="GPU" in per_worker(args))
+    check_resources(args, nodes=[machine])  # before starting anything
+    ray.init(num_cpus=int(machine["CPU"]), include_dashboard=False)
     return True
 
 
@@ -105,9 +110,10 @@ def prepare_launch(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> La
     import ray
 
     write_run_record(run_dir, {"fingerprint": fingerprint(args), "run_name": args.run_name})
-    callbacks_ref = ray.put(pack(lists))
+    packed = pack(lists)
+    callbacks_ref = ray.put(packed)
     actor, ready = start_actor(
-        callbacks_ref,
+        packed,
         args.run_name,
         run_dir,
         max_queue=args.actor_queue_size,

@@ -26,7 +26,9 @@ class TrainingResult:
         stopped_early: True when a callback stopped the run before ``max_steps``.
         stop_reason: the name of the callback that asked to stop (or its stated reason).
         callback_errors: dicts with ``callback``, ``event``, ``step``, ``error``.
-        events: count per event delivered to the callback actor.
+        events: rank-0 events the callback actor handled, by event.
+        unhandled_events: rank-0 events the actor received but did not handle, by event (a
+            hung or slow actor-side callback held them past its timeouts, or its queue was full).
         attempts: how many times the worker group started (1 without a restart).
     """
 
@@ -42,6 +44,7 @@ class TrainingResult:
     run_name: str = ""
     run_dir: str = ""
     undelivered_events: int = 0
+    unhandled_events: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         """A few human-readable lines, as the CLI prints them."""
@@ -57,6 +60,9 @@ class TrainingResult:
             lines.append(f"evaluations: {len(self.evaluations)} (last at step {last.get('step')})")
         if self.callback_errors:
             lines.append(f"callback errors: {len(self.callback_errors)}")
+        if self.unhandled_events:
+            shown = ", ".join(f"{e} x{n}" for e, n in sorted(self.unhandled_events.items()))
+            lines.append(f"events the callback actor did not handle: {shown}")
         return "\n".join(lines)
 
 
@@ -74,6 +80,7 @@ def build_result(run_name: str, run_dir: str, actor: ActorSummary) -> TrainingRe
             attempts=actor.attempts,
             run_name=run_name,
             run_dir=run_dir,
+            unhandled_events=actor.unhandled_events,
         )
     metrics = {
         "loss": worker.loss,
@@ -94,6 +101,7 @@ def build_result(run_name: str, run_dir: str, actor: ActorSummary) -> TrainingRe
         run_name=run_name,
         run_dir=run_dir,
         undelivered_events=worker.undelivered_events,
+        unhandled_events=actor.unhandled_events,
     )
 
 

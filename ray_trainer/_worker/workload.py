@@ -1,7 +1,6 @@
 """Training worker: what it trains (model, data, loss), built from `TrainingArgs`.
 
-Runs in each training worker (and, for validation only, in the driver). Every rank builds the
-same model from the same seed; DDP then keeps the replicas identical.
+Runs in each training worker. Every rank builds the same model from the same seed; DDP then keeps the replicas identical.
 """
 
 from __future__ import annotations
@@ -44,8 +43,10 @@ def build_workload(args: TrainingArgs) -> Workload:
     elif isinstance(args.model, str):
         from ray_trainer._hf import load_hf_causal_lm, load_hf_tokenizer
 
-        model = load_hf_causal_lm(args.model)
-        tokenizer = load_hf_tokenizer(args.tokenizer or args.model)
+        model = load_hf_causal_lm(args.model, allow_download=args.allow_download)
+        tokenizer = load_hf_tokenizer(
+            args.tokenizer or args.model, allow_download=args.allow_download
+        )
     else:
         model = args.model()
         if not isinstance(model, nn.Module):
@@ -55,7 +56,7 @@ def build_workload(args: TrainingArgs) -> Workload:
         if args.tokenizer:
             from ray_trainer._hf import load_hf_tokenizer
 
-            tokenizer = load_hf_tokenizer(args.tokenizer)
+            tokenizer = load_hf_tokenizer(args.tokenizer, allow_download=args.allow_download)
 
     train = _dataset(args.data, args, tokenizer)
     # A dataset that knows how to batch itself (JsonlTextDataset pads with its tokenizer's pad

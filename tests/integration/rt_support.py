@@ -334,3 +334,38 @@ class CallableEval:
 
     def __call__(self, checkpoint_path: str, step: int) -> dict[str, Any]:
         return {"offset_step": step + self.offset}
+
+
+class HangingAsyncLogger(TrainerCallback):
+    """Actor-side: an `async def on_log` that never returns (awaits an event nobody sets)."""
+
+    async def on_log(self, context, **kwargs):
+        import asyncio
+
+        await asyncio.Event().wait()
+
+
+class LockLater(TrainerCallback):
+    """Stateful; its state holds a lock once training began (picklable before the run)."""
+
+    def __init__(self) -> None:
+        self.guard = None
+
+    def on_train_begin(self, context, **kwargs):
+        import threading
+
+        self.guard = threading.Lock()
+
+    def state_dict(self):
+        return {"guard": self.guard}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class LockLaterRank0(LockLater):
+    runs_on = "rank0"
+
+
+class LockLaterActor(LockLater):
+    runs_on = "actor"

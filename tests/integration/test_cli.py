@@ -12,7 +12,7 @@ import yaml
 from ray_trainer.demo import make_tiny_causal_lm
 
 
-def _cli(args, env_extra=None, timeout=300):
+def _cli(args, env_extra=None, timeout=300, cwd=None):
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "ray_trainer.cli", *args],
@@ -20,6 +20,7 @@ def _cli(args, env_extra=None, timeout=300):
         text=True,
         env=env,
         timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -30,19 +31,24 @@ def test_run_yaml_with_hf_model_and_jsonl_data(ray_session, tmp_path):
         {"text": "the cat sat on the mat"},
         {"prompt": "what did the cat do ?", "completion": "it sat"},
     ]
-    data.write_text("".join(json.dumps(lines[i % 2]) + "\n" for i in range(64)))
+    # Written as editors on Windows write it, with a byte-order mark.
+    data.write_bytes(
+        b"\xef\xbb\xbf" + "".join(json.dumps(lines[i % 2]) + "\n" for i in range(64)).encode()
+    )
     config = tmp_path / "run.yaml"
+    # Relative paths, as a user types them: they mean the folder the command runs in (the
+    # workers run elsewhere, in Ray's session folders).
     config.write_text(
         yaml.safe_dump(
             {
-                "model": str(hf_dir),
-                "data": str(data),
+                "model": f"./{hf_dir.name}",
+                "data": data.name,
                 "max_length": 16,
                 "batch_size": 4,
                 "num_workers": 2,
                 "max_steps": 4,
                 "log_every_steps": 2,
-                "storage_path": str(tmp_path / "runs"),
+                "storage_path": "runs",
                 "callbacks": [{"class": "callbacks:JsonlLogger"}],
             }
         )
@@ -51,8 +57,12 @@ def test_run_yaml_with_hf_model_and_jsonl_data(ray_session, tmp_path):
     done = _cli(
         ["run", str(config), "--set", "run_name=cli-hf", "--set", "max_steps=6"],
         env_extra={"RAY_ADDRESS": address},
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert "RayDeprecationWarning" not in console  # none of ours (issue 12)
+    assert "'CallbackActor'" not in console  # no error-level line about its arguments
     assert "step 2/6" in done.stdout and "step 6/6" in done.stdout  # progress lines
     assert "run cli-hf: 6 steps" in done.stdout  # the final summary
     logged = [json.loads(x) for x in (tmp_path / "runs" / "cli-hf" / "metrics.jsonl").open()]

@@ -292,3 +292,65 @@ def test_async_mode_reports_only_real_subscriptions():
     assert manager.list_callbacks("on_train_end") == []
     assert manager.fire("on_step_end") is None  # unsubscribed: None too in async mode
     manager.close()
+
+
+# -- bounded hooks (TrainingArgs.callback_timeout_s on the callback actor) ----------------------
+
+
+class HangsAsync(TrainerCallback):
+    async def on_log(self, context, **kwargs):
+        await asyncio.Event().wait()  # never set: hangs until cancelled
+
+
+class HangsPlain(TrainerCallback):
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def on_log(self, context, **kwargs):
+        self.release.wait(60)  # a plain hook that blocks (released by the test)
+
+
+class SaveSeen(TrainerCallback):
+    def __init__(self) -> None:
+        self.saves = []
+
+    def on_save(self, context, **kwargs):
+        self.saves.append(context.global_step)
+
+
+def test_an_async_hook_over_the_timeout_is_cancelled_and_recorded_against_it():
+    saver = SaveSeen()
+    manager = make_manager(HangsAsync(), saver, hook_timeout=0.2)
+    manager.fire("on_log", TrainingContext(global_step=3))
+    manager.fire("on_save", TrainingContext(global_step=3))
+    assert manager.flush(timeout=10)  # the hang was cancelled: the queue moved on
+    assert saver.saves == [3]
+    [error] = manager.errors
+    assert (error.callback, error.event, error.step) == ("HangsAsync", "on_log", 3)
+    assert "ran over the hook timeout of 0.2 s" in error.error and "cancelled" in error.error
+    assert manager.handled_events == {"on_log": 1, "on_save": 1}
+    manager.close()
+
+
+def test_a_plain_hook_over_the_timeout_is_reported_and_what_waits_is_not_handled():
+    hang, saver = HangsPlain(), SaveSeen()
+    manager = make_manager(hang, saver, hook_timeout=0.2, end_timeout=0.5)
+    manager.fire("on_log", TrainingContext(global_step=5))
+    manager.fire("on_save", TrainingContext(global_step=5))
+    deadline = time.monotonic() + 10
+    while not manager.errors and time.monotonic() < deadline:
+        hang.release.wait(0.05)  # a bounded wait for the watchdog's report
+    [error] = manager.errors
+    assert (error.callback, error.event, error.step) == ("HangsPlain", "on_log", 5)
+    assert "cannot be cancelled" in error.error
+    # The hung on_log itself and the on_save behind it.
+    assert "2 event(s) not yet handled; HangsPlain.on_log running for" in manager.waiting_for()
+    started = time.monotonic()
+    manager.fire("on_train_end", TrainingContext(global_step=5))  # bounded by end_timeout
+    assert time.monotonic() - started < 5
+    assert saver.saves == [] and manager.handled_events == {}  # the blocked events: not handled
+    end = manager.errors[-1]
+    assert end.event == "on_train_end" and "HangsPlain.on_log running" in end.error
+    hang.release.set()
+    assert manager.close(timeout=10)
+    assert saver.saves == [5]

@@ -223,3 +223,63 @@ def test_loads_rejects_non_lists():
 
     with pytest.raises(TypeError, match="list of callbacks"):
         loads_callbacks(cloudpickle.dumps({"not": "a list"}))
+
+
+def test_a_lock_deep_inside_nested_dicts_is_named_with_its_whole_path():
+    class Deep(TrainerCallback):
+        def __init__(self):
+            self.config = {"a": {"b": {"c": {"lock": threading.Lock()}}}}
+
+        def on_log(self, context, **kwargs):
+            pass
+
+    with pytest.raises(CallbackPicklingError) as info:
+        validate_picklable([Deep()])
+    assert "self.config['a']['b']['c']['lock']" in str(info.value)
+    assert "_thread.lock" in str(info.value)
+
+
+def test_labels_name_where_a_callback_was_given():
+    lock = threading.Lock()
+
+    def on_save(context):
+        return lock
+
+    with pytest.raises(CallbackPicklingError) as info:
+        validate_picklable([on_save], labels=["on_save"])
+    assert "(on_save)" in str(info.value) and "callbacks[0]" not in str(info.value)
+
+
+def test_unpicklable_state_names_the_callback_and_the_value():
+    from callbacks._serialize import unpicklable_state
+
+    unpicklable_state("Fine", {"n": 1, "xs": [1, 2]})  # passes
+    with pytest.raises(CallbackPicklingError) as info:
+        unpicklable_state("Locky", {"n": 1, "guard": {"lock": threading.Lock()}})
+    msg = str(info.value)
+    assert "state_dict() of callback 'Locky'" in msg and "['guard']['lock']" in msg
+
+
+def test_a_state_dict_that_cannot_be_pickled_is_left_out_and_recorded():
+    from callbacks import CallbackManager
+
+    class Locky(TrainerCallback):
+        def on_log(self, context, **kwargs):
+            pass
+
+        def state_dict(self):
+            return {"lock": threading.Lock()}
+
+        def load_state_dict(self, state):
+            pass
+
+    class Counts(Locky):
+        def state_dict(self):
+            return {"n": 3}
+
+    manager = CallbackManager([Locky(), Counts()], global_callbacks=[])
+    state = manager.state_dict()
+    assert list(state.values()) == [{"n": 3}] and next(iter(state)).endswith("Counts")
+    [error] = manager.errors  # the checkpoint keeps the rest; this one is recorded
+    assert error.callback.endswith("Locky") and error.event == "state_dict"
+    assert "cannot be pickled" in error.error and "left out of this checkpoint" in error.error

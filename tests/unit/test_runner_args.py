@@ -135,6 +135,7 @@ def test_run_name_of_a_different_existing_run(tmp_path):
     from ray_trainer._driver.checks import write_run_record
 
     write_run_record(str(tmp_path / "taken"), {"fingerprint": "model=other;data=x"})
+    (tmp_path / "taken" / "checkpoint_00000005").mkdir()  # that run has checkpoints to protect
     with pytest.raises(TrainingArgsError, match="already holds a different run"):
         run_training(run_name="taken", storage_path=str(tmp_path))
 
