@@ -29,7 +29,9 @@ class JsonlLogger(RunFileLogger):
     invalid JSON); other non-JSON values as numbers when they convert, else as strings.
 
     Each line is written with one unbuffered ``write`` of the whole line in append mode, so a
-    reader tailing the file sees whole lines only. The file is opened on the first line
+    reader tailing the file sees whole lines only. On a bucket (``storage_path="s3://..."``)
+    the actor writes a local working copy and uploads it whole at most every 30 s, after each
+    evaluation and at the end. The file is opened on the first line
     (appending: a resumed run continues it), is not pickled, and is closed at ``on_train_end``.
 
     Args:
@@ -67,10 +69,13 @@ class JsonlLogger(RunFileLogger):
         if context.checkpoint_path:
             record["checkpoint_path"] = context.checkpoint_path
         self._append(record, context)
+        self._sync(force=True)
 
     def on_train_end(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor once at the end: closes the file."""
+        """Called on the callback actor once at the end: closes the file (and puts it on the
+        run's storage)."""
         self.close()
+        self._sync(force=True)
 
     def close(self) -> None:
         """Close the file (a later line reopens it in append mode)."""
@@ -110,3 +115,4 @@ class JsonlLogger(RunFileLogger):
         view = memoryview(data)
         while view:  # one write for a whole line; loop only on a (rare) partial write
             view = view[self._file.write(view) :]
+        self._sync()

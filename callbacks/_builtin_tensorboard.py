@@ -80,8 +80,10 @@ class TensorBoardLogger(RunFileLogger):
         self._write(context, scalars, kwargs.get("eval_step", context.global_step), flush=True)
 
     def on_train_end(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor once at the end: closes the writer."""
+        """Called on the callback actor once at the end: closes the writer (and puts the event
+        files on the run's storage)."""
         self.close()
+        self._sync(force=True)
 
     def close(self) -> None:
         """Flush and close the writer (a later event opens a new one)."""
@@ -107,3 +109,4 @@ class TensorBoardLogger(RunFileLogger):
                 self._writer.add_scalar(tag, number, global_step=step)
         if flush:
             self._writer.flush()
+            self._sync(force=True)

@@ -1,16 +1,20 @@
 """Every process: the checkpoint format, written by the workers, complete or refused.
 
 Written in the training processes; read there (resume), in the callback actor (its state), in
-the driver (``resume_from``) and in evaluation tasks and notebooks (``load_model_state``). Every rank writes its own part into its own temporary folder
-(its RNG state and the state of its stateful callbacks); rank 0 also writes the model, optimizer,
-scheduler and trainer state. Ray Train merges the folders of all ranks into one persisted
-checkpoint. Each rank writes ``rank<r>.complete`` last: a JSON manifest of its files and their
-sizes. A checkpoint is trusted only when rank 0's manifest is there, names the world size, and the
-manifest of every rank matches the files on disk; anything else is an incomplete checkpoint.
+the driver (``resume_from``) and in evaluation tasks and notebooks (``load_model``). Every rank
+writes its own part into its own temporary folder (its RNG state and the state of its stateful
+callbacks); rank 0 also writes the model, optimizer, scheduler, trainer state and how to build
+the model (``model_spec.pkl``). Ray Train uploads the folders of all ranks into one checkpoint on
+the run's storage. Each rank writes ``rank<r>.complete`` last: a JSON manifest of its files and
+their sizes. A checkpoint is trusted only when rank 0's manifest is there, names the world size,
+and the manifest of every rank matches the files in storage; anything else is incomplete.
+Every read goes through the storage layer (``_storage.py``): a checkpoint path may be a local
+path or a URI, with an optional ``filesystem``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from ray_trainer._contract import CHECKPOINT_PREFIX
+from ray_trainer._storage import Location, local_copy, locate
 
 if TYPE_CHECKING:
     import torch  # noqa: F401  (imported lazily: the callback actor reads manifests without torch)
@@ -29,6 +34,7 @@ MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
+MODEL_SPEC_FILE = "model_spec.pkl"
 
 
 class CheckpointError(RuntimeError):
@@ -90,6 +96,7 @@ def write_rank_part(
     optimizer: dict[str, Any] | None = None,
     scheduler: dict[str, Any] | None = None,
     trainer_state: TrainerState | None = None,
+    model_spec: Any = None,
 ) -> None:
     """Write this rank's files into `folder`, the completion manifest last."""
     import torch
@@ -111,6 +118,11 @@ def write_rank_part(
         with open(state_path, "w") as f:
             json.dump({"format": FORMAT_VERSION, **trainer_state.__dict__}, f, indent=1)
         files[STATE_FILE] = os.path.getsize(state_path)
+        if model_spec is not None:  # how to build the model again (a factory goes by value)
+            spec_path = os.path.join(folder, MODEL_SPEC_FILE)
+            with open(spec_path, "wb") as f:
+                cloudpickle.dump(model_spec, f)
+            files[MODEL_SPEC_FILE] = os.path.getsize(spec_path)
     # Callback state can hold any picklable object: cloudpickle, not torch's weights-only format.
     put(
         f"rank{rank}.pt",
@@ -129,46 +141,54 @@ def write_rank_part(
     os.replace(tmp, os.path.join(folder, f"rank{rank}.complete"))
 
 
-def verify(path: str) -> TrainerState:
-    """Check that every rank's part of the checkpoint at `path` is there and whole."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: checkpoint folder does not exist")
-    manifest0 = _read_manifest(path, 0)
+def verify(path: str, filesystem: Any = None) -> TrainerState:
+    """Check that every rank's part of the checkpoint at `path` (a local path or a URI) is
+    there and whole, reading only the manifests and the file sizes."""
+    return _verify(locate(path, filesystem))
+
+
+def _verify(location: Location) -> TrainerState:
+    if not location.is_dir():
+        raise CheckpointError(f"{location.name}: checkpoint folder does not exist")
+    manifest0 = _read_manifest(location, 0)
     for rank in range(manifest0["world_size"]):
-        manifest = manifest0 if rank == 0 else _read_manifest(path, rank)
+        manifest = manifest0 if rank == 0 else _read_manifest(location, rank)
         for name, size in manifest["files"].items():
-            full = os.path.join(path, name)
-            if not os.path.isfile(full) or os.path.getsize(full) != size:
+            if location.child(name).size() != size:
                 raise CheckpointError(
-                    f"{path}: incomplete checkpoint: {name} is missing or truncated; "
+                    f"{location.name}: incomplete checkpoint: {name} is missing or truncated; "
                     "resume from an earlier checkpoint"
                 )
-    with open(os.path.join(path, STATE_FILE)) as f:
-        raw = json.load(f)
+    raw = json.loads(location.child(STATE_FILE).read_bytes())
     raw.pop("format", None)
     return TrainerState(**raw)
 
 
-def load(path: str, rank: int) -> LoadedCheckpoint:
-    """Load a verified checkpoint for `rank` (a rank the checkpoint did not have uses rank 0's)."""
+def load(path: str, rank: int, filesystem: Any = None) -> LoadedCheckpoint:
+    """Load a verified checkpoint for `rank` (a rank the checkpoint did not have uses rank 0's).
+    A checkpoint on remote storage is downloaded into a temporary folder first."""
+    location = locate(path, filesystem)
+    state = _verify(location)
+    with local_copy(location) as folder:
+        return _load_local(folder, location.name, state, rank)
+
+
+def _load_local(folder: str, name: str, state: TrainerState, rank: int) -> LoadedCheckpoint:
     import torch
 
-    state = verify(path)
-    part_rank = rank if os.path.exists(os.path.join(path, f"rank{rank}.pt")) else 0
-    part = torch.load(os.path.join(path, f"rank{part_rank}.pt"), weights_only=False)
+    part_rank = rank if os.path.exists(os.path.join(folder, f"rank{rank}.pt")) else 0
+    part = torch.load(os.path.join(folder, f"rank{part_rank}.pt"), weights_only=False)
 
-    def opt(name: str) -> Any:
-        full = os.path.join(path, name)
-        return (
-            torch.load(full, map_location="cpu", weights_only=False)
-            if os.path.exists(full)
-            else None
-        )
+    def opt(file: str) -> Any:
+        full = os.path.join(folder, file)
+        if not os.path.exists(full):
+            return None
+        return torch.load(full, map_location="cpu", weights_only=False)
 
     return LoadedCheckpoint(
-        path=path,
+        path=name,
         state=state,
-        model=torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=True),
+        model=torch.load(os.path.join(folder, MODEL_FILE), map_location="cpu", weights_only=True),
         optimizer=opt(OPTIMIZER_FILE),
         scheduler=opt(SCHEDULER_FILE),
         rng=part["rng"] if part_rank == rank else None,
@@ -177,10 +197,10 @@ def load(path: str, rank: int) -> LoadedCheckpoint:
     )
 
 
-def load_model_state(path: str) -> dict[str, Any]:
-    """The model weights (a state dict, on CPU) of a complete checkpoint.
+def load_model_state(path: str, filesystem: Any = None) -> dict[str, Any]:
+    """The model weights (a state dict, on CPU) of a complete checkpoint on any storage.
 
-    Runs anywhere the checkpoint folder is readable, e.g. in an `EvalOnSave` task.
+    Runs anywhere the storage is reachable, e.g. in an `EvalOnSave` task.
 
     Example:
         >>> model = build_my_model()
@@ -188,36 +208,60 @@ def load_model_state(path: str) -> dict[str, Any]:
     """
     import torch
 
-    verify(path)
-    return torch.load(os.path.join(path, MODEL_FILE), map_location="cpu", weights_only=True)
+    location = locate(path, filesystem)
+    _verify(location)
+    data = location.child(MODEL_FILE).read_bytes()
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete checkpoint folder under a run folder, or None."""
-    if not os.path.isdir(run_dir):
-        return None
-    names = sorted(n for n in os.listdir(run_dir) if n.startswith(CHECKPOINT_PREFIX))
-    for name in reversed(names):
+def load_model(path: str, device: str = "cpu", filesystem: Any = None) -> Any:
+    """The trained ``nn.Module`` of a complete checkpoint on any storage, in eval mode on
+    ``device``: rebuilt from the model spec the checkpoint records (the built-in demo, a model
+    factory, or a Hugging Face model), then loaded with the checkpoint's weights.
+
+    Runs anywhere the storage is reachable: an evaluation task, a notebook, a script.
+
+    Example:
+        >>> model = load_model("s3://bucket/runs/my-run/checkpoint_00000400", device="cuda")
+    """
+    location = locate(path, filesystem)
+    _verify(location)
+    spec_file = location.child(MODEL_SPEC_FILE)
+    if spec_file.size() is None:
+        raise CheckpointError(
+            f"{location.name}: this checkpoint does not record how to build its model (written "
+            "by an older ray-trainer); build the model yourself and use load_model_state()"
+        )
+    spec = cloudpickle.loads(spec_file.read_bytes())
+    model = spec.build_model()
+    model.load_state_dict(load_model_state(path, filesystem))
+    return model.to(device).eval()
+
+
+def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:
+    """The newest complete checkpoint under a run folder (a local path or a URI), or None."""
+    run = locate(run_dir, filesystem)
+    for name in reversed([n for n in run.listdir() if n.startswith(CHECKPOINT_PREFIX)]):
         try:
-            verify(os.path.join(run_dir, name))
+            _verify(run.child(name))
         except CheckpointError:
             continue
-        return os.path.join(run_dir, name)
+        return run.child(name).name
     return None
 
 
-def _read_manifest(path: str, rank: int) -> dict[str, Any]:
-    full = os.path.join(path, f"rank{rank}.complete")
-    try:
-        with open(full) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+def _read_manifest(location: Location, rank: int) -> dict[str, Any]:
+    file = location.child(f"rank{rank}.complete")
+    text = file.read_text()
+    if text is None:
         raise CheckpointError(
-            f"{path}: incomplete checkpoint (no rank{rank}.complete): it was not fully written; "
-            "resume from an earlier checkpoint"
-        ) from None
+            f"{location.name}: incomplete checkpoint (no rank{rank}.complete): it was not fully "
+            "written; resume from an earlier checkpoint"
+        )
+    try:
+        manifest = json.loads(text)
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{full}: corrupt manifest ({e})") from None
+        raise CheckpointError(f"{file.name}: corrupt manifest ({e})") from None
     if manifest.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{full}: unknown checkpoint format {manifest.get('format')!r}")
+        raise CheckpointError(f"{file.name}: unknown checkpoint format {manifest.get('format')!r}")
     return manifest

@@ -87,7 +87,8 @@ class TrainingArgs(BaseModel):
     eval_every_steps: int | None = Field(None, gt=0)
     eval_max_batches: int | None = Field(None, gt=0)
     log_every_steps: int = Field(10, gt=0)
-    storage_path: str = "~/ray_trainer_runs"
+    storage_path: str = "~/ray_trainer_runs"  # a local or shared path, or a URI (s3://...)
+    storage_filesystem: Any = None  # a pyarrow.fs.FileSystem: storage_path is a path on it
     run_name: str | None = None
     resume_from: str | None = None
 
@@ -153,6 +154,21 @@ class TrainingArgs(BaseModel):
             f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
             "returning a Dataset"
         )
+
+    @field_validator("storage_filesystem")
+    @classmethod
+    def _check_filesystem(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        import pyarrow.fs
+
+        if not isinstance(v, pyarrow.fs.FileSystem):
+            raise ValueError(
+                f"got {type(v).__name__}; pass a pyarrow.fs.FileSystem (e.g. "
+                "pyarrow.fs.S3FileSystem(endpoint_override=...)), or None and a URI in "
+                "storage_path"
+            )
+        return v
 
     @field_validator("callbacks", mode="before")
     @classmethod

@@ -149,11 +149,16 @@ class RunSpec:
 
     args: TrainingArgs  # without callbacks: those travel in `callbacks_ref`
     callbacks_ref: Any  # ray.ObjectRef of the cloudpickled {"core", "user", "global"} lists
+    # The run folder on storage: a local or shared path, a URI, or a path on
+    # `args.storage_filesystem`; every file of the run is under it (`_storage.locate`).
     run_dir: str
     launch_id: str  # one per run_training call: attempts are counted per launch
     actor_name: str
     actor_namespace: str = NAMESPACE
     forward_events: frozenset[str] = ACTOR_EVENTS
+    # Data files only the driver sees, shipped through Ray's object store: field -> ObjectRef
+    # of the file's bytes ("data", "val_data").
+    shipped_data: dict[str, Any] = field(default_factory=dict)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ with labels aligned to the inputs (the model shifts them) and ``-100`` where no 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import warnings
@@ -91,29 +92,27 @@ def _record_text(record: dict, text_field: str) -> str:
     return record.get("prompt", "") + record.get("completion", "")
 
 
-def _read_records(path: str | os.PathLike[str], text_field: str) -> list[tuple[int, dict]]:
-    """(line number, record) for every non-blank line; raises DataFileError on any bad line."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataFileError(
-            f"{path}: data file does not exist (resolved to {p.resolve()}); "
-            "check the path, which is relative to the directory the driver runs in"
-        )
-    if not p.is_file():
-        raise DataFileError(f"{path}: is not a file; give the path of a JSONL file")
+def _read_records(
+    path: str | os.PathLike[str], text_field: str, content: bytes | None = None
+) -> list[tuple[int, dict]]:
+    """(line number, record) for every non-blank line; raises DataFileError on any bad line.
+
+    The file is read through the run's storage layer (a local path or a URI such as
+    ``s3://bucket/train.jsonl``), unless its ``content`` was shipped by the driver.
+    """
+    data = content if content is not None else read_data_file(path)
     records: list[tuple[int, dict]] = []
     errors: list[str] = []
-    with p.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if lineno == 1 and raw.startswith(_UTF8_BOM):  # as editors on Windows write it
-                raw = raw[len(_UTF8_BOM) :]
-            try:
-                record = _parse_line(raw, text_field)
-            except _LineError as e:
-                errors.append(f"{path}:{lineno}: {e}")
-                continue
-            if record is not None:
-                records.append((lineno, record))
+    if data.startswith(_UTF8_BOM):  # as editors on Windows write it
+        data = data[len(_UTF8_BOM) :]
+    for lineno, raw in enumerate(io.BytesIO(data), start=1):
+        try:
+            record = _parse_line(raw, text_field)
+        except _LineError as e:
+            errors.append(f"{path}:{lineno}: {e}")
+            continue
+        if record is not None:
+            records.append((lineno, record))
     if errors:
         more = len(errors) - 1
         tail = f" ({more} more bad line{'s' if more > 1 else ''}, e.g. {errors[1]})" if more else ""
@@ -124,6 +123,35 @@ def _read_records(path: str | os.PathLike[str], text_field: str) -> list[tuple[i
             f"write one JSON object per line, like {_example(text_field)}"
         )
     return records
+
+
+def read_data_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a data file: a local path or a URI, read through the storage layer."""
+    from ray_trainer._storage import is_uri, locate
+
+    path = os.fspath(path)
+    location = locate(path)
+    info = location.size()
+    if info is None:
+        if location.is_dir():
+            raise DataFileError(f"{path}: is not a file; give the path of a JSONL file")
+        if is_uri(path):
+            raise DataFileError(
+                f"{path}: no such object; check the bucket and key (and the credentials and "
+                "endpoint this process uses, e.g. AWS_ENDPOINT_URL)"
+            )
+        raise DataFileError(
+            f"{path}: data file does not exist (resolved to {Path(path).expanduser().resolve()}); "
+            "check the path (a relative path means the folder the driver runs in)"
+        )
+    return location.read_bytes()
+
+
+def data_file_size(path: str) -> int | None:
+    """The size of a data file in bytes (None when it does not exist), through storage."""
+    from ray_trainer._storage import locate
+
+    return locate(path).size()
 
 
 class _LineError(Exception):
@@ -223,6 +251,7 @@ class JsonlTextDataset(Dataset):
             ``pad_id``; ``None`` for :class:`ByteTokenizer`.
         max_length: the longest item, in tokens.
         text_field: the key of the text in ``{"text": ...}`` records.
+        content: the file's bytes when the driver shipped them (the path then only names it).
 
     Example:
         >>> ds = JsonlTextDataset("train.jsonl", tokenizer=None, max_length=256)  # doctest: +SKIP
@@ -235,6 +264,7 @@ class JsonlTextDataset(Dataset):
         tokenizer: Any = None,
         max_length: int = 512,
         text_field: str = "text",
+        content: bytes | None = None,
     ) -> None:
         if max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {max_length}")
@@ -247,7 +277,7 @@ class JsonlTextDataset(Dataset):
         self.eos_id: int | None = enc.eos_id
         self._items: list[tuple[torch.Tensor, torch.Tensor]] = []
         no_loss: list[int] = []
-        records = _read_records(path, text_field)
+        records = _read_records(path, text_field, content)
         record_texts = [_record_text(record, text_field) for _, record in records]
         for lineno, record in records:
             if text_field in record:

@@ -8,7 +8,7 @@ that must not download anything.
 """
 
 from ray_trainer._demo import DEMO_DEFAULTS, AdditionDataset, TinyCausalLM, build_demo, exact_match
-from ray_trainer._hf import TINY_WORDS, make_tiny_causal_lm
+from ray_trainer._models import TINY_WORDS, make_tiny_causal_lm
 
 __all__ = [
     "DEMO_DEFAULTS",

@@ -23,6 +23,7 @@ import ray
 from callbacks import TrainingContext
 from ray_trainer._actor.evaluation import EvalTracker
 from ray_trainer._actor.state import ActorStateWriter, restore
+from ray_trainer._actor.storage import RunStorage
 from ray_trainer._contract import (
     NAMESPACE,
     ActorSummary,
@@ -63,9 +64,10 @@ class CallbackActor:
         end_timeout_s: float = 60.0,
         eval_timeout_s: float = 600.0,
         push_wait_s: float = 0.05,
+        filesystem: Any = None,
     ) -> None:
         lists = unpack(packed)
-        self.writer = ActorStateWriter()
+        self.writer = ActorStateWriter(filesystem)
         lists = {**lists, "global": [*lists["global"], self.writer]}
         self.manager = build_manager(
             lists,
@@ -81,14 +83,15 @@ class CallbackActor:
         self.end_timeout_s = end_timeout_s
         self.eval_timeout_s = eval_timeout_s
         self.push_wait_s = push_wait_s
-        self.evals = EvalTracker(self.manager, run_name)
+        self.storage = RunStorage(run_dir, filesystem)
+        self.evals = EvalTracker(self.manager, run_name, filesystem, self.storage)
         self.received: collections.Counter[str] = collections.Counter()
         self.duplicates = 0
         self.ended = False
         self.saw_exception = False
         self.attempts = 0
         self.worker_summary: WorkerSummary | None = None
-        self.restored_from = restore(self.manager, run_dir)
+        self.restored_from = restore(self.manager, run_dir, filesystem)
         self.restarted = _was_restarted()
         self._last_seq: dict[int, int] = {}
         self._status: dict[str, Any] = {"started_at": time.time()}
@@ -116,8 +119,7 @@ class CallbackActor:
                 continue
             if event == "on_exception":
                 self.saw_exception = True
-            context = TrainingContext.from_wire(wire)
-            context.eval_launcher = self.evals
+            context = self._context(wire)
             context.callback_errors_total = sum(self.manager.error_counts.values())
             self.manager.fire(event, context, **kwargs)
         if wire:
@@ -142,7 +144,7 @@ class CallbackActor:
         wire = {k: self._status.get(k) for k in _STATUS_FIELDS if k in self._status}
         wire.update(run_name=self.run_name, is_world_process_zero=True)
         if error is not None and not self.saw_exception:
-            context = TrainingContext.from_wire({**wire, "event": "on_exception"})
+            context = self._context({**wire, "event": "on_exception"})
             self.manager.fire("on_exception", context, exception=error)
             self.saw_exception = True
         self._end({**wire, "event": "on_train_end"}, {})
@@ -210,9 +212,18 @@ class CallbackActor:
             )
         self.evals.wait_all(timeout=self.eval_timeout_s)
         self._drain("the evaluation results")  # the on_evaluate events just fired
-        context = TrainingContext.from_wire(wire)
+        context = self._context(wire)
         self.manager.fire("on_train_end", context, **kwargs)  # waits, bounded by end_timeout
         self.ended = True
+        self.storage.close()  # the callbacks synced their files in on_train_end
+
+    def _context(self, wire: dict[str, Any]) -> TrainingContext:
+        """The context actor-side callbacks get: the wire fields, plus what only the actor
+        has (the evaluation launcher, the run's storage for files of their own)."""
+        context = TrainingContext.from_wire(wire)
+        context.eval_launcher = self.evals
+        context.run_storage = self.storage
+        return context
 
     def _drain(self, what: str) -> None:
         if self.manager.flush(timeout=0.5):

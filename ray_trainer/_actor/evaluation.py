@@ -9,6 +9,7 @@ callbacks for each success.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -33,9 +34,18 @@ class _Pending:
 class EvalTracker:
     """Launches and watches evaluation tasks; keeps their results (bounded by `max_results`)."""
 
-    def __init__(self, manager: CallbackManager, run_name: str, max_results: int = 10_000) -> None:
+    def __init__(
+        self,
+        manager: CallbackManager,
+        run_name: str,
+        filesystem: Any = None,
+        run_storage: Any = None,
+        max_results: int = 10_000,
+    ) -> None:
         self.manager = manager
         self.run_name = run_name
+        self.filesystem = filesystem  # the run's storage_filesystem, for the tasks
+        self.run_storage = run_storage
         self.max_results = max_results
         self.results: list[dict[str, Any]] = []
         self.results_dropped = 0
@@ -72,7 +82,7 @@ class EvalTracker:
             # eval_fn travels as an argument: a function, a lambda or a callable object alike.
             ref = _REMOTE_EVAL.options(
                 num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_retries=0
-            ).remote(eval_fn, checkpoint_path, step)
+            ).remote(eval_fn, checkpoint_path, step, self.filesystem)
             deadline = time.monotonic() + timeout_s if timeout_s else None
             self._in_flight[ref] = _Pending(step, checkpoint_path, source, deadline)
             if self._thread is None:
@@ -157,6 +167,7 @@ class EvalTracker:
                 "val_metrics": metrics,
             }
         )
+        context.run_storage = self.run_storage
         self.fired += 1
         self.manager.fire("on_evaluate", context, eval_step=p.step, source=p.source)
 
@@ -174,9 +185,27 @@ class EvalTracker:
         return sum(1 for p in self._in_flight.values() if p.source == source)
 
 
-def _run_eval(eval_fn: Any, checkpoint_path: str, step: int) -> Any:
-    """The body of every evaluation task: runs wherever Ray places it."""
-    return eval_fn(checkpoint_path, step)
+def _run_eval(eval_fn: Any, checkpoint_path: str, step: int, filesystem: Any = None) -> Any:
+    """The body of every evaluation task: runs wherever Ray places it.
+
+    `eval_fn` gets a local folder holding the checkpoint: the checkpoint itself on local or
+    shared storage, else a download into this task's own temporary folder (removed after).
+    The checkpoint's own path or URI is passed as ``checkpoint_uri=`` when `eval_fn` takes it.
+    """
+    from ray_trainer._storage import local_copy, locate
+
+    with local_copy(locate(checkpoint_path, filesystem)) as local:
+        if _takes_keyword(eval_fn, "checkpoint_uri"):
+            return eval_fn(local, step, checkpoint_uri=checkpoint_path)
+        return eval_fn(local, step)
+
+
+def _takes_keyword(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 _REMOTE_EVAL: Any = None

@@ -1,13 +1,13 @@
 """In the callback actor: its callbacks' state, written beside each checkpoint, restored.
 
 Runs in the callback actor process. The state goes into ``<checkpoint>/actor_state.pkl``
-(``ACTOR_STATE_FILE``), written after every other actor callback handled that ``on_save``.
+(``ACTOR_STATE_FILE``) on the run's storage, written after every other actor callback handled
+that ``on_save``; the actor finds the newest complete checkpoint holding one after a restart.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import cloudpickle
@@ -15,6 +15,7 @@ import cloudpickle
 from callbacks import CallbackManager, TrainingContext
 from ray_trainer._checkpoint import CheckpointError, verify
 from ray_trainer._contract import ACTOR_STATE_FILE, CHECKPOINT_PREFIX
+from ray_trainer._storage import locate
 
 logger = logging.getLogger("ray_trainer")
 
@@ -25,8 +26,9 @@ class ActorStateWriter:
 
     runs_on = "actor"
 
-    def __init__(self) -> None:
+    def __init__(self, filesystem: Any = None) -> None:
         self.manager: CallbackManager | None = None
+        self.filesystem = filesystem
         self.last_checkpoint: str | None = None
 
     def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
@@ -34,36 +36,32 @@ class ActorStateWriter:
         if not path:
             return
         self.last_checkpoint = path
-        if not os.path.isdir(path):
+        checkpoint = locate(path, self.filesystem)
+        if not checkpoint.is_dir():
             return
         state = {
             "callbacks": self.manager.state_dict(),
             "user_state": dict(self.manager.user_state),
         }
-        tmp = os.path.join(path, f".{ACTOR_STATE_FILE}.tmp")
-        with open(tmp, "wb") as f:
-            cloudpickle.dump(state, f)
-        os.replace(tmp, os.path.join(path, ACTOR_STATE_FILE))
+        checkpoint.child(ACTOR_STATE_FILE).write_bytes(cloudpickle.dumps(state))
 
 
-def restore(manager: CallbackManager, run_dir: str) -> str | None:
+def restore(manager: CallbackManager, run_dir: str, filesystem: Any = None) -> str | None:
     """Load the actor callbacks' state from the newest complete checkpoint that has it; the
     checkpoint's path, or None."""
-    if not os.path.isdir(run_dir):
-        return None
-    for name in sorted(os.listdir(run_dir), reverse=True):
-        path = os.path.join(run_dir, name)
-        state_file = os.path.join(path, ACTOR_STATE_FILE)
-        if not name.startswith(CHECKPOINT_PREFIX) or not os.path.exists(state_file):
+    run = locate(run_dir, filesystem)
+    for name in reversed([n for n in run.listdir() if n.startswith(CHECKPOINT_PREFIX)]):
+        checkpoint = run.child(name)
+        state_file = checkpoint.child(ACTOR_STATE_FILE)
+        if state_file.size() is None:
             continue
         try:
-            verify(path)
-            with open(state_file, "rb") as f:
-                state = cloudpickle.load(f)
+            verify(checkpoint.name, filesystem)
+            state = cloudpickle.loads(state_file.read_bytes())
         except (CheckpointError, OSError, EOFError) as e:
-            logger.warning("skipping actor state in %s: %s", path, e)
+            logger.warning("skipping actor state in %s: %s", checkpoint.name, e)
             continue
         manager.load_state_dict(state["callbacks"])
         manager.user_state.update(state["user_state"])
-        return path
+        return checkpoint.name
     return None

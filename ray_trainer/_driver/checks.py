@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Any
 
 from callbacks import ALIASES, EVENTS, global_callbacks, validate_picklable
@@ -18,6 +19,7 @@ from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, verify
 from ray_trainer._config import TrainingArgs, TrainingArgsError, is_builtin
 from ray_trainer._contract import CHECKPOINT_PREFIX
 from ray_trainer._placement import CallbackLists, build_manager
+from ray_trainer._storage import Location, locate
 
 RUN_RECORD = "run.json"
 
@@ -35,7 +37,10 @@ def resolve_paths(args: TrainingArgs) -> TrainingArgs:
     Hugging Face names that are not local folders stay as they are.
     """
     update: dict[str, Any] = {}
-    for name in ("data", "val_data", "resume_from", "storage_path"):
+    local_fields = ["data", "val_data", "resume_from"]
+    if args.storage_filesystem is None:  # else storage_path is a path on that filesystem
+        local_fields.append("storage_path")
+    for name in local_fields:
         value = getattr(args, name)
         if isinstance(value, str) and not _is_uri(value):
             update[name] = os.path.abspath(os.path.expanduser(value))
@@ -108,7 +113,7 @@ def check_inputs(args: TrainingArgs) -> None:
     if records is not None:
         _check_enough_data(args, records, held_out)
     if isinstance(args.model, str) and not is_builtin(args.model):
-        from ray_trainer._hf import check_model_ref
+        from ray_trainer._models import check_model_ref
 
         check_model_ref(args.model, allow_download=args.allow_download)
 
@@ -145,52 +150,51 @@ def _check_enough_data(args: TrainingArgs, records: int, hold_out: bool) -> None
 
 
 def check_storage(args: TrainingArgs) -> str:
-    """The run folder ``<storage_path>/<run_name>``, after checking that ``resume_from`` is a
-    complete checkpoint, that storage is writable, and that the folder holds no other run.
-    Nothing is created when a check fails."""
+    """The run folder on storage (``<storage_path>/<run_name>``: a local path, a URI, or a path
+    on ``storage_filesystem``), after checking that ``resume_from`` is a complete checkpoint,
+    that storage is writable and is not Ray's cache of a job's working dir, and that the folder
+    holds no other run. Nothing is created when a check fails."""
     if args.resume_from is not None:
         _check_resume_from(args.resume_from)
-    storage = os.path.abspath(os.path.expanduser(args.storage_path))
-    run_dir = os.path.join(storage, args.run_name)
+    storage = locate(args.storage_path, args.storage_filesystem)
+    if storage.is_local and f"{os.sep}runtime_resources{os.sep}" in storage.path:
+        raise TrainingArgsError(
+            f"storage_path {args.storage_path!r} resolves to {storage.path}, inside Ray's cache "
+            "of this job's working dir, which Ray deletes when it evicts the package "
+            "(checkpoints included): give an absolute path on shared storage, or a bucket URI"
+        )
+    probe = storage.child(f".write_probe_{os.getpid()}_{secrets.token_hex(4)}")
     try:
-        os.makedirs(storage, exist_ok=True)
-        probe = os.path.join(storage, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        probe.write_text("ok")
+        probe.delete()
     except OSError as e:
         raise TrainingArgsError(
-            f"storage_path {args.storage_path!r} is not writable ({e.strerror or e}); choose a "
-            "folder you can write to (on a multi-node cluster, one every node shares)"
+            f"storage_path {args.storage_path!r} is not writable ({getattr(e, 'strerror', None) or e}); "
+            "choose a folder you can write to (on a multi-node cluster, one every node shares) "
+            "or a bucket this process has credentials for"
         ) from None
-    record = read_run_record(run_dir)
+    run = storage.child(args.run_name)
+    record = read_run_record(run.name, args.storage_filesystem)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
-    if (
-        record is not None
-        and record.get("fingerprint") != fingerprint(args)
-        and _has_checkpoints(run_dir)
-    ):
+    if record is not None and record.get("fingerprint") != fingerprint(args) and _checkpoints(run):
         raise TrainingArgsError(
-            f"run_name {args.run_name!r}: {run_dir} already holds a different run "
+            f"run_name {args.run_name!r}: {run.name} already holds a different run "
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
         )
-    return run_dir
+    return run.name
 
 
-def _has_checkpoints(run_dir: str) -> bool:
-    try:
-        return any(n.startswith(CHECKPOINT_PREFIX) for n in os.listdir(run_dir))
-    except FileNotFoundError:
-        return False
+def _checkpoints(folder: Location) -> list[str]:
+    return [n for n in folder.listdir() if n.startswith(CHECKPOINT_PREFIX)]
 
 
 def _check_resume_from(path: str) -> None:
     try:
         verify(path)
     except CheckpointError as e:
-        if _has_checkpoints(path):  # a run folder, not one of its checkpoints
-            names = sorted(n for n in os.listdir(path) if n.startswith(CHECKPOINT_PREFIX))
+        names = _checkpoints(locate(path))
+        if names:  # a run folder, not one of its checkpoints
             latest = latest_checkpoint(path)
             hint = f"e.g. the newest complete one, {latest}" if latest else "none is complete"
             raise TrainingArgsError(
@@ -212,23 +216,16 @@ def fingerprint(args: TrainingArgs) -> str:
     return f"model={name(args.model)};data={name(args.data)};demo={sorted(args.demo.items())}"
 
 
-def read_run_record(run_dir: str) -> dict[str, Any] | None:
+def read_run_record(run_dir: str, filesystem: Any = None) -> dict[str, Any] | None:
     """``run.json`` of a run folder (what the run trains), or None when there is none."""
-    try:
-        with open(os.path.join(run_dir, RUN_RECORD)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+    text = locate(run_dir, filesystem).child(RUN_RECORD).read_text()
+    return json.loads(text) if text else None
 
 
-def write_run_record(run_dir: str, record: dict[str, Any]) -> None:
-    """Write ``run.json`` whole (to a temporary name, then renamed)."""
-    path = os.path.join(run_dir, RUN_RECORD)
-    os.makedirs(run_dir, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+def write_run_record(run_dir: str, record: dict[str, Any], filesystem: Any = None) -> None:
+    """Write ``run.json`` whole, on the run's storage."""
+    text = json.dumps(record, indent=1, sort_keys=True)
+    locate(run_dir, filesystem).child(RUN_RECORD).write_text(text)
 
 
 def per_worker(args: TrainingArgs) -> dict[str, float]:

@@ -37,8 +37,10 @@ from ray_trainer._driver.checks import (
     resolve_paths,
     write_run_record,
 )
+from ray_trainer._driver.nodes import alive_nodes, check_shared_storage, ship_data
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
+from ray_trainer._storage import locate
 
 logger = logging.getLogger("ray_trainer")
 
@@ -104,12 +106,18 @@ class Launch:
     actor_ready: Any
 
 
-def prepare_launch(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> Launch:
+def prepare_launch(
+    args: TrainingArgs,
+    lists: CallbackLists,
+    run_dir: str,
+    shipped_data: dict[str, Any] | None = None,
+) -> Launch:
     """Record the run, put the callbacks in the object store, start the callback actor. Ray is
     initialised; no worker exists yet."""
     import ray
 
-    write_run_record(run_dir, {"fingerprint": fingerprint(args), "run_name": args.run_name})
+    record = {"fingerprint": fingerprint(args), "run_name": args.run_name}
+    write_run_record(run_dir, record, args.storage_filesystem)
     packed = pack(lists)
     callbacks_ref = ray.put(packed)
     actor, ready = start_actor(
@@ -119,6 +127,7 @@ def prepare_launch(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> La
         max_queue=args.actor_queue_size,
         end_timeout_s=args.callback_timeout_s,
         eval_timeout_s=args.eval_timeout_s,
+        filesystem=args.storage_filesystem,
     )
     # The args travel as a plain pydantic object; the callbacks only through `callbacks_ref`.
     worker_args = args.model_copy(
@@ -132,6 +141,7 @@ def prepare_launch(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> La
         actor_name=actor_name(args.run_name),
         actor_namespace=NAMESPACE,
         forward_events=forwarded_events(subscribed_events(lists, keep_for_actor)),
+        shipped_data=dict(shipped_data or {}),
     )
     return Launch(spec=spec, actor=actor, actor_ready=ready)
 
@@ -140,7 +150,10 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    launch = prepare_launch(args, lists, run_dir)
+    # What every node must see, checked before anything of the run is written.
+    nodes = alive_nodes()
+    check_shared_storage(args, nodes)
+    launch = prepare_launch(args, lists, run_dir, ship_data(args, nodes))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"spec": launch.spec},
@@ -152,7 +165,8 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
         ),
         run_config=RunConfig(
             name=args.run_name,
-            storage_path=os.path.dirname(run_dir),
+            storage_path=locate(args.storage_path, args.storage_filesystem).name,
+            storage_filesystem=args.storage_filesystem,
             # Ray Train retries a worker group that cannot start forever by default: bound it.
             failure_config=FailureConfig(
                 max_failures=args.max_failures, controller_failure_limit=args.max_start_retries

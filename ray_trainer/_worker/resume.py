@@ -1,8 +1,9 @@
 """Training worker: the attempt number of a worker-group start, and the checkpoint it resumes.
 
 Runs in each training worker at the start of every worker-group start (attempt). Rank 0 keeps
-the attempt counter of the launch in ``<run_dir>/.ray_trainer/attempts-<launch_id>`` (only
-the workers read it; it survives a restart of the worker group and of the callback actor).
+the attempt counter of the launch in ``<run_dir>/.ray_trainer/attempts-<launch_id>`` on the
+run's storage (only the workers read it; it survives a restart of the worker group and of the
+callback actor).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import RunSpec
+from ray_trainer._storage import locate
 
 if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
@@ -24,24 +26,17 @@ _META = ".ray_trainer"
 
 def agree_attempt(spec: RunSpec, rank: int, world: int) -> int:
     """Rank 0 counts this start of the worker group; every rank learns the count."""
-    holder = [_bump_attempt(spec.run_dir, spec.launch_id) if rank == 0 else None]
+    holder = [_bump_attempt(spec) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(holder, src=0)
     return holder[0]
 
 
-def _bump_attempt(run_dir: str, launch_id: str) -> int:
-    path = os.path.join(run_dir, _META, f"attempts-{launch_id}")
-    try:
-        with open(path) as f:
-            previous = int(f.read() or -1)
-    except FileNotFoundError:
-        previous = -1
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(str(previous + 1))
-    os.replace(tmp, path)  # a reader never sees half a file
+def _bump_attempt(spec: RunSpec) -> int:
+    run = locate(spec.run_dir, spec.args.storage_filesystem)
+    counter = run.child(_META, f"attempts-{spec.launch_id}")
+    previous = int(counter.read_text() or -1)
+    counter.write_text(str(previous + 1))  # written whole: a reader never sees half a file
     return previous + 1
 
 
@@ -54,15 +49,16 @@ def maybe_resume(s: WorkerState) -> None:
     right after a save would otherwise restart from an older one (or from scratch).
     """
     spec = s.spec
+    fs = spec.args.storage_filesystem
     reported = ray.train.get_checkpoint()
-    path = ckpt.latest_checkpoint(spec.run_dir)
+    path = ckpt.latest_checkpoint(spec.run_dir, fs)
     if path is None and reported is not None:
-        path = reported.path
-    if path is None:
-        path = spec.args.resume_from
+        path = locate(spec.run_dir, fs).child(os.path.basename(reported.path.rstrip("/"))).name
+    if path is None and spec.args.resume_from is not None:
+        path, fs = spec.args.resume_from, None  # a checkpoint of another run: its own storage
     if path is None:
         return
-    loaded = ckpt.load(path, s.rank)
+    loaded = ckpt.load(path, s.rank, fs)
     s.accelerator.unwrap_model(s.model).load_state_dict(loaded.model)
     if loaded.optimizer is not None:
         s.optimizer.load_state_dict(loaded.optimizer)

@@ -7,7 +7,6 @@ gathers every rank's errors).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -18,6 +17,8 @@ from torch.utils.data import DataLoader
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import WorkerSummary, checkpoint_dir_name
+from ray_trainer._models import ModelSpec
+from ray_trainer._storage import locate
 
 if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
@@ -36,6 +37,7 @@ def save(s: WorkerState) -> None:
                 optimizer=s.optimizer.state_dict(),
                 scheduler=s.scheduler.state_dict(),
                 trainer_state=p,
+                model_spec=ModelSpec.of(s.args),
             )
         ckpt.write_rank_part(
             folder,
@@ -52,9 +54,15 @@ def save(s: WorkerState) -> None:
             checkpoint_dir_name=name,
         )
     s.last_saved_step = p.global_step
-    path = os.path.join(s.spec.run_dir, name)
+    path = checkpoint_location(s, p.global_step)
     s.ctx.checkpoint_path = path
     s.hooks.fire("on_save", checkpoint_path=path)
+
+
+def checkpoint_location(s: WorkerState, step: int) -> str:
+    """Where the checkpoint of `step` is, as users see it: a local path or a URI."""
+    run = locate(s.spec.run_dir, s.args.storage_filesystem)
+    return run.child(checkpoint_dir_name(step)).name
 
 
 def evaluate(s: WorkerState) -> None:
@@ -124,7 +132,7 @@ def gather_summary(s: WorkerState) -> WorkerSummary | None:
         tokens_seen=p.tokens_seen,
         loss=s.ctx.loss,
         val_metrics=dict(s.ctx.val_metrics or {}),
-        checkpoint_path=os.path.join(s.spec.run_dir, checkpoint_dir_name(s.last_saved_step))
+        checkpoint_path=checkpoint_location(s, s.last_saved_step)
         if s.last_saved_step > 0
         else None,
         stopped_early=p.global_step < s.total_steps,

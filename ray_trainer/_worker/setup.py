@@ -67,7 +67,8 @@ def setup(spec: RunSpec) -> WorkerState:
 
     accelerator = Accelerator(cpu=not args.use_gpu, mixed_precision=mixed_precision(args))
     set_seed(args.seed)  # same initial weights on every rank; DDP also broadcasts them
-    workload = build_workload(args)
+    shipped = {name: ray.get(ref) for name, ref in spec.shipped_data.items()}
+    workload = build_workload(args, shipped)
     sampler = ResumableDistributedSampler(
         workload.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
     )

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset, random_split
 
 from ray_trainer._config import TrainingArgs, is_builtin
+from ray_trainer._models import ModelSpec
 
 
 @dataclass
@@ -27,42 +28,24 @@ class Workload:
     rank0_metrics: Callable[[nn.Module], dict[str, float]] | None = None
 
 
-def build_workload(args: TrainingArgs) -> Workload:
+def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) -> Workload:
+    """The model, datasets and loss of this rank. ``shipped`` holds the content of data files
+    the driver sent through Ray's object store (by field: ``data``, ``val_data``)."""
     if is_builtin(args.model) and args.data is None:
         return _demo_workload(args)
-
-    tokenizer = None
-    if is_builtin(args.model):
-        from ray_trainer._data import ByteTokenizer
-        from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
-
-        tokenizer = ByteTokenizer()
-        overrides = {k: v for k, v in args.demo.items() if k in TinyLMConfig.__dataclass_fields__}
-        overrides.setdefault("max_len", args.max_length)
-        model = TinyCausalLM(TinyLMConfig(vocab_size=tokenizer.vocab_size, **overrides))
-    elif isinstance(args.model, str):
-        from ray_trainer._hf import load_hf_causal_lm, load_hf_tokenizer
-
-        model = load_hf_causal_lm(args.model, allow_download=args.allow_download)
-        tokenizer = load_hf_tokenizer(
-            args.tokenizer or args.model, allow_download=args.allow_download
-        )
-    else:
-        model = args.model()
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model factory {args.model!r} returned {type(model).__name__}, not an nn.Module"
-            )
-        if args.tokenizer:
-            from ray_trainer._hf import load_hf_tokenizer
-
-            tokenizer = load_hf_tokenizer(args.tokenizer, allow_download=args.allow_download)
-
-    train = _dataset(args.data, args, tokenizer)
+    spec = ModelSpec.of(args)
+    model = spec.build_model()
+    tokenizer = spec.build_tokenizer()
+    shipped = shipped or {}
+    train = _dataset(args.data, args, tokenizer, shipped.get("data"))
     # A dataset that knows how to batch itself (JsonlTextDataset pads with its tokenizer's pad
     # id) brings its collate; other datasets use torch's default.
     collate = getattr(train, "collate", None)
-    val = _dataset(args.val_data, args, tokenizer) if args.val_data is not None else None
+    val = (
+        _dataset(args.val_data, args, tokenizer, shipped.get("val_data"))
+        if args.val_data is not None
+        else None
+    )
     if val is None and args.eval_every_steps:
         # Hold out 5% of the training data, the same split on every rank.
         n_val = max(1, len(train) // 20)
@@ -84,11 +67,13 @@ def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def _dataset(spec: Any, args: TrainingArgs, tokenizer: Any) -> Dataset:
+def _dataset(spec: Any, args: TrainingArgs, tokenizer: Any, content: bytes | None) -> Dataset:
     if isinstance(spec, str):
         from ray_trainer._data import JsonlTextDataset
 
-        return JsonlTextDataset(spec, tokenizer, args.max_length, text_field=args.text_field)
+        return JsonlTextDataset(
+            spec, tokenizer, args.max_length, text_field=args.text_field, content=content
+        )
     if isinstance(spec, type) or (callable(spec) and not hasattr(spec, "__getitem__")):
         spec = spec()
     return spec

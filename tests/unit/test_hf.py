@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ray_trainer._data import JsonlTextDataset, collate_batch
-from ray_trainer._hf import (
+from ray_trainer._models import (
     ModelLoadError,
     check_model_ref,
     is_builtin_model,

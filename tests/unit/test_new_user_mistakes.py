@@ -17,7 +17,7 @@ from callbacks import CallbackPicklingError, TrainerCallback
 from ray_trainer import ResourceRequestError, TrainingArgs, TrainingArgsError, run_training
 from ray_trainer._data import DataFileError, JsonlTextDataset, validate_jsonl
 from ray_trainer._driver.checks import check_storage, resolve_paths, write_run_record
-from ray_trainer._hf import ModelLoadError
+from ray_trainer._models import ModelLoadError
 from ray_trainer.cli import main
 
 

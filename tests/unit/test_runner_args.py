@@ -11,7 +11,7 @@ import pytest
 from callbacks import ALIASES, EVENTS, CallbackPicklingError, TrainerCallback
 from ray_trainer import TrainingArgs, TrainingArgsError, run_training
 from ray_trainer._data import DataFileError
-from ray_trainer._hf import ModelLoadError
+from ray_trainer._models import ModelLoadError
 
 
 class Noop(TrainerCallback):

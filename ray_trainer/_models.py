@@ -1,19 +1,88 @@
-"""Driver, workers and eval tasks: Hugging Face models and tokenizers, loaded offline.
+"""Workers, driver and eval tasks: how a run's model is built (demo, factory, Hugging Face).
 
-Needs the optional extra ``ray-trainer[hf]`` (transformers). :func:`check_model_ref` runs in the
-driver before Ray starts, so that a wrong model name fails at once; the loaders run in each
-training worker. Nothing is ever downloaded unless the caller passes ``allow_download=True``:
-a name must be a local directory or a model already in the Hugging Face cache.
+``ModelSpec`` says how to build the model of a run; ``build_model`` builds it in any process: in
+each training worker, and in ``load_model`` (a notebook, an evaluation task), from the spec a
+checkpoint records. Hugging Face models need the optional extra ``ray-trainer[hf]``
+(transformers). :func:`check_model_ref` runs in the driver before Ray starts, so that a wrong
+model name fails at once. Nothing is ever downloaded unless ``allow_download=True``: a name must
+be a local directory or a model already in the Hugging Face cache.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 BUILTIN_MODELS = ("tiny-lm", "demo")
 _INSTALL_HINT = "pip install 'ray-trainer[hf]'"
+
+
+@dataclass
+class ModelSpec:
+    """How to build a run's model: the `TrainingArgs` fields that decide it. A checkpoint
+    records it (cloudpickled: a model factory travels by value) so that `load_model` can
+    rebuild the module anywhere."""
+
+    model: Any = None  # None, "tiny-lm" or "demo"; a Hugging Face name or path; or a factory
+    demo: dict[str, Any] = field(default_factory=dict)
+    on_jsonl: bool = False  # the built-in model trained on JSONL text (a byte tokenizer)
+    max_length: int = 128
+    tokenizer: str | None = None
+    allow_download: bool = False
+
+    @classmethod
+    def of(cls, args: Any) -> ModelSpec:
+        """The spec of a run's `TrainingArgs`."""
+        return cls(
+            model=args.model,
+            demo=dict(args.demo),
+            on_jsonl=args.data is not None,
+            max_length=args.max_length,
+            tokenizer=args.tokenizer,
+            allow_download=args.allow_download,
+        )
+
+    @property
+    def is_demo(self) -> bool:
+        """The built-in demo task (its model, its data)."""
+        return is_builtin_model(self.model) or self.model is None
+
+    def build_model(self) -> Any:
+        """A freshly initialised module (seed torch first for identical replicas)."""
+        from torch import nn
+
+        if self.is_demo and not self.on_jsonl:
+            from ray_trainer._demo import build_demo
+
+            return build_demo(**self.demo).model_factory()
+        if self.is_demo:
+            from ray_trainer._data import ByteTokenizer
+            from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
+
+            fields = TinyLMConfig.__dataclass_fields__
+            overrides = {k: v for k, v in self.demo.items() if k in fields}
+            overrides.setdefault("max_len", self.max_length)
+            return TinyCausalLM(TinyLMConfig(vocab_size=ByteTokenizer.vocab_size, **overrides))
+        if isinstance(self.model, str):
+            return load_hf_causal_lm(self.model, allow_download=self.allow_download)
+        model = self.model()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model factory {self.model!r} returned {type(model).__name__}, not an nn.Module"
+            )
+        return model
+
+    def build_tokenizer(self) -> Any:
+        """The tokenizer for JSONL text: the byte tokenizer for the built-in model, the Hugging
+        Face one for a named model (or `tokenizer`), else None."""
+        if self.is_demo:
+            from ray_trainer._data import ByteTokenizer
+
+            return ByteTokenizer()
+        name = self.tokenizer or (self.model if isinstance(self.model, str) else None)
+        return load_hf_tokenizer(name, allow_download=self.allow_download) if name else None
 
 
 class ModelLoadError(ValueError):
