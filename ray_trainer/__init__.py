@@ -9,7 +9,12 @@ package.
 
 from callbacks import *  # noqa: F403  (re-export the callback API; see callbacks.__all__)
 from callbacks import __all__ as _callbacks_all
-from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, load_model_state
+from ray_trainer._checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_model,
+    load_model_state,
+)
 from ray_trainer._config import TrainingArgs, TrainingArgsError
 from ray_trainer._driver.checks import ResourceRequestError
 from ray_trainer._driver.launch import RunFailedError, run_training
@@ -23,6 +28,7 @@ __all__ = [
     "TrainingArgsError",
     "TrainingResult",
     "latest_checkpoint",
+    "load_model",
     "load_model_state",
     "run_training",
     *_callbacks_all,

@@ -88,7 +88,8 @@ class CallbackActor:
         self.received: collections.Counter[str] = collections.Counter()
         self.duplicates = 0
         self.ended = False
-        self.saw_exception = False
+        self._exception_attempt: int | None = None  # the attempt whose on_exception arrived
+        self._train_end: tuple | None = None  # rank 0's last on_train_end: wire, kwargs, attempt
         self.attempts = 0
         self.worker_summary: WorkerSummary | None = None
         self.restored_from = restore(self.manager, run_dir, filesystem)
@@ -115,10 +116,12 @@ class CallbackActor:
             self.received[event] += 1
             self._status.update({k: wire.get(k) for k in _STATUS_FIELDS})
             if event == "on_train_end":
-                self._end(wire, kwargs)
+                # The end of an attempt: another may follow (a restart), so the actor-side
+                # on_train_end waits for the driver's end() and gets this context then.
+                self._train_end = (wire, kwargs, batch.attempt)
                 continue
             if event == "on_exception":
-                self.saw_exception = True
+                self._exception_attempt = batch.attempt
             context = self._context(wire)
             context.callback_errors_total = sum(self.manager.error_counts.values())
             self.manager.fire(event, context, **kwargs)
@@ -137,17 +140,23 @@ class CallbackActor:
         self.attempts = max(self.attempts, summary.attempt + 1)
 
     def end(self, error: str | None = None) -> bool:
-        """Called by the driver after training: when rank 0 died before it could, fire
-        `on_exception` (with the error text) and `on_train_end`. Idempotent; True if it fired."""
+        """Called by the driver once training is over (no attempt will follow): the actor-side
+        `on_train_end`, once per run, with the context of rank 0's last `on_train_end`; when rank
+        0 died before it could send one, `on_exception` (with the error text) first, then
+        `on_train_end` with what the actor last heard. Idempotent; True if it fired."""
         if self.ended:
             return False
-        wire = {k: self._status.get(k) for k in _STATUS_FIELDS if k in self._status}
-        wire.update(run_name=self.run_name, is_world_process_zero=True)
-        if error is not None and not self.saw_exception:
+        last_attempt = self.attempts - 1
+        if self._train_end is not None and self._train_end[2] == last_attempt:
+            wire, kwargs, _ = self._train_end
+        else:
+            wire = {k: self._status.get(k) for k in _STATUS_FIELDS if k in self._status}
+            wire.update(run_name=self.run_name, is_world_process_zero=True)
+            wire, kwargs = {**wire, "event": "on_train_end"}, {}
+        if error is not None and self._exception_attempt != last_attempt:
             context = self._context({**wire, "event": "on_exception"})
             self.manager.fire("on_exception", context, exception=error)
-            self.saw_exception = True
-        self._end({**wire, "event": "on_train_end"}, {})
+        self._end(wire, kwargs)
         return True
 
     def status(self) -> dict[str, Any]:

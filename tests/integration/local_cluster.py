@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -201,9 +202,14 @@ class LocalCluster:
         num_cpus: int,
         resources: dict[str, float] | None = None,
         timeout_s: float = 60,
+        hide: str | None = None,
     ) -> None:
         """Start a second raylet on `ip` (127.0.0.3, ...) that joins this head; wait until it
-        is alive. Its ports are explicit and free, and its processes name this temp dir."""
+        is alive. Its ports are explicit and free, and its processes name this temp dir.
+
+        With `hide`, the node runs in a private mount namespace with an empty tmpfs over that
+        folder (`unshare --mount`; needs root): like a real second machine, it does not see
+        what the driver writes there."""
         taken = set(self.ports.values())
         ports = {name: _free_port(taken) for name in _NODE_PORT_NAMES}
         base = _port_block(_WORKER_PORTS, taken)
@@ -225,6 +231,10 @@ class LocalCluster:
         ]
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
+        if hide is not None:
+            os.makedirs(hide, exist_ok=True)
+            mount = f"mount -t tmpfs tmpfs {shlex.quote(hide)} && exec {shlex.join(cmd)}"
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
         done = subprocess.run(
             cmd, env=self.env(), capture_output=True, text=True, timeout=timeout_s
         )

@@ -369,3 +369,50 @@ class LockLaterRank0(LockLater):
 
 class LockLaterActor(LockLater):
     runs_on = "actor"
+
+
+def eval_local_checkpoint(checkpoint_path: str, step: int, checkpoint_uri: str | None = None):
+    """An evaluation task body for remote storage: it gets a local folder; reads it, and loads
+    the model from the URI as a notebook would."""
+    from ray_trainer import load_model
+
+    with open(os.path.join(checkpoint_path, "trainer_state.json")) as f:
+        state = json.load(f)
+    model = load_model(checkpoint_uri)
+    return {
+        "local_is_dir": os.path.isdir(checkpoint_path),
+        "local_has_manifest": os.path.exists(os.path.join(checkpoint_path, "rank0.complete")),
+        "checkpoint_step": state["global_step"],
+        "uri": checkpoint_uri,
+        "param_sum": float(sum(p.detach().sum() for p in model.parameters())),
+    }
+
+
+class StatusProbe(TrainerCallback):
+    """Rank 0: at one step of one attempt, asks `ray-trainer status` for this run (as a user
+    would, from another process) and keeps its JSON output in `<folder>/status-<pid>.jsonl`."""
+
+    runs_on = "rank0"
+
+    def __init__(self, folder: str, step: int, attempt: int = 0) -> None:
+        self.log = _FileLog(folder, "status")
+        self.step, self.attempt = step, attempt
+
+    def on_step_end(self, context, **kwargs):
+        if context.global_step != self.step or context.attempt != self.attempt:
+            return
+        import subprocess
+        import sys
+
+        import ray
+
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "ray_trainer.cli", "status", context.run_name),
+                *("--json", "--address", ray.get_runtime_context().gcs_address),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.log.write(returncode=done.returncode, stdout=done.stdout, stderr=done.stderr[-2000:])

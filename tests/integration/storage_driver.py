@@ -1,0 +1,68 @@
+"""A driver for the storage tests: joins a Ray cluster with the run's storage settings in its
+job's environment, trains, prints a JSON outcome.
+
+Runs as its own process (`python storage_driver.py ADDRESS SCENARIO_JSON`): the S3 endpoint and
+credentials travel to every worker, the callback actor and every evaluation task through the
+job's `runtime_env`, as they would on a cluster (an instance profile, or env vars).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ray
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    address, scenario = sys.argv[1], json.loads(sys.argv[2])
+    env = {"PYTHONPATH": HERE, **scenario.get("env", {})}
+    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+    sys.path.insert(0, HERE)
+    import rt_support
+
+    from ray_trainer import RunFailedError, TrainingArgsError, load_model, run_training
+
+    outcomes = []
+    for fields in scenario["runs"]:
+        callbacks = [_callback(rt_support, spec) for spec in fields.pop("callbacks", [])]
+        try:
+            result = run_training(callbacks=callbacks, **fields)
+        except (RunFailedError, TrainingArgsError) as e:
+            outcomes.append({"error": f"{type(e).__name__}: {e}"})
+            continue
+        outcomes.append(
+            {
+                "global_step": result.global_step,
+                "attempts": result.attempts,
+                "checkpoint_path": result.checkpoint_path,
+                "evaluations": result.evaluations,
+                "callback_errors": result.callback_errors,
+                "loss": result.metrics.get("loss"),
+            }
+        )
+    if scenario.get("load_model_of") is not None:  # as a notebook would, after the runs
+        target = outcomes[scenario["load_model_of"]]
+        model = load_model(target["checkpoint_path"])
+        target["loaded_param_sum"] = float(sum(p.detach().sum() for p in model.parameters()))
+    print("OUTCOME " + json.dumps(outcomes), flush=True)
+
+
+def _callback(module, spec):
+    """A callback from rt_support: {"class": name, ...constructor arguments}; functions for
+    EvalOnSave by name."""
+    spec = dict(spec)
+    name = spec.pop("class")
+    import callbacks
+
+    if name == "EvalOnSave":
+        return callbacks.EvalOnSave(getattr(module, spec.pop("eval_fn")), **spec)
+    cls = getattr(module, name, None) or getattr(callbacks, name)
+    return cls(**spec)
+
+
+if __name__ == "__main__":
+    main()
