@@ -15,12 +15,14 @@ from ray_trainer._driver import status as status_cmd
 from ray_trainer._driver import submit as submit_cmd
 from ray_trainer._driver.dashboard import DashboardError, dashboard_address
 from ray_trainer._driver.status import (
+    REPLY_MARKER,
     ClusterUnreachable,
     NoLiveRun,
     check_reachable,
     format_status,
     live_run_names,
     no_live_run_message,
+    parse_reply,
 )
 from ray_trainer._driver.submit import (
     SubmitError,
@@ -54,7 +56,8 @@ def test_status_arguments():
         True,
     )
     defaults = _parser().parse_args(["status", "my-run"])
-    assert defaults.address is None and defaults.json is False and defaults.timeout > 0
+    assert defaults.address is None and defaults.json is False and defaults.timeout == 30
+    assert defaults.headers is None and defaults.verify is None and not defaults.reply_line
 
 
 def test_submit_arguments():
@@ -419,12 +422,31 @@ def test_live_runs_and_the_no_live_run_message():
 
 
 def test_unreachable_or_wrong_addresses():
-    with pytest.raises(ClusterUnreachable, match="dashboard URL"):
-        check_reachable(DASH)
     with pytest.raises(ClusterUnreachable, match="no Ray cluster reachable"):
         check_reachable(f"127.0.0.1:{closed_port()}", timeout_s=2)
-    with pytest.raises(ClusterUnreachable, match="not a cluster address"):
+    with pytest.raises(ClusterUnreachable, match="neither a dashboard URL"):
         check_reachable("localhost")
+
+
+def _reply(**reply) -> str:
+    return f"some ray log line\n{REPLY_MARKER}{json.dumps(reply)}\n"
+
+
+def test_reply_lines_round_trip_and_a_missing_reply_shows_the_output(monkeypatch, capsys):
+    monkeypatch.setattr(status_cmd, "fetch_status", lambda run_name, address, timeout_s: STATUS)
+    assert main(["status", "r1", "--address", "h:1", "--reply-line"]) == 0
+    out = capsys.readouterr().out
+    assert parse_reply(out, "here") == {"exit": 0, "status": STATUS}
+
+    def missing(run_name, address, timeout_s):
+        raise NoLiveRun(no_live_run_message(run_name, address, ["a"]))
+
+    monkeypatch.setattr(status_cmd, "fetch_status", missing)
+    assert main(["status", "r1", "--address", "h:1", "--reply-line"]) == 0  # the reply tells
+    reply = parse_reply(capsys.readouterr().out, "here")
+    assert reply == {"exit": 1, "error": "no live run named r1 on h:1; live runs: a"}
+    with pytest.raises(DashboardError, match="sh: 1: ray-trainer: not found"):
+        parse_reply("sh: 1: ray-trainer: not found\n", "the status job j")
 
 
 def test_status_exit_codes(monkeypatch, capsys):
@@ -432,22 +454,53 @@ def test_status_exit_codes(monkeypatch, capsys):
     assert "no Ray cluster reachable" in capsys.readouterr().err
 
     def missing(run_name, address, timeout_s):
-        raise NoLiveRun(no_live_run_message(run_name, address, ["a"]))
+        return {"exit": 1, "error": no_live_run_message(run_name, address, ["a"])}
 
-    monkeypatch.setattr(status_cmd, "fetch_status", missing)
+    monkeypatch.setattr(status_cmd, "ask_in_subprocess", missing)
     assert main(["status", "r1", "--address", "h:1"]) == 1
     assert "no live run named r1 on h:1; live runs: a" in capsys.readouterr().err
 
-    monkeypatch.setattr(status_cmd, "fetch_status", lambda run_name, address, timeout_s: STATUS)
-    assert main(["status", "r1", "--json"]) == 0
+    monkeypatch.setattr(status_cmd, "ask_in_subprocess", lambda *a: {"exit": 0, "status": STATUS})
+    assert main(["status", "r1", "--address", "h:1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["global_step"] == 30
-    assert main(["status", "r1"]) == 0
+    assert main(["status", "r1", "--address", "h:1"]) == 0
     assert capsys.readouterr().out.startswith("run r1 (training)")
 
 
-def test_status_address_defaults_to_ray_address_then_auto(monkeypatch):
+def test_status_over_the_dashboard_runs_a_tiny_job_on_the_head(fake_client, capsys):
+    fake_client.logs = _reply(exit=0, status=STATUS)
+    assert main(["status", "r1", "--address", DASH, "--headers", '{"X": "1"}']) == 0
+    assert capsys.readouterr().out.startswith("run r1 (training)")
+    client = fake_client.instances[0]
+    assert client.address == DASH and client.headers == {"X": "1"}
+    job = client.submitted
+    words = shlex.split(job["entrypoint"])
+    # No --address: the job's driver uses the RAY_ADDRESS that Ray's job supervisor sets.
+    assert words[:3] == ["ray-trainer", "status", "r1"] and "--reply-line" in words
+    assert "--address" not in words
+    assert job["submission_id"].startswith("ray-trainer-status-r1-")
+    assert client.deleted == [job["submission_id"]]  # the job list is left to the runs
+
+    fake_client.logs = _reply(exit=1, error="no live run named r1 on 10.0.0.5:6379; live runs: b")
+    assert main(["status", "r1", "--address", DASH]) == 1
+    assert "no live run named r1 on 10.0.0.5:6379; live runs: b" in capsys.readouterr().err
+
+
+def test_status_over_the_dashboard_is_bounded_by_timeout(fake_client, capsys, monkeypatch):
+    fake_client.final = "RUNNING"  # the status job never ends
+    monkeypatch.setattr(status_cmd.time, "sleep", lambda s: None)
+    assert main(["status", "r1", "--address", DASH, "--timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "did not finish within 0.2 s (--timeout)" in err
+    assert fake_client.instances[0].stopped  # the stuck status job is stopped
+
+
+def test_status_address_defaults(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://10.0.0.1:8265")
     assert status_cmd.resolve_address(None) == "10.0.0.1:6379"
     assert status_cmd.resolve_address("h:1") == "h:1"
     monkeypatch.delenv("RAY_ADDRESS")
+    assert status_cmd.resolve_address(None) == "http://10.0.0.1:8265"  # what submit uses
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
     assert status_cmd.resolve_address(None) == "auto"

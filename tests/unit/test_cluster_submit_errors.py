@@ -1,4 +1,4 @@
-"""`ray-trainer submit` against what goes wrong: a stub dashboard on 127.0.0.1 that
+"""`ray-trainer submit` / `status` against what goes wrong: a stub dashboard on 127.0.0.1 that
 refuses the credentials, a port that never answers, a GCS address, an oversized working dir.
 
 No Ray cluster: the stub is a plain HTTP server in a thread; the real `JobSubmissionClient` talks
@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from cluster_support import closed_port, write_config
 
+from ray_trainer._driver import status as status_cmd
 from ray_trainer._driver.runtime_env import (
     RuntimeEnvError,
     build_runtime_env,
@@ -99,11 +100,12 @@ def test_a_401_is_one_message_with_its_own_exit_code(config, capsys):
     unauthorized = (401, "Unauthorized: Missing authentication token")
     with StubDashboard({}, default=unauthorized) as stub:
         assert main(_submit(config, stub.url)) == 3
+        assert main(["status", "r1", "--address", stub.url]) == 3
     err = capsys.readouterr().err
-    assert err.count("ray-trainer: error: the cluster refused the request: authentication ") == 1
+    assert err.count("ray-trainer: error: the cluster refused the request: authentication ") == 2
     assert f"HTTP 401 from {stub.url}" in err and "Missing authentication token" in err
     assert "--headers" in err and "RAY_JOB_HEADERS" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2
 
 
 def test_a_403_on_submitting_is_the_same_message(config, capsys):
@@ -145,11 +147,15 @@ def test_a_gcs_address_exits_2_at_once_with_the_dashboard_url(config, capsys):
 
 
 def test_a_dead_address_fails_within_timeout(config, capsys, silent_port):
-    start = time.monotonic()
-    assert main(_submit(config, f"http://127.0.0.1:{silent_port}", "--timeout", "1.5")) == 2
-    assert time.monotonic() - start < 1.5 + 2.0
+    for argv in (
+        _submit(config, f"http://127.0.0.1:{silent_port}", "--timeout", "1.5"),
+        ["status", "r1", "--address", f"http://127.0.0.1:{silent_port}", "--timeout", "1.5"],
+    ):
+        start = time.monotonic()
+        assert main(argv) == 2
+        assert time.monotonic() - start < 1.5 + 2.0
     err = capsys.readouterr().err
-    assert err.count("no answer from the Ray dashboard at http://127.0.0.1:") == 1
+    assert err.count("no answer from the Ray dashboard at http://127.0.0.1:") == 2
     assert "within 1.5 s (--timeout)" in err
 
 
@@ -157,6 +163,16 @@ def test_a_closed_port_fails_at_once(config, capsys):
     port = closed_port()
     assert main(_submit(config, f"http://127.0.0.1:{port}")) == 2
     assert f"cannot reach the Ray dashboard at http://127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_status_bounds_joining_a_gcs_that_never_answers(silent_port):
+    # ray.init against a port that accepts and stays silent: the query process is killed.
+    pytest.importorskip("ray")
+    start = time.monotonic()
+    with pytest.raises(status_cmd.ClusterUnreachable) as e:
+        status_cmd.ask_in_subprocess("r1", f"127.0.0.1:{silent_port}", timeout_s=4.0)
+    assert time.monotonic() - start < 4.0 + 3.0
+    assert "within 4 s (--timeout)" in str(e.value) and "GCS address" in str(e.value)
 
 
 # ---- the working dir's size ----------------------------------------------------------------
