@@ -135,3 +135,5 @@ def test_documents_how_to_use_it():
         assert line in text
     assert "--address http://127.0.0.1:8265" in text
     assert "examples/cluster_run.yaml" in text
+    for doc in ("README.md", "docs/cluster.md"):
+        assert "examples/cluster_run.yaml" in (ROOT / doc).read_text(), doc
