@@ -1,28 +1,58 @@
-"""User's terminal (a driver of its own): ``ray-trainer status``, asked of the run's actor.
+"""User's terminal: ``ray-trainer status``, asked of the run's callback actor.
 
-Runs in the user's terminal, in a process of its own, never inside a run. It joins the cluster as
-a short-lived Ray driver (``ray.init(address)``), finds the run's callback actor by name
-(``actor_name(run_name)`` in ``NAMESPACE``, see ``_contract.py``) and asks it for its
-``status()`` snapshot, with a timeout. It never touches the training workers: the actor answers
-between two event batches.
+Runs in the user's terminal, never inside a run. The question itself (``--reply-line``) is
+asked by a one-shot process beside the cluster, which prints one reply line:
+
+* with a dashboard URL (``http(s)://``, the address ``submit`` uses), that process is a tiny
+  Ray job, ``ray-trainer status RUN --reply-line``: it runs on the head, next to the actor, and
+  this process reads its reply from the job's logs through the job API. Nothing joins the
+  cluster from the laptop (no ``ray.init``, no same-Python rule, no open GCS port).
+* with a cluster (GCS) address ``HOST:PORT`` (or ``auto`` on a cluster node), it is a child
+  process that joins the cluster as a short-lived driver (``ray.init``); it is killed when
+  ``--timeout`` runs out, so a GCS that never answers cannot hang ``status``.
+
+Either way the query finds the run's callback actor by name (``actor_name(run_name)`` in
+``NAMESPACE``, see ``_contract.py``) and asks it for its ``status()`` snapshot. It never
+touches the training workers: the actor answers between two event batches.
+
+Exit codes: 0 the status, 1 no such live run (the live runs are listed), 2 bad input or no
+cluster answering within ``--timeout``, 3 the cluster refused the credentials.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import secrets
+import shlex
 import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from ray_trainer._contract import NAMESPACE, actor_name, run_name_of_actor
+from ray_trainer._driver.dashboard import (
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    DashboardError,
+    add_connection_options,
+    connect,
+    is_dashboard_url,
+    job_api,
+    parse_headers,
+    parse_verify,
+)
 
-#: Exit codes: 0 ok / job SUCCEEDED, 1 no such live run / job did not succeed,
-#: 2 bad input or no cluster reachable.
-EXIT_OK, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2
-STATUS_TIMEOUT_S = 10.0
+#: How long the actor may take to answer (capped by what is left of ``--timeout``).
+ACTOR_ANSWER_S = 10.0
+REPLY_MARKER = "ray-trainer-status-reply: "
+_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 class ClusterUnreachable(RuntimeError):
@@ -34,27 +64,27 @@ class NoLiveRun(LookupError):
 
 
 def resolve_address(address: str | None) -> str:
-    """The cluster to query: ``--address``, else ``RAY_ADDRESS``, else ``"auto"``."""
-    return address or os.environ.get("RAY_ADDRESS") or "auto"
+    """The cluster to query: ``--address``, else ``RAY_ADDRESS``, else the dashboard URL in
+    ``RAY_API_SERVER_ADDRESS``, else ``"auto"``."""
+    return (
+        address
+        or os.environ.get("RAY_ADDRESS")
+        or os.environ.get("RAY_API_SERVER_ADDRESS")
+        or "auto"
+    )
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, before ``ray.init`` waits for a GCS that is not there.
-
-    ``status`` needs the cluster (GCS) address ``HOST:PORT``; a dashboard URL is refused with
-    the fix. ``"auto"`` and ``ray://`` addresses are left to ``ray.init``.
-    """
-    if address.startswith(("http://", "https://")):
-        raise ClusterUnreachable(
-            f"{address} is a dashboard URL; `ray-trainer status` joins the cluster and needs its "
-            "address HOST:PORT (the head's --port, 6379 by default). On a remote cluster run it "
-            "on the head: ray exec cluster.yaml 'ray-trainer status RUN_NAME'"
-        )
+    """Fail fast, before ``ray.init`` waits for a GCS that is not there. ``"auto"`` and
+    ``ray://`` addresses are left to ``ray.init``."""
     if address == "auto" or "://" in address:
         return
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        raise ClusterUnreachable(f"{address!r} is not a cluster address like HOST:6379")
+        raise ClusterUnreachable(
+            f"{address!r} is neither a dashboard URL http://HOST:8265 nor a cluster address "
+            "HOST:6379"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
@@ -80,12 +110,14 @@ def no_live_run_message(run_name: str, address: str, live: list[str]) -> str:
     )
 
 
-def fetch_status(run_name: str, address: str, timeout_s: float = STATUS_TIMEOUT_S) -> dict:
-    """Ask the run's callback actor for its status. Runs in the ``ray-trainer status`` process,
-    which joins the cluster as a driver for the duration of the call.
+def fetch_status(run_name: str, address: str, timeout_s: float = ACTOR_ANSWER_S) -> dict:
+    """Ask the run's callback actor for its status. Runs in the one-shot query process, which
+    joins the cluster as a driver for the duration of the call.
 
     Raises ``ClusterUnreachable`` or ``NoLiveRun`` (its message lists the live runs).
     """
+    if is_dashboard_url(address):
+        raise ClusterUnreachable(f"{address}: the query process needs the cluster address")
     check_reachable(address)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
@@ -118,6 +150,90 @@ def fetch_status(run_name: str, address: str, timeout_s: float = STATUS_TIMEOUT_
             raise NoLiveRun(no_live_run_message(run_name, shown, live)) from None
     finally:
         ray.shutdown()
+
+
+# ---- the reply: one line from the query process ---------------------------------------------
+
+
+def query_reply(run_name: str, address: str, timeout_s: float) -> dict[str, Any]:
+    """Run the query here (the one-shot process) and put its outcome in a reply dict:
+    ``{"exit": 0, "status": {...}}`` or ``{"exit": 1|2, "error": "..."}``."""
+    try:
+        return {"exit": EXIT_OK, "status": fetch_status(run_name, address, timeout_s)}
+    except NoLiveRun as e:
+        return {"exit": EXIT_NOT_FOUND, "error": str(e)}
+    except ClusterUnreachable as e:
+        return {"exit": EXIT_ERROR, "error": str(e)}
+
+
+def parse_reply(text: str, where: str) -> dict[str, Any]:
+    """The reply line in a query process's output; ``DashboardError`` with the output's end
+    when there is none (e.g. ``ray-trainer`` is not installed where the query ran)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(REPLY_MARKER):
+            try:
+                return json.loads(line[len(REPLY_MARKER) :])
+            except json.JSONDecodeError as e:
+                raise DashboardError(f"{where} gave a garbled status reply ({e})") from None
+    tail = "\n".join(text.strip().splitlines()[-15:]) or "(no output)"
+    raise DashboardError(f"{where} gave no status reply; its output ends with:\n{tail}")
+
+
+def ask_in_subprocess(run_name: str, address: str, timeout_s: float) -> dict[str, Any]:
+    """The query in a child process that joins the cluster at the GCS ``address``; killed
+    when ``timeout_s`` runs out (``ray.init`` has no bound of its own)."""
+    check_reachable(address)
+    answer_s = min(ACTOR_ANSWER_S, max(1.0, timeout_s - 2.0))
+    cmd = [sys.executable, "-m", "ray_trainer.cli", "status", run_name, "--address", address]
+    cmd += ["--timeout", f"{answer_s:g}", "--reply-line"]
+    # Started where this ray_trainer was imported from: `-m` puts the working dir first on
+    # sys.path, and a user's own `callbacks.py` there must not shadow the package.
+    home = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen(
+        cmd, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        out, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise ClusterUnreachable(
+            f"no answer from the Ray cluster at {address} within {timeout_s:g} s (--timeout): "
+            "joining it (ray.init) and asking the run's actor did not finish. Check that it is "
+            "the head's GCS address (ray start --port, 6379 by default), or use the dashboard "
+            "URL http://HOST:8265"
+        ) from None
+    return parse_reply(out, f"the status query for {address}")
+
+
+def ask_through_job(run_name: str, address: str, opts: argparse.Namespace) -> dict[str, Any]:
+    """The query as a tiny Ray job on the head, through the dashboard's job API; the whole
+    exchange is bounded by ``--timeout`` (the job is stopped when it runs out)."""
+    deadline = time.monotonic() + opts.timeout
+    headers, verify = parse_headers(opts.headers), parse_verify(opts.verify)
+    client = connect(address, headers, verify, opts.timeout)
+    answer_s = min(ACTOR_ANSWER_S, max(1.0, deadline - time.monotonic() - 2.0))
+    words = ["ray-trainer", "status", run_name, "--timeout", f"{answer_s:g}", "--reply-line"]
+    job_id = f"ray-trainer-status-{run_name}-{secrets.token_hex(3)}"
+    with job_api(address, "asking the run's status"):
+        client.submit_job(
+            entrypoint=shlex.join(words),
+            submission_id=job_id,
+            metadata={"ray_trainer_status": run_name},
+        )
+        while str(client.get_job_status(job_id).value) not in _TERMINAL:
+            if time.monotonic() > deadline:
+                client.stop_job(job_id)
+                raise DashboardError(
+                    f"the status job {job_id} on {address} did not finish within "
+                    f"{opts.timeout:g} s (--timeout); the head may be busy: try a larger "
+                    f"--timeout, or see `ray job logs --address {address} {job_id}`"
+                )
+            time.sleep(0.25)
+        logs = client.get_job_logs(job_id)
+    with contextlib.suppress(Exception):  # a leftover status job is harmless
+        client.delete_job(job_id)  # keep the dashboard's job list for runs
+    return parse_reply(logs, f"the status job {job_id} on {address}")
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -170,29 +286,43 @@ def add_parser(sub: Any) -> None:
     """The ``status`` subcommand's options (``sub`` is argparse's subparsers object)."""
     status = sub.add_parser("status", help="progress of a live run on a Ray cluster")
     status.add_argument("run_name", help="the run's run_name")
-    status.add_argument(
-        "--address",
-        default=None,
-        help="cluster address HOST:PORT (default: RAY_ADDRESS, else auto)",
+    add_connection_options(
+        status,
+        address_help="dashboard URL http://HOST:8265 (as for submit), or the cluster address "
+        "HOST:6379 (default: RAY_ADDRESS, then RAY_API_SERVER_ADDRESS, then auto)",
+        timeout_help="seconds for the whole query (default %(default)g)",
     )
     status.add_argument("--json", action="store_true", help="print the status dict as JSON")
-    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the run")
+    # The one-shot query process: ask here (ray.init) and print one reply line.
+    status.add_argument("--reply-line", action="store_true", help=argparse.SUPPRESS)
     status.set_defaults(main=status_main)
 
 
 def status_main(opts: argparse.Namespace) -> int:
-    """``ray-trainer status RUN_NAME [--address ADDR] [--json]``."""
+    """``ray-trainer status RUN_NAME [--address URL|HOST:PORT] [--json]``."""
+    if opts.reply_line:
+        address = opts.address or os.environ.get("RAY_ADDRESS") or "auto"
+        reply = query_reply(opts.run_name, address, opts.timeout)
+        print(REPLY_MARKER + json.dumps(reply, default=str), flush=True)
+        return EXIT_OK
     address = resolve_address(opts.address)
     try:
-        status = fetch_status(opts.run_name, address, timeout_s=opts.timeout)
+        if is_dashboard_url(address):
+            reply = ask_through_job(opts.run_name, address.rstrip("/"), opts)
+        else:
+            reply = ask_in_subprocess(opts.run_name, address, opts.timeout)
+    except DashboardError as e:
+        print(f"ray-trainer: error: {e}", file=sys.stderr)
+        return e.exit_code
     except ClusterUnreachable as e:
         print(f"ray-trainer: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except NoLiveRun as e:
-        print(f"ray-trainer: {e}", file=sys.stderr)
-        return EXIT_NOT_FOUND
+    if reply["exit"] != EXIT_OK:
+        prefix = "ray-trainer: " if reply["exit"] == EXIT_NOT_FOUND else "ray-trainer: error: "
+        print(prefix + str(reply.get("error")), file=sys.stderr)
+        return int(reply["exit"])
     if opts.json:
-        print(json.dumps(status, default=str, indent=2, sort_keys=True), flush=True)
+        print(json.dumps(reply["status"], default=str, indent=2, sort_keys=True), flush=True)
     else:
-        print(format_status(status), flush=True)
+        print(format_status(reply["status"]), flush=True)
     return EXIT_OK

@@ -1,9 +1,14 @@
-"""User's terminal: ``ray-trainer submit`` validates a run, then submits it as a Ray job.
+"""User's terminal: ``ray-trainer submit`` validates a run, submits it as a Ray job, follows it.
 
 Runs in the user's terminal, in a process of its own. It never joins the cluster: it validates
-the config here, then talks to the dashboard's job API over HTTP (``JobSubmissionClient``). The
-run's driver is the job's entrypoint, ``ray-trainer run CONFIG``, started by Ray's job
-supervisor on the head node.
+the config here, checks what it will upload, then talks to the dashboard's job API over HTTP
+(``JobSubmissionClient``, see ``dashboard.py``). The run's driver is the job's entrypoint,
+``ray-trainer run CONFIG``, started by Ray's job supervisor on the head node; the job's
+submission id is the run name, so Ray refuses a second job of the same run.
+
+Exit codes: 0 the job SUCCEEDED (or, with ``--no-wait``, was submitted), 1 it did not succeed,
+2 bad input, a refused submission or no dashboard reachable within ``--timeout``, 3 the cluster
+refused the credentials (``--headers`` / ``RAY_JOB_HEADERS``), 130 Ctrl-C while following.
 """
 
 from __future__ import annotations
@@ -11,16 +16,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
 import secrets
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from ray_trainer._config import TrainingArgs, TrainingArgsError
-from ray_trainer._driver.status import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK
+from ray_trainer._driver.dashboard import (
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    DashboardError,
+    add_connection_options,
+    connect,
+    dashboard_address,
+    job_api,
+    parse_headers,
+    parse_verify,
+)
+from ray_trainer._driver.runtime_env import (
+    RuntimeEnvError,
+    build_runtime_env,
+    check_upload_size,
+    load_runtime_env,
+    parse_env,
+)
 
 _TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -29,24 +52,19 @@ class SubmitError(ValueError):
     """The submission cannot be built (config outside the working dir, no address...)."""
 
 
-def submit_address(address: str | None) -> str:
-    """The dashboard URL: ``--address``, else ``RAY_API_SERVER_ADDRESS``, else an ``http``
-    ``RAY_ADDRESS`` (as ``ray job submit`` reads it)."""
-    env = os.environ.get("RAY_ADDRESS", "")
-    found = (
-        address
-        or os.environ.get("RAY_API_SERVER_ADDRESS")
-        or (env if env.startswith(("http://", "https://")) else None)
-    )
-    if not found:
-        raise SubmitError(
-            "no dashboard address: pass --address http://HOST:8265 (after `ray dashboard "
-            "cluster.yaml`, http://127.0.0.1:8265)"
-        )
-    return found
+@dataclass
+class Submission:
+    """A validated job, ready for the job API; nothing has reached the cluster yet."""
+
+    address: str
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    run_name: str
+    headers: dict[str, Any] | None = None
+    verify: bool | str = True
 
 
-def config_in_working_dir(config: str | os.PathLike, working_dir: str | os.PathLike) -> str:
+def config_in_working_dir(config: str | Path, working_dir: str | Path) -> str:
     """The config's path relative to the working dir (as the job sees it), POSIX style."""
     config_path, root = Path(config).resolve(), Path(working_dir).resolve()
     try:
@@ -73,37 +91,62 @@ def generated_run_name() -> str:
     return f"run-{stamp}-{secrets.token_hex(2)}"
 
 
-def prepare_submission(opts: argparse.Namespace) -> tuple[str, str, dict[str, Any], str]:
-    """Validate the config here and build the job: (address, entrypoint, runtime_env, run_name).
+def prepare_submission(opts: argparse.Namespace) -> Submission:
+    """Validate the address, the config and the upload here, and build the job.
 
-    Raises ``TrainingArgsError`` for a bad config, ``SubmitError`` for a bad submission; nothing
-    has reached the cluster yet.
+    Raises ``DashboardError`` for a wrong address or options, ``TrainingArgsError`` for a bad
+    config, ``SubmitError`` / ``RuntimeEnvError`` for a bad submission.
     """
-    address = submit_address(opts.address)
+    address = dashboard_address(opts.address)
+    headers, verify = parse_headers(opts.headers), parse_verify(opts.verify)
     overrides = list(opts.overrides)
     args = TrainingArgs.from_yaml(opts.config, overrides)
     run_name = args.run_name
     if run_name is None:
         run_name = generated_run_name()
         overrides.append(f"run_name={run_name}")
-    runtime_env: dict[str, Any] = {}
+    working_dir = None
     if opts.no_working_dir:
         config = str(Path(opts.config).resolve())
     else:
         if not Path(opts.working_dir).is_dir():
             raise SubmitError(f"--working-dir {opts.working_dir}: not a directory")
         config = config_in_working_dir(opts.config, opts.working_dir)
-        runtime_env["working_dir"] = str(Path(opts.working_dir).resolve())
-        runtime_env["excludes"] = [".git"]  # .gitignore'd files are left out by Ray itself
-    # Train's driver may see several Ray instances on a node; the dashboard URL settles which.
-    runtime_env["env_vars"] = {"RAY_API_SERVER_ADDRESS": address}
-    return address, build_entrypoint(config, overrides), runtime_env, run_name
+        working_dir = str(Path(opts.working_dir).resolve())
+    runtime_env = build_runtime_env(
+        load_runtime_env(opts.runtime_env), working_dir, opts.pip, parse_env(opts.env)
+    )
+    if working_dir is not None:
+        check_upload_size(working_dir, runtime_env["excludes"])
+    entrypoint = build_entrypoint(config, overrides)
+    return Submission(address, entrypoint, runtime_env, run_name, headers, verify)
+
+
+def submit_job(client: Any, job: Submission) -> str:
+    """Submit ``job`` under its run name; a run name already used on the cluster is refused."""
+    try:
+        with job_api(job.address, "submitting the job"):
+            return client.submit_job(
+                entrypoint=job.entrypoint,
+                runtime_env=job.runtime_env,
+                metadata={"ray_trainer_run": job.run_name},
+                submission_id=job.run_name,
+            )
+    except DashboardError as e:
+        if "submission_id" not in str(e) or "already exists" not in str(e):
+            raise
+        raise DashboardError(
+            f"the cluster at {job.address} already has a job {job.run_name}: a run's name is its "
+            "job's submission id. Pick another run_name (--set run_name=NEW), or, to run this one "
+            f"again, delete the old job first: ray job delete --address {job.address} "
+            f"{job.run_name}"
+        ) from None
 
 
 def follow_hint(address: str, job_id: str, run_name: str) -> str:
     return (
         f"follow the logs:  ray job logs --follow --address {address} {job_id}\n"
-        f"check progress:   ray-trainer status {run_name}   (on the cluster, or --address HOST:6379)\n"
+        f"check progress:   ray-trainer status {run_name} --address {address}\n"
         f"stop it:          ray job stop --address {address} {job_id}"
     )
 
@@ -112,13 +155,27 @@ def add_parser(sub: Any) -> None:
     """The ``submit`` subcommand's options (``sub`` is argparse's subparsers object)."""
     submit = sub.add_parser("submit", help="submit a run as a Ray job (validated here first)")
     submit.add_argument("config", help="YAML file of TrainingArgs fields, inside --working-dir")
-    submit.add_argument(
-        "--address",
-        default=None,
-        help="dashboard URL http://HOST:8265 (default: RAY_API_SERVER_ADDRESS)",
+    add_connection_options(
+        submit,
+        address_help="dashboard URL http://HOST:8265 (default: RAY_API_SERVER_ADDRESS, "
+        "else an http:// RAY_ADDRESS)",
+        timeout_help="seconds to reach the dashboard (default %(default)g)",
     )
     submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    submit.add_argument("--wait", action="store_true", help="stream the job's logs until it ends")
+    submit.add_argument(
+        "--runtime-env", default=None, metavar="FILE", help="YAML/JSON runtime_env merged in"
+    )
+    submit.add_argument(
+        "--pip", action="append", default=[], metavar="PKG", help="pip package for the job"
+    )
+    submit.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="job environment variable"
+    )
+    wait = submit.add_mutually_exclusive_group()
+    wait.add_argument("--wait", dest="wait", action="store_true", help="(the default)")
+    wait.add_argument(
+        "--no-wait", dest="wait", action="store_false", help="return once the job is submitted"
+    )
     files = submit.add_mutually_exclusive_group()
     files.add_argument(
         "--working-dir", default=".", help="folder uploaded with the job (default .)"
@@ -126,42 +183,35 @@ def add_parser(sub: Any) -> None:
     files.add_argument(
         "--no-working-dir", action="store_true", help="upload nothing: every node sees the config"
     )
-    submit.set_defaults(main=submit_main)
+    submit.set_defaults(main=submit_main, wait=True)
 
 
 def submit_main(opts: argparse.Namespace) -> int:
-    """``ray-trainer submit CONFIG --address URL [--set k=v ...] [--wait]``."""
+    """``ray-trainer submit CONFIG --address URL [--set k=v ...] [--no-wait]``."""
     try:
-        address, entrypoint, runtime_env, run_name = prepare_submission(opts)
-    except (TrainingArgsError, SubmitError) as e:
+        job = prepare_submission(opts)
+        client = connect(job.address, job.headers, job.verify, opts.timeout)
+        job_id = submit_job(client, job)
+    except DashboardError as e:
+        print(f"ray-trainer: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (TrainingArgsError, SubmitError, RuntimeEnvError) as e:
         print(f"ray-trainer: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    from ray.job_submission import JobSubmissionClient
-
-    try:
-        client = JobSubmissionClient(address)
-    except (ConnectionError, ValueError, RuntimeError) as e:
-        print(
-            f"ray-trainer: error: cannot reach the Ray dashboard at {address}: {e}", file=sys.stderr
-        )
-        return EXIT_ERROR
-    try:
-        job_id = client.submit_job(
-            entrypoint=entrypoint, runtime_env=runtime_env, metadata={"ray_trainer_run": run_name}
-        )
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        print(f"ray-trainer: error: the cluster refused the job: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    print(f"submitted job {job_id} (run {run_name}): {entrypoint}", flush=True)
-    print(follow_hint(address, job_id, run_name), flush=True)
+    print(f"submitted job {job_id} (run {job.run_name}): {job.entrypoint}", flush=True)
+    print(follow_hint(job.address, job_id, job.run_name), flush=True)
     if not opts.wait:
         return EXIT_OK
     try:
-        final = wait_for_job(client, job_id, sys.stdout)
+        with job_api(job.address, f"following job {job_id}"):
+            final = wait_for_job(client, job_id, sys.stdout)
+            info = client.get_job_info(job_id)
     except KeyboardInterrupt:
         print(f"\nstopped following; job {job_id} keeps running", file=sys.stderr)
         return 130
-    info = client.get_job_info(job_id)
+    except DashboardError as e:
+        print(f"ray-trainer: error: {e}; the job may still be running", file=sys.stderr)
+        return e.exit_code
     print(f"job {job_id} {final}" + (f": {info.message}" if info.message else ""), flush=True)
     return EXIT_OK if final == "SUCCEEDED" else EXIT_NOT_FOUND
 

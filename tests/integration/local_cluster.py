@@ -8,9 +8,10 @@ Isolation from other Ray instances on the machine (see RAY_FACTS.md, "A real loc
 tests"): the head listens on 127.0.0.2 (Ray would replace 127.0.0.1 by the network address),
 every port is explicit and free, `AUTOSCALER_METRIC_PORT` / `DASHBOARD_METRIC_PORT` move the
 two otherwise fixed ports, the session lives in a private `--temp-dir`, token auth is off
-(`RAY_AUTH_MODE=disabled`: a `~/.ray/auth_token` left by another test would turn it on), and
-teardown kills only the processes whose command line names this temp dir or one of its ports,
-with their children. Never `ray stop`: it ends every Ray on the machine.
+(`RAY_AUTH_MODE=disabled`: a `~/.ray/auth_token` left by another test would turn it on), the
+cluster's own processes know their dashboard (`node_env`), and teardown kills only the
+processes whose command line names this temp dir or one of its ports, with their children.
+Never `ray stop`: it ends every Ray on the machine.
 """
 
 from __future__ import annotations
@@ -143,6 +144,16 @@ class LocalCluster:
             ),
         }
 
+    def node_env(self) -> dict[str, str]:
+        """The environment of this cluster's Ray processes, and so of every job, task and actor
+        on it: `env()` plus `RAY_API_SERVER_ADDRESS` = this dashboard. Ray's state API, which
+        Train's PlacementGroupCleaner calls with no address, otherwise looks for the one Ray on
+        the machine; with a second Ray running, as on test machines, its monitor thread dies
+        with "Found multiple active Ray instances" (a traceback in the job's logs; seen here).
+        A real cluster node runs one Ray and needs nothing: `ray-trainer submit` injects
+        nothing into the job for it."""
+        return {**self.env(), "RAY_API_SERVER_ADDRESS": self.dashboard_url}
+
     def start_command(self) -> list[str]:
         p = self.ports
         return [
@@ -175,7 +186,11 @@ class LocalCluster:
     def start(self, timeout_s: float = 90.0) -> None:
         """Start the head and wait (bounded) until the dashboard's job API answers."""
         done = subprocess.run(
-            self.start_command(), env=self.env(), capture_output=True, text=True, timeout=timeout_s
+            self.start_command(),
+            env=self.node_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
         if done.returncode != 0:
             self.stop()
@@ -236,7 +251,7 @@ class LocalCluster:
             mount = f"mount -t tmpfs tmpfs {shlex.quote(hide)} && exec {shlex.join(cmd)}"
             cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
         done = subprocess.run(
-            cmd, env=self.env(), capture_output=True, text=True, timeout=timeout_s
+            cmd, env=self.node_env(), capture_output=True, text=True, timeout=timeout_s
         )
         if done.returncode != 0:
             raise RuntimeError(

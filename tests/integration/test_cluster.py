@@ -2,7 +2,9 @@
 
 The cluster is a separate Ray instance (`ray start --head` on 127.0.0.2, see `local_cluster`):
 this module never calls `ray.init` in the pytest process; the commands run as subprocesses,
-as a user runs them from a terminal. Every wait is bounded and says what it waited for.
+as a user runs them from a terminal. `status` is asked both ways while the submitted run is
+live: through the cluster (GCS) address, and through the dashboard URL that `submit` uses (a
+tiny Ray job on the head). Every wait is bounded and says what it waited for.
 """
 
 from __future__ import annotations
@@ -45,6 +47,33 @@ def _cli(cluster: LocalCluster, *args: str, timeout: float = STATUS_TIMEOUT_S):
     )
 
 
+class _DashboardStatus(threading.Thread):
+    """Asks `ray-trainer status RUN --address DASHBOARD_URL --json` again and again, as a laptop
+    would, until one answer shows the run live or `stop` is set; keeps every answer."""
+
+    def __init__(self, cluster: LocalCluster, run: str) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.run_name = cluster, run
+        self.answers: list[subprocess.CompletedProcess] = []
+        self.live: dict | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set() and self.live is None:
+            done = _cli(
+                self.cluster,
+                "status",
+                self.run_name,
+                "--address",
+                self.cluster.dashboard_url,
+                "--json",
+            )
+            self.answers.append(done)
+            if done.returncode == 0:
+                self.live = json.loads(done.stdout)
+            self.stop.wait(0.5)
+
+
 class _MetricsWatcher(threading.Thread):
     """Polls the head's Prometheus endpoint and keeps the `ray_trainer_*` lines of one run."""
 
@@ -85,6 +114,8 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
     )
     metrics = _MetricsWatcher(cluster.metrics_url, RUN)
     metrics.start()
+    remote = _DashboardStatus(cluster, RUN)
+    remote.start()
     submit = subprocess.Popen(
         [
             *(sys.executable, "-m", "ray_trainer.cli", "submit", str(config)),
@@ -121,6 +152,8 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
             f"its output:\n{''.join(output)[-4000:]}"
         )
     reader.join(30)
+    remote.stop.set()
+    remote.join(STATUS_TIMEOUT_S + 10)
     # Counters outlive the run on the endpoint; gauges lapse ~2 report intervals after it.
     metrics_deadline = time.monotonic() + 20
     while not metrics.lines and time.monotonic() < metrics_deadline:
@@ -143,13 +176,46 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
     assert live["run_name"] == RUN and 0 < live["global_step"] <= MAX_STEPS
     assert live["num_callback_errors"] == 0, live["callback_errors"]
 
+    # Through the dashboard URL: the same status, from a job on the head; before the actor
+    # exists (or after it ended) the answer is "no live run" (1), never an error.
+    tried = [f"rc={a.returncode} {a.stderr.strip()[-300:]}" for a in remote.answers]
+    assert remote.live is not None, (
+        f"status over {cluster.dashboard_url} never saw the run: {tried}"
+    )
+    assert remote.live["run_name"] == RUN and remote.live["num_callback_errors"] == 0
+    for answer in remote.answers:
+        assert answer.returncode in (0, 1), tried
+        assert answer.returncode == 0 or f"no live run named {RUN}" in answer.stderr, tried
+
+    # The job got nothing it did not ask for (no dashboard URL of the laptop in its env).
+    with urllib.request.urlopen(f"{cluster.dashboard_url}/api/jobs/{RUN}", timeout=10) as r:
+        runtime_env = json.loads(r.read())["runtime_env"]
+    assert "env_vars" not in runtime_env, runtime_env
+
+    # The run name is the job's submission id: a second job of the same run is refused.
+    again = _cli(
+        cluster,
+        "submit",
+        str(config),
+        "--address",
+        cluster.dashboard_url,
+        "--no-wait",
+        "--working-dir",
+        str(workdir),
+    )
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"already has a job {RUN}" in again.stderr and "Traceback" not in again.stderr
+
     assert metrics.lines, f"no ray_trainer_* line for run {RUN} at {cluster.metrics_url}"
     assert {"ray_trainer_step", "ray_trainer_loss"} & set(metrics.lines), (
         f"no training gauge seen while the run was live; seen: {sorted(metrics.lines)}"
     )
 
 
-def test_status_of_an_unknown_run_exits_1_and_lists_live_runs(cluster):
-    done = _cli(cluster, "status", "no-such-run", "--address", cluster.gcs_address)
+@pytest.mark.parametrize("how", ["gcs", "dashboard"])
+def test_status_of_an_unknown_run_exits_1_and_lists_live_runs(cluster, how):
+    address = cluster.gcs_address if how == "gcs" else cluster.dashboard_url
+    done = _cli(cluster, "status", "no-such-run", "--address", address)
     assert done.returncode == 1, done.stderr
+    # The query runs beside the cluster either way and names the cluster it asked.
     assert f"no live run named no-such-run on {cluster.gcs_address}; live runs:" in done.stderr

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 from types import SimpleNamespace
 
 import pytest
+from cluster_support import closed_port, write_config
 
 from ray_trainer._config import TrainingArgsError
+from ray_trainer._driver import dashboard
 from ray_trainer._driver import status as status_cmd
 from ray_trainer._driver import submit as submit_cmd
+from ray_trainer._driver.dashboard import DashboardError, dashboard_address
 from ray_trainer._driver.status import (
+    REPLY_MARKER,
     ClusterUnreachable,
     NoLiveRun,
     check_reachable,
     format_status,
     live_run_names,
     no_live_run_message,
+    parse_reply,
 )
 from ray_trainer._driver.submit import (
     SubmitError,
@@ -31,17 +35,9 @@ from ray_trainer.cli import _parser, main
 DASH = "http://127.0.0.2:8265"
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def config(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("max_steps: 10\nnum_workers: 2\n")
-    return path
+    return write_config(tmp_path)
 
 
 def _submit_opts(config, *extra: str):
@@ -60,7 +56,8 @@ def test_status_arguments():
         True,
     )
     defaults = _parser().parse_args(["status", "my-run"])
-    assert defaults.address is None and defaults.json is False and defaults.timeout > 0
+    assert defaults.address is None and defaults.json is False and defaults.timeout == 30
+    assert defaults.headers is None and defaults.verify is None and not defaults.reply_line
 
 
 def test_submit_arguments():
@@ -69,8 +66,13 @@ def test_submit_arguments():
     )
     assert opts.overrides == ["a=1", "b=x y"] and opts.wait and opts.working_dir == "."
     assert not opts.no_working_dir
-    with pytest.raises(SystemExit):
-        _parser().parse_args(["submit", "c.yaml", "--working-dir", "d", "--no-working-dir"])
+    defaults = _parser().parse_args(["submit", "c.yaml"])
+    assert defaults.wait is True and defaults.timeout == 30  # waits by default, like ray job
+    assert defaults.pip == [] and defaults.env == [] and defaults.runtime_env is None
+    assert _parser().parse_args(["submit", "c.yaml", "--no-wait"]).wait is False
+    for conflict in (["--working-dir", "d", "--no-working-dir"], ["--wait", "--no-wait"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["submit", "c.yaml", *conflict])
 
 
 # ---- submit: building the job --------------------------------------------------------------
@@ -98,9 +100,15 @@ def test_config_must_be_inside_the_working_dir(tmp_path):
     assert "--working-dir" in str(e.value) and "--no-working-dir" in str(e.value)
 
 
-def test_prepare_submission_sets_run_name_working_dir_and_api_address(config):
+def test_prepare_submission_sets_run_name_and_working_dir_and_nothing_else(config):
     opts = _submit_opts(config, "--working-dir", str(config.parent), "--set", "max_steps=20")
-    address, entry, runtime_env, run_name = prepare_submission(opts)
+    job = prepare_submission(opts)
+    address, entry, runtime_env, run_name = (
+        job.address,
+        job.entrypoint,
+        job.runtime_env,
+        job.run_name,
+    )
     assert address == DASH
     assert run_name.startswith("run-")
     assert shlex.split(entry) == [
@@ -112,17 +120,17 @@ def test_prepare_submission_sets_run_name_working_dir_and_api_address(config):
         "--set",
         f"run_name={run_name}",
     ]
-    assert runtime_env["working_dir"] == str(config.parent.resolve())
-    assert runtime_env["env_vars"] == {"RAY_API_SERVER_ADDRESS": DASH}
+    # The laptop's dashboard URL is no business of the job's: no env_vars are injected.
+    assert runtime_env == {"working_dir": str(config.parent.resolve()), "excludes": [".git"]}
 
 
 def test_prepare_submission_keeps_a_configured_run_name(config):
     opts = _submit_opts(config, "--no-working-dir", "--set", "run_name=fixed")
-    _, entry, runtime_env, run_name = prepare_submission(opts)
-    assert run_name == "fixed"
-    assert entry.count("run_name=") == 1
-    assert "working_dir" not in runtime_env
-    assert shlex.split(entry)[2] == str(config.resolve())  # every node must see this path
+    job = prepare_submission(opts)
+    assert job.run_name == "fixed"
+    assert job.entrypoint.count("run_name=") == 1
+    assert job.runtime_env == {}
+    assert shlex.split(job.entrypoint)[2] == str(config.resolve())  # every node sees this path
 
 
 def test_prepare_submission_validates_the_config_first(tmp_path, config):
@@ -142,29 +150,54 @@ def test_prepare_submission_validates_the_config_first(tmp_path, config):
 def test_submit_address_from_flag_or_environment(monkeypatch):
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address: not for the job API
-    with pytest.raises(SubmitError, match="--address http://HOST:8265"):
-        submit_cmd.submit_address(None)
+    with pytest.raises(DashboardError, match="--address http://HOST:8265"):
+        dashboard_address(None)
     monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265")
-    assert submit_cmd.submit_address(None) == "http://10.0.0.1:8265"
-    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://h:1")
-    assert submit_cmd.submit_address(None) == "http://h:1"
-    assert submit_cmd.submit_address("http://x:2") == "http://x:2"
+    assert dashboard_address(None) == "http://10.0.0.1:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://h:1/")
+    assert dashboard_address(None) == "http://h:1"
+    assert dashboard_address("https://x:2") == "https://x:2"
+
+
+@pytest.mark.parametrize("address", ["10.0.0.5:6379", "10.0.0.5", "ray://10.0.0.5:10001"])
+def test_an_address_without_http_names_the_dashboard_url(address):
+    with pytest.raises(DashboardError) as e:
+        dashboard_address(address)
+    assert "--address http://10.0.0.5:8265" in str(e.value)
+    if address.endswith(":6379"):
+        assert "is the cluster's GCS address" in str(e.value)
 
 
 # ---- submit: talking to the job API (a fake client) ----------------------------------------
 
 
 class FakeClient:
+    """Stands in for ``JobSubmissionClient``: records what it is given, answers like Ray."""
+
     instances: list[FakeClient] = []
     final = "SUCCEEDED"
+    refuse: Exception | None = None
+    logs = ""
 
-    def __init__(self, address):
-        self.address, self.submitted = address, None
+    def __init__(self, address, headers=None, verify=True):
+        self.address, self.headers, self.verify = address, headers, verify
+        self.submitted, self.deleted, self.stopped = None, [], []
         FakeClient.instances.append(self)
 
     def submit_job(self, **kwargs):
+        if self.refuse is not None:
+            raise self.refuse
         self.submitted = kwargs
-        return "raysubmit_test"
+        return kwargs.get("submission_id") or "raysubmit_test"
+
+    def get_job_logs(self, job_id):
+        return self.logs
+
+    def delete_job(self, job_id):
+        self.deleted.append(job_id)
+
+    def stop_job(self, job_id):
+        self.stopped.append(job_id)
 
     async def tail_job_logs(self, job_id):
         for chunk in ("[r] step 10/20\n", "[r] step 20/20\n"):
@@ -181,8 +214,10 @@ class FakeClient:
 def fake_client(monkeypatch):
     job_submission = pytest.importorskip("ray.job_submission")
     FakeClient.instances = []
-    FakeClient.final = "SUCCEEDED"
+    FakeClient.final, FakeClient.refuse, FakeClient.logs = "SUCCEEDED", None, ""
     monkeypatch.setattr(job_submission, "JobSubmissionClient", FakeClient)
+    # The dashboard is a fake too: nothing answers /api/version here.
+    monkeypatch.setattr(dashboard, "probe", lambda *args: "2.60.0")
     return FakeClient
 
 
@@ -196,14 +231,78 @@ def test_bad_config_exits_2_before_submitting(tmp_path, fake_client, capsys):
 
 def test_submit_prints_the_job_and_how_to_follow_it(config, fake_client, capsys):
     argv = ["submit", str(config), "--address", DASH, "--working-dir", str(config.parent)]
-    assert main([*argv, "--set", "run_name=r1"]) == 0
+    assert main([*argv, "--set", "run_name=r1", "--no-wait"]) == 0
     out = capsys.readouterr().out
-    assert "submitted job raysubmit_test (run r1)" in out
-    assert f"ray job logs --follow --address {DASH} raysubmit_test" in out
-    assert "ray-trainer status r1" in out
+    assert "submitted job r1 (run r1)" in out  # the run name is the job's submission id
+    assert f"ray job logs --follow --address {DASH} r1" in out
+    assert f"ray-trainer status r1 --address {DASH}" in out
     job = fake_client.instances[0].submitted
     assert job["entrypoint"] == "ray-trainer run run.yaml --set run_name=r1"
-    assert job["runtime_env"]["env_vars"] == {"RAY_API_SERVER_ADDRESS": DASH}
+    assert job["submission_id"] == "r1" and job["metadata"] == {"ray_trainer_run": "r1"}
+    assert "env_vars" not in job["runtime_env"]
+    assert "[r] step" not in out  # --no-wait: no logs followed
+
+
+def test_submit_passes_env_pip_runtime_env_headers_and_verify(
+    tmp_path, config, fake_client, monkeypatch
+):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    env_file = tmp_path / "env.yaml"
+    env_file.write_text(
+        "pip: [requests==2.32.0]\nenv_vars: {A: from-file, B: kept}\nexcludes: [data/]\n"
+        "config: {setup_timeout_seconds: 1200}\n"
+    )
+    argv = ["submit", str(config), "--address", DASH, "--working-dir", str(tmp_path)]
+    argv += ["--runtime-env", str(env_file), "--pip", "rich==13.0", "--pip", "tqdm"]
+    argv += ["--env", "A=from-flag", "--env", "HF_HOME=/mnt/shared/hf", "--no-wait"]
+    argv += ["--headers", '{"Authorization": "Bearer t0k"}', "--verify", str(ca)]
+    assert main(argv) == 0
+    client = fake_client.instances[0]
+    assert client.address == DASH
+    assert client.headers == {"Authorization": "Bearer t0k"} and client.verify == str(ca)
+    assert client.submitted["runtime_env"] == {
+        "working_dir": str(tmp_path.resolve()),
+        "excludes": ["data/", ".git"],
+        "pip": ["requests==2.32.0", "rich==13.0", "tqdm"],
+        "env_vars": {"A": "from-flag", "B": "kept", "HF_HOME": "/mnt/shared/hf"},
+        "config": {"setup_timeout_seconds": 1200},
+    }
+
+
+def test_submit_reads_headers_from_ray_job_headers(config, fake_client, monkeypatch):
+    monkeypatch.setenv("RAY_JOB_HEADERS", '{"X-Token": "abc"}')
+    argv = ["submit", str(config), "--address", DASH, "--no-working-dir", "--no-wait"]
+    assert main([*argv, "--verify", "false"]) == 0
+    client = fake_client.instances[0]
+    assert client.headers == {"X-Token": "abc"} and client.verify is False
+    assert main([*argv, "--headers", "[1]"]) == 2  # a flag wins, and must be an object
+
+
+def test_submit_of_a_run_name_already_on_the_cluster_says_so(config, fake_client, capsys):
+    # What the job API answers for a second job with a used submission id (Ray 2.x).
+    fake_client.refuse = RuntimeError(
+        "Request failed with status code 500: Traceback (most recent call last):\n"
+        '  File "job_head.py", line 418, in submit_job\n'
+        "RuntimeError: Request failed with status code 400: Traceback (most recent call last):\n"
+        "ValueError: Job with submission_id r1 already exists. Please use a different "
+        "submission_id.\n."
+    )
+    argv = ["submit", str(config), "--address", DASH, "--no-working-dir", "--set", "run_name=r1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the cluster at {DASH} already has a job r1" in err
+    assert "--set run_name=NEW" in err and f"ray job delete --address {DASH} r1" in err
+    assert "Traceback" not in err
+
+
+def test_submit_reports_other_refusals_in_one_line(config, fake_client, capsys):
+    fake_client.refuse = RuntimeError("Request failed with status code 500: no agent.")
+    argv = ["submit", str(config), "--address", DASH, "--no-working-dir"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ray-trainer: error: submitting the job at {DASH} failed")
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(("final", "code"), [("SUCCEEDED", 0), ("FAILED", 1), ("STOPPED", 1)])
@@ -212,10 +311,10 @@ def test_submit_wait_streams_logs_and_exits_by_final_status(
 ):
     fake_client.final = final
     argv = ["submit", str(config), "--address", DASH, "--working-dir", str(config.parent)]
-    assert main([*argv, "--wait"]) == code
+    assert main([*argv, "--set", "run_name=r2"]) == code  # waits by default
     out = capsys.readouterr().out
     assert "[r] step 10/20\n[r] step 20/20\n" in out
-    assert f"job raysubmit_test {final}" in out
+    assert f"job r2 {final}" in out
 
 
 def test_wait_falls_back_to_polling_when_streaming_fails():
@@ -323,35 +422,85 @@ def test_live_runs_and_the_no_live_run_message():
 
 
 def test_unreachable_or_wrong_addresses():
-    with pytest.raises(ClusterUnreachable, match="dashboard URL"):
-        check_reachable(DASH)
     with pytest.raises(ClusterUnreachable, match="no Ray cluster reachable"):
-        check_reachable(f"127.0.0.1:{_closed_port()}", timeout_s=2)
-    with pytest.raises(ClusterUnreachable, match="not a cluster address"):
+        check_reachable(f"127.0.0.1:{closed_port()}", timeout_s=2)
+    with pytest.raises(ClusterUnreachable, match="neither a dashboard URL"):
         check_reachable("localhost")
 
 
-def test_status_exit_codes(monkeypatch, capsys):
-    assert main(["status", "r1", "--address", f"127.0.0.1:{_closed_port()}"]) == 2
-    assert "no Ray cluster reachable" in capsys.readouterr().err
+def _reply(**reply) -> str:
+    return f"some ray log line\n{REPLY_MARKER}{json.dumps(reply)}\n"
+
+
+def test_reply_lines_round_trip_and_a_missing_reply_shows_the_output(monkeypatch, capsys):
+    monkeypatch.setattr(status_cmd, "fetch_status", lambda run_name, address, timeout_s: STATUS)
+    assert main(["status", "r1", "--address", "h:1", "--reply-line"]) == 0
+    out = capsys.readouterr().out
+    assert parse_reply(out, "here") == {"exit": 0, "status": STATUS}
 
     def missing(run_name, address, timeout_s):
         raise NoLiveRun(no_live_run_message(run_name, address, ["a"]))
 
     monkeypatch.setattr(status_cmd, "fetch_status", missing)
+    assert main(["status", "r1", "--address", "h:1", "--reply-line"]) == 0  # the reply tells
+    reply = parse_reply(capsys.readouterr().out, "here")
+    assert reply == {"exit": 1, "error": "no live run named r1 on h:1; live runs: a"}
+    with pytest.raises(DashboardError, match="sh: 1: ray-trainer: not found"):
+        parse_reply("sh: 1: ray-trainer: not found\n", "the status job j")
+
+
+def test_status_exit_codes(monkeypatch, capsys):
+    assert main(["status", "r1", "--address", f"127.0.0.1:{closed_port()}"]) == 2
+    assert "no Ray cluster reachable" in capsys.readouterr().err
+
+    def missing(run_name, address, timeout_s):
+        return {"exit": 1, "error": no_live_run_message(run_name, address, ["a"])}
+
+    monkeypatch.setattr(status_cmd, "ask_in_subprocess", missing)
     assert main(["status", "r1", "--address", "h:1"]) == 1
     assert "no live run named r1 on h:1; live runs: a" in capsys.readouterr().err
 
-    monkeypatch.setattr(status_cmd, "fetch_status", lambda run_name, address, timeout_s: STATUS)
-    assert main(["status", "r1", "--json"]) == 0
+    monkeypatch.setattr(status_cmd, "ask_in_subprocess", lambda *a: {"exit": 0, "status": STATUS})
+    assert main(["status", "r1", "--address", "h:1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["global_step"] == 30
-    assert main(["status", "r1"]) == 0
+    assert main(["status", "r1", "--address", "h:1"]) == 0
     assert capsys.readouterr().out.startswith("run r1 (training)")
 
 
-def test_status_address_defaults_to_ray_address_then_auto(monkeypatch):
+def test_status_over_the_dashboard_runs_a_tiny_job_on_the_head(fake_client, capsys):
+    fake_client.logs = _reply(exit=0, status=STATUS)
+    assert main(["status", "r1", "--address", DASH, "--headers", '{"X": "1"}']) == 0
+    assert capsys.readouterr().out.startswith("run r1 (training)")
+    client = fake_client.instances[0]
+    assert client.address == DASH and client.headers == {"X": "1"}
+    job = client.submitted
+    words = shlex.split(job["entrypoint"])
+    # No --address: the job's driver uses the RAY_ADDRESS that Ray's job supervisor sets.
+    assert words[:3] == ["ray-trainer", "status", "r1"] and "--reply-line" in words
+    assert "--address" not in words
+    assert job["submission_id"].startswith("ray-trainer-status-r1-")
+    assert client.deleted == [job["submission_id"]]  # the job list is left to the runs
+
+    fake_client.logs = _reply(exit=1, error="no live run named r1 on 10.0.0.5:6379; live runs: b")
+    assert main(["status", "r1", "--address", DASH]) == 1
+    assert "no live run named r1 on 10.0.0.5:6379; live runs: b" in capsys.readouterr().err
+
+
+def test_status_over_the_dashboard_is_bounded_by_timeout(fake_client, capsys, monkeypatch):
+    fake_client.final = "RUNNING"  # the status job never ends
+    monkeypatch.setattr(status_cmd.time, "sleep", lambda s: None)
+    assert main(["status", "r1", "--address", DASH, "--timeout", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "did not finish within 0.2 s (--timeout)" in err
+    assert fake_client.instances[0].stopped  # the stuck status job is stopped
+
+
+def test_status_address_defaults(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://10.0.0.1:8265")
     assert status_cmd.resolve_address(None) == "10.0.0.1:6379"
     assert status_cmd.resolve_address("h:1") == "h:1"
     monkeypatch.delenv("RAY_ADDRESS")
+    assert status_cmd.resolve_address(None) == "http://10.0.0.1:8265"  # what submit uses
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
     assert status_cmd.resolve_address(None) == "auto"
