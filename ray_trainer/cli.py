@@ -5,8 +5,8 @@ Runs in the driver process (a terminal, or the entrypoint of a Ray job); ``statu
 
     ray-trainer run CONFIG.yaml [--set key=value ...]
     ray-trainer demo [--num-workers 2] [--max-steps N] [--set key=value ...]
-    ray-trainer status RUN_NAME [--address HOST:PORT] [--json]
-    ray-trainer submit CONFIG.yaml --address http://HOST:8265 [--set key=value ...]
+    ray-trainer status RUN_NAME [--address http://HOST:8265 | HOST:PORT] [--json]
+    ray-trainer submit CONFIG.yaml --address http://HOST:8265 [--set key=value ...] [--no-wait]
 
 Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (refused before
 anything ran; one message naming the config file and the entry).

@@ -29,6 +29,8 @@ def main() -> None:
     outcomes = []
     for fields in scenario["runs"]:
         callbacks = [_callback(rt_support, spec) for spec in fields.pop("callbacks", [])]
+        if fields.pop("s3_filesystem_object", False):  # storage_filesystem, not a URI
+            fields["storage_filesystem"] = _s3_filesystem(scenario["env"])
         try:
             result = run_training(callbacks=callbacks, **fields)
         except (RunFailedError, TrainingArgsError) as e:
@@ -49,6 +51,21 @@ def main() -> None:
         model = load_model(target["checkpoint_path"])
         target["loaded_param_sum"] = float(sum(p.detach().sum() for p in model.parameters()))
     print("OUTCOME " + json.dumps(outcomes), flush=True)
+
+
+def _s3_filesystem(env: dict[str, str]):
+    """A pyarrow S3 filesystem object with its own endpoint and keys (what a user passes as
+    `storage_filesystem` for a custom endpoint or credentials)."""
+    from pyarrow.fs import S3FileSystem
+
+    scheme, host = env["AWS_ENDPOINT_URL"].split("://")
+    return S3FileSystem(
+        access_key=env["AWS_ACCESS_KEY_ID"],
+        secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        region=env["AWS_DEFAULT_REGION"],
+        endpoint_override=host,
+        scheme=scheme,
+    )
 
 
 def _callback(module, spec):

@@ -79,7 +79,14 @@ def test_a_run_lives_in_a_bucket(ray_session, s3, tmp_path):
                     {"class": "JsonlLogger"},
                 ],
             },
-            {**common, "max_steps": 8},  # a new call with the same run_name continues it
+            # A new call with the same run_name continues it, here through a filesystem object
+            # (`storage_filesystem`, as for a custom endpoint) and a path on it.
+            {
+                **common,
+                "max_steps": 8,
+                "storage_path": f"{BUCKET}/runs",
+                "s3_filesystem_object": True,
+            },
         ],
         "load_model_of": 0,
     }
@@ -104,10 +111,10 @@ def test_a_run_lives_in_a_bucket(ray_session, s3, tmp_path):
     assert probe["returncode"] == 0, probe["stderr"]
     status = json.loads(probe["stdout"])
     assert status["run_name"] == "in-a-bucket" and status["events"]["on_save"] >= 1
-    # The continued run resumed from the bucket.
+    # The continued run resumed from the bucket (named by its path on the filesystem object).
     assert "error" not in second, second
     assert second["global_step"] == 8
-    assert second["checkpoint_path"] == f"{run}/checkpoint_00000008"
+    assert second["checkpoint_path"] == f"{BUCKET}/runs/in-a-bucket/checkpoint_00000008"
     keys = s3.keys(BUCKET)
     for step in (2, 4, 6, 8):
         for name in ("rank0.complete", "rank1.complete", "model.pt", "model_spec.pkl"):
@@ -144,10 +151,18 @@ def test_a_second_node_that_cannot_see_local_storage_refuses_it_and_a_bucket_wor
             "runs": [
                 {**common, "run_name": "local-storage", "storage_path": str(hidden / "runs")},
                 {**common, "run_name": "bucket-storage", "storage_path": f"s3://{BUCKET}/two"},
+                # A local path every node sees (here, outside the hidden folder) passes.
+                {
+                    **common,
+                    "run_name": "shared-storage",
+                    "storage_path": str(tmp_path / "shared"),
+                    "max_steps": 2,
+                    "callbacks": [],
+                },
             ],
         }
         env = {**cluster.env(), **s3.env()}
-        refused, trained = _drive(cluster.gcs_address, scenario, env, tmp_path)
+        refused, trained, shared = _drive(cluster.gcs_address, scenario, env, tmp_path)
     finally:
         cluster.stop()
     assert "StorageNotShared" in refused["error"], refused
@@ -158,3 +173,7 @@ def test_a_second_node_that_cannot_see_local_storage_refuses_it_and_a_bucket_wor
     assert {r["rank"] for r in mine} == {0, 1}
     assert len({r["node"] for r in mine}) == 2  # one worker on each node
     assert "two/bucket-storage/checkpoint_00000004/rank1.complete" in s3.keys(BUCKET)
+    assert shared.get("global_step") == 2, shared
+    assert (
+        tmp_path / "shared" / "shared-storage" / "checkpoint_00000002" / "rank1.complete"
+    ).exists()

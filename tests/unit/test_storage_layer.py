@@ -1,0 +1,119 @@
+"""The storage layer and what reads through it, on this machine's disk and on a custom pyarrow
+filesystem (a `SubTreeFileSystem`: paths on it are not paths on the disk), and the driver's
+decision of which data files travel with a run. S3 itself is in tests/integration/test_storage.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from pyarrow import fs as pafs
+
+from ray_trainer import _checkpoint as ckpt
+from ray_trainer import load_model
+from ray_trainer._driver import nodes
+from ray_trainer._models import ModelSpec
+from ray_trainer._storage import local_copy, locate
+
+
+def _checkpoint(folder, step=3):
+    """A complete 1-rank checkpoint of the demo's model, written as a worker writes it."""
+    folder.mkdir(parents=True)
+    spec = ModelSpec(demo={"n_train": 64, "n_val": 8, "d_model": 32, "n_heads": 2})
+    model = spec.build_model()
+    ckpt.write_rank_part(
+        str(folder),
+        rank=0,
+        world_size=1,
+        callback_state={},
+        user_state={},
+        model=model.state_dict(),
+        trainer_state=ckpt.TrainerState(global_step=step),
+        model_spec=spec,
+    )
+    return model
+
+
+def test_locations_on_the_local_disk(tmp_path):
+    run = locate(str(tmp_path / "runs" / "r1"))
+    assert run.is_local and run.name == str(tmp_path / "runs" / "r1")
+    record = run.child("run.json")
+    assert record.read_text() is None and not record.exists()
+    record.write_text('{"a": 1}')  # creates the folders it needs
+    assert json.loads(record.read_text()) == {"a": 1} and record.size() == 8
+    assert run.listdir() == ["run.json"] and not list(tmp_path.rglob("*.tmp*"))
+    with local_copy(run) as here:
+        assert here == run.path  # local: no copy
+    record.delete()
+    assert not record.exists()
+
+
+def test_a_checkpoint_on_a_custom_filesystem_is_verified_found_and_loaded(tmp_path):
+    disk = tmp_path / "bucket-root"
+    model = _checkpoint(disk / "runs" / "r1" / "checkpoint_00000003")
+    custom = pafs.SubTreeFileSystem(str(disk), pafs.LocalFileSystem())
+    path = "runs/r1/checkpoint_00000003"  # a path on the custom filesystem only
+    assert ckpt.verify(path, custom).global_step == 3
+    assert ckpt.latest_checkpoint("runs/r1", custom) == path
+    with local_copy(locate(path, custom)) as here:  # not local: downloaded into a temp dir
+        assert here != path and (tmp_path / "bucket-root" / path).exists()
+        copied = sorted(p.name for p in Path(here).iterdir())
+        assert "rank0.complete" in copied and "model.pt" in copied
+    loaded = load_model(path, filesystem=custom)
+    assert isinstance(loaded, torch.nn.Module) and not loaded.training
+    for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.verify("runs/r1/checkpoint_00000009", custom)
+
+
+def test_a_truncated_file_on_storage_makes_the_checkpoint_incomplete(tmp_path):
+    _checkpoint(tmp_path / "c")
+    (tmp_path / "c" / "model.pt").write_bytes(b"short")
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt is missing or truncated"):
+        ckpt.verify(str(tmp_path / "c"))
+    assert ckpt.latest_checkpoint(str(tmp_path)) is None
+
+
+def _fake_cluster(monkeypatch, sizes_seen):
+    """Two nodes; the probe answers what each node sees (a stand-in for the Ray tasks)."""
+    cluster = [{"NodeID": "a" * 20, "NodeManagerAddress": "10.0.0.1"}]
+    cluster.append({"NodeID": "b" * 20, "NodeManagerAddress": "10.0.0.2"})
+    monkeypatch.setattr(
+        nodes, "_probe", lambda ns, path, size_only=False: list(zip(ns, sizes_seen, strict=True))
+    )
+    put = []
+    monkeypatch.setattr("ray.put", lambda data: put.append(data) or f"ref{len(put)}")
+    return cluster, put
+
+
+def test_small_local_data_travels_with_the_run_on_several_nodes(tmp_path, monkeypatch):
+    from ray_trainer import TrainingArgs
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    cluster, put = _fake_cluster(monkeypatch, [None, None])
+    args = TrainingArgs(data=str(data), val_data=str(data))
+    assert nodes.ship_data(args, cluster) == {"data": "ref1", "val_data": "ref2"}
+    assert put == [data.read_bytes()] * 2
+    assert nodes.ship_data(args, cluster[:1]) == {}  # one node: the workers read it in place
+    uri = TrainingArgs(data="s3://bucket/d.jsonl")
+    assert nodes.ship_data(uri, cluster) == {}  # a URI is read where it is needed
+
+
+def test_large_local_data_must_be_visible_on_every_node(tmp_path, monkeypatch):
+    from ray_trainer import TrainingArgs, TrainingArgsError
+
+    data = tmp_path / "big.jsonl"
+    data.write_text('{"text": "x"}\n' * 10)
+    monkeypatch.setattr(nodes, "SHIP_LIMIT_BYTES", 50)
+    size = data.stat().st_size
+    cluster, put = _fake_cluster(monkeypatch, [size, None])
+    with pytest.raises(TrainingArgsError) as info:
+        nodes.ship_data(TrainingArgs(data=str(data)), cluster)
+    assert "10.0.0.2" in str(info.value) and "s3://my-bucket/big.jsonl" in str(info.value)
+    cluster, put = _fake_cluster(monkeypatch, [size, size])
+    assert nodes.ship_data(TrainingArgs(data=str(data)), cluster) == {} and put == []
