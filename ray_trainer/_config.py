@@ -74,6 +74,16 @@ class TrainingArgs(BaseModel):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     seed: int = 42
 
+    # Parallelism (docs: README "Models larger than one device").
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # Class names of the blocks FSDP shards one by one (default: the model's _no_split_modules,
+    # else the children of its nn.ModuleLists); each is also the unit of activation checkpointing.
+    fsdp_shard_modules: list[str] | None = None
+    fsdp_reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    # Every checkpoint of a Hugging Face model holds <checkpoint>/hf/ (from_pretrained loads it).
+    save_hf_format: bool = True
+
     # Scaling.
     num_workers: int = Field(2, gt=0)
     use_gpu: bool = False
@@ -192,6 +202,11 @@ class TrainingArgs(BaseModel):
     def _check_combination(self) -> TrainingArgs:
         if self.val_data is not None and self.data is None:
             raise ValueError("val_data needs data: set data too, or drop val_data")
+        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
+            raise ValueError(
+                "mixed_precision='fp16' with strategy='fsdp': FSDP's mixed precision here is "
+                "bf16 parameters with fp32 reduction; use mixed_precision='bf16' (or 'auto')"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("max_grad_norm must be positive, or None to turn clipping off")
         return self

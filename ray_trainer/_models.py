@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ray_trainer._config import TrainingArgsError
+
 BUILTIN_MODELS = ("tiny-lm", "demo")
 _INSTALL_HINT = "pip install 'ray-trainer[hf]'"
 
@@ -74,6 +76,21 @@ class ModelSpec:
             )
         return model
 
+    def build_meta_model(self) -> Any:
+        """The model's structure without memory (on the meta device), for the driver's checks;
+        a Hugging Face model is built from its config, its weights are never read."""
+        import torch
+
+        with torch.device("meta"):
+            if isinstance(self.model, str) and not self.is_demo:
+                transformers = _transformers(self.model)
+                name = _check_name(self.model, "model")
+                config = transformers.AutoConfig.from_pretrained(
+                    name, local_files_only=not self.allow_download
+                )
+                return transformers.AutoModelForCausalLM.from_config(config)
+            return self.build_model()
+
     def build_tokenizer(self) -> Any:
         """The tokenizer for JSONL text: the byte tokenizer for the built-in model, the Hugging
         Face one for a named model (or `tokenizer`), else None."""
@@ -87,6 +104,61 @@ class ModelSpec:
 
 class ModelLoadError(ValueError):
     """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
+
+
+class ShardingError(TrainingArgsError):
+    """The model has no blocks to shard (or to checkpoint) as asked; the message lists the
+    model's candidate block classes."""
+
+
+def find_blocks(model: Any, names: list[str] | None = None, why: str = "fsdp") -> list[Any]:
+    """The model's blocks, in order: the modules FSDP shards one by one and activation
+    checkpointing recomputes. Of the classes ``names`` when given; else of the classes in a
+    Hugging Face model's ``_no_split_modules``; else the children of its ``nn.ModuleList``s.
+
+    Runs in the driver (on the model built on the meta device) and in each training worker.
+
+    Raises:
+        ShardingError: no such block, or a class in ``names`` the model does not contain.
+    """
+    from torch import nn
+
+    present = {type(m).__name__ for m in model.modules()}
+    wanted = list(names) if names else list(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise ShardingError(
+                f"fsdp_shard_modules names {', '.join(map(repr, missing))}, which "
+                f"{type(model).__name__} does not contain; {_candidates(model)}"
+            )
+    if wanted:
+        blocks = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+    else:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        blocks = [child for lst in lists for child in lst]
+    if not blocks:
+        what = "activation_checkpointing" if why == "checkpointing" else "strategy='fsdp'"
+        raise ShardingError(
+            f"{what}: {type(model).__name__} has no blocks to "
+            f"{'recompute' if why == 'checkpointing' else 'shard'} (no _no_split_modules and "
+            f"no nn.ModuleList); name them with fsdp_shard_modules=[...]. {_candidates(model)}"
+        )
+    return blocks
+
+
+def _candidates(model: Any) -> str:
+    """The classes that look like blocks: repeated submodules with parameters."""
+    from collections import Counter
+
+    counts = Counter(
+        type(m).__name__
+        for m in model.modules()
+        if m is not model and any(True for _ in m.parameters(recurse=True))
+    )
+    repeated = [name for name, n in counts.most_common() if n > 1]
+    shown = ", ".join(repeated[:8]) if repeated else "none that repeat"
+    return f"its candidate block classes: {shown}"
 
 
 def is_builtin_model(name: object) -> bool:
@@ -203,6 +275,7 @@ def make_tiny_causal_lm(
     n_embd: int = 64,
     n_head: int = 2,
     n_positions: int = 32,
+    dropout: float = 0.0,
     seed: int = 0,
 ) -> Path:
     """Save a tiny randomly initialised GPT-2 and a word-level tokenizer to `path`, as
@@ -233,6 +306,9 @@ def make_tiny_causal_lm(
         bos_token_id=1,
         eos_token_id=1,
         pad_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     path = Path(path)
     with torch.random.fork_rng(devices=[]):

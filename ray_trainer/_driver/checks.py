@@ -116,6 +116,18 @@ def check_inputs(args: TrainingArgs) -> None:
         from ray_trainer._models import check_model_ref
 
         check_model_ref(args.model, allow_download=args.allow_download)
+    if args.strategy == "fsdp" or args.activation_checkpointing:
+        _check_blocks(args)
+
+
+def _check_blocks(args: TrainingArgs) -> None:
+    """The blocks FSDP shards (and activation checkpointing recomputes) exist: found on the
+    model built on the meta device (no memory, no weights read)."""
+    from ray_trainer._models import ModelSpec, find_blocks
+
+    model = ModelSpec.of(args).build_meta_model()
+    why = "fsdp" if args.strategy == "fsdp" else "checkpointing"
+    find_blocks(model, args.fsdp_shard_modules, why=why)
 
 
 def _known_length(args: TrainingArgs) -> int | None:
@@ -174,6 +186,7 @@ def check_storage(args: TrainingArgs) -> str:
             "or a bucket this process has credentials for"
         ) from None
     run = storage.child(args.run_name)
+    _check_strategy(args, latest_checkpoint(run.name, args.storage_filesystem))
     record = read_run_record(run.name, args.storage_filesystem)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
@@ -183,6 +196,19 @@ def check_storage(args: TrainingArgs) -> str:
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
         )
     return run.name
+
+
+def _check_strategy(args: TrainingArgs, checkpoint: str | None) -> None:
+    """A run continues with the strategy its checkpoints were written with (DDP's are whole
+    files, FSDP's are shards)."""
+    if checkpoint is None:
+        return
+    written = verify(checkpoint, args.storage_filesystem).strategy
+    if written != args.strategy:
+        raise TrainingArgsError(
+            f"strategy: {checkpoint} was written with strategy={written!r}; continue this run "
+            f"with strategy={written!r}, or pick a new run_name"
+        )
 
 
 def _checkpoints(folder: Location) -> list[str]:

@@ -101,7 +101,7 @@ def train_step(s: WorkerState, micro_batches: list[dict[str, torch.Tensor]]) -> 
         batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
         last = i == n_micro - 1
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-        with contextlib.nullcontext() if last else acc.no_sync(s.model):
+        with contextlib.nullcontext() if last else s.parallel.no_sync():
             hooks.fire("on_before_forward", batch=batch, micro_step=i)
             with acc.autocast():
                 outputs = s.model(**batch)
@@ -151,8 +151,8 @@ def after_boundary(s: WorkerState, agreed: TrainerControl, schedule: Schedule) -
 def _optimizer_step(s: WorkerState) -> Any:
     """Clip, step the optimizer and the scheduler, zero the gradients; the gradient norm."""
     grad_norm = None
-    if s.args.max_grad_norm is not None:
-        grad_norm = s.accelerator.clip_grad_norm_(s.model.parameters(), s.args.max_grad_norm)
+    if s.args.max_grad_norm is not None:  # a collective under FSDP (the norm of all shards)
+        grad_norm = s.parallel.clip_grad_norm(s.args.max_grad_norm)
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)

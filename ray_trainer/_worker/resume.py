@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import RunSpec
 from ray_trainer._storage import locate
+from ray_trainer._worker.saving import load_shards
 
 if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
@@ -58,32 +59,53 @@ def maybe_resume(s: WorkerState) -> None:
         path, fs = spec.args.resume_from, None  # a checkpoint of another run: its own storage
     if path is None:
         return
-    loaded = ckpt.load(path, s.rank, fs)
-    s.accelerator.unwrap_model(s.model).load_state_dict(loaded.model)
-    if loaded.optimizer is not None:
-        s.optimizer.load_state_dict(loaded.optimizer)
-    if loaded.scheduler is not None:
-        s.scheduler.load_state_dict(loaded.scheduler)
-    if loaded.rng is not None:
-        ckpt.set_rng_state(loaded.rng)
-    s.hooks.manager.load_state_dict(loaded.callbacks)
-    s.hooks.manager.user_state.update(loaded.user_state)
-    p = s.progress = loaded.state
-    p.world_size = s.world_size
+    with ckpt.open_checkpoint(path, fs) as checkpoint:
+        written_with = checkpoint.state.strategy
+        if written_with != s.args.strategy:
+            raise ckpt.CheckpointError(
+                f"{checkpoint.name} was written with strategy={written_with!r}; continue "
+                f"with strategy={written_with!r} (this run has {s.args.strategy!r})"
+            )
+        if s.parallel.sharded:
+            load_shards(s, checkpoint.shards_dir)  # a collective: every rank reads its shards
+        else:
+            s.parallel.module().load_state_dict(checkpoint.load(ckpt.MODEL_FILE, True))
+            optimizer = checkpoint.load(ckpt.OPTIMIZER_FILE)
+            if optimizer is not None:
+                s.optimizer.load_state_dict(optimizer)
+        scheduler = checkpoint.scheduler()
+        part = checkpoint.rank_part(s.rank)
+        p = s.progress = checkpoint.state
+    if scheduler is not None:
+        s.scheduler.load_state_dict(scheduler)
+    if part["rng"] is not None:
+        ckpt.set_rng_state(part["rng"])
+    s.hooks.manager.load_state_dict(part["callbacks"])
+    s.hooks.manager.user_state.update(part["user_state"])
     s.last_saved_step = p.global_step
-    p.epoch, p.step_in_epoch = position_after(p.epoch, p.step_in_epoch, s.steps_per_epoch)
+    p.epoch, p.step_in_epoch = position_after(
+        p.epoch, p.step_in_epoch, s.steps_per_epoch, p.world_size, s.world_size
+    )
+    p.world_size = s.world_size
     ctx = s.ctx
     ctx.global_step, ctx.epoch = p.global_step, p.epoch
     ctx.samples_seen, ctx.tokens_seen = p.samples_seen, p.tokens_seen
     s.hooks.fire("on_load_checkpoint", checkpoint_path=path)
 
 
-def position_after(epoch: int, step_in_epoch: int, steps_per_epoch: int) -> tuple[int, int]:
+def position_after(
+    epoch: int, step_in_epoch: int, steps_per_epoch: int, saved_world: int = 1, world: int = 1
+) -> tuple[int, int]:
     """Where a resumed run continues: (epoch, optimizer steps already taken in it).
 
-    A checkpoint saved at the last step of an epoch continues with the next epoch (firing
-    `on_epoch_begin` and at once `on_epoch_end` for the finished one would be noise).
+    Continued by another number of workers, the samples of the epoch already consumed stay
+    consumed: the sampler deals the epoch's shuffled order round-robin, so the first k steps of
+    W workers took its first k * W micro-batches; the new workers skip as many (rounded down to
+    whole steps). A checkpoint saved at the last step of an epoch continues with the next epoch
+    (firing `on_epoch_begin` and at once `on_epoch_end` for the finished one would be noise).
     """
+    if saved_world != world:
+        step_in_epoch = step_in_epoch * saved_world // world
     if step_in_epoch >= steps_per_epoch:
         return epoch + 1, 0
     return epoch, step_in_epoch

@@ -7,6 +7,7 @@ gathers every rank's errors).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -19,22 +20,34 @@ from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import WorkerSummary, checkpoint_dir_name
 from ray_trainer._models import ModelSpec
 from ray_trainer._storage import locate
+from ray_trainer._worker.hf_export import export_hf, exports
 
 if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
 
 
 def save(s: WorkerState) -> None:
-    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`."""
-    p, acc = s.progress, s.accelerator
-    name = checkpoint_dir_name(p.global_step)
+    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`.
+
+    Under DDP rank 0 writes the whole model and optimizer; under FSDP every rank writes its own
+    shards with torch.distributed.checkpoint, in parallel, and nothing whole is gathered for the
+    resumable state. The ``hf/`` export of a Hugging Face model is in place before `on_save`
+    fires, so an evaluation task launched from it can load it.
+    """
+    p = s.progress
     manager = s.hooks.manager
     with tempfile.TemporaryDirectory(prefix="ray_trainer_ckpt_") as folder:
-        part = {}
+        part: dict = {}
+        extra: list[str] = []
+        if s.parallel.sharded:
+            extra += _write_shards(s, folder)  # a collective: every rank writes its shards
+        elif s.rank == 0:
+            part.update(model=s.parallel.module().state_dict(), optimizer=s.optimizer.state_dict())
+        if exports(s):
+            extra += export_hf(s, folder)  # under FSDP a collective too
         if s.rank == 0:
-            part = dict(
-                model=acc.unwrap_model(s.model).state_dict(),
-                optimizer=s.optimizer.state_dict(),
+            p.strategy = s.args.strategy
+            part.update(
                 scheduler=s.scheduler.state_dict(),
                 trainer_state=p,
                 model_spec=ModelSpec.of(s.args),
@@ -45,18 +58,59 @@ def save(s: WorkerState) -> None:
             world_size=s.world_size,
             callback_state=manager.state_dict(),
             user_state=dict(manager.user_state),
+            extra_files=extra,
             **part,
         )
         metrics = {"global_step": p.global_step, "epoch": p.epoch, "loss": s.ctx.loss}
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(folder),
-            checkpoint_dir_name=name,
+            checkpoint_dir_name=checkpoint_dir_name(p.global_step),
         )
     s.last_saved_step = p.global_step
     path = checkpoint_location(s, p.global_step)
     s.ctx.checkpoint_path = path
     s.hooks.fire("on_save", checkpoint_path=path)
+
+
+def _write_shards(s: WorkerState, folder: str) -> list[str]:
+    """This rank's DCP shards of model and optimizer in ``<folder>/shards/`` (rank 0 also
+    writes the ``.metadata`` of all of them); the files, relative to `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    target = os.path.join(folder, ckpt.SHARDS_DIR)
+    model, optimizer = s.parallel.model, s.optimizer
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(target))
+    return [os.path.join(ckpt.SHARDS_DIR, name) for name in sorted(os.listdir(target))]
+
+
+def load_shards(s: WorkerState, shards_dir: str) -> None:
+    """Read model and optimizer from DCP shards into this rank's shards (DCP reshards when the
+    checkpoint was written by another number of workers). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, optimizer = s.parallel.model, s.optimizer
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),  # creates the state to fill
+    }
+    dcp.load(state, storage_reader=dcp.FileSystemReader(shards_dir))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 def checkpoint_location(s: WorkerState, step: int) -> str:
@@ -70,7 +124,9 @@ def evaluate(s: WorkerState) -> None:
     wl, acc = s.workload, s.accelerator
     if wl.val_dataset is None:
         return
-    model = acc.unwrap_model(s.model)  # no DDP hooks: ranks may see different batch counts
+    # No DDP hooks (ranks may see different batch counts); under FSDP the sharded model itself,
+    # whose every forward is a collective: the sampler pads, so every rank runs as many batches.
+    model = s.parallel.module()
     sampler = torch.utils.data.distributed.DistributedSampler(
         wl.val_dataset, num_replicas=s.world_size, rank=s.rank, shuffle=False
     )
@@ -90,7 +146,9 @@ def evaluate(s: WorkerState) -> None:
             n = len(next(iter(batch.values())))
             loss_sum += float(loss) * n
             count += n
-        extra = wl.rank0_metrics(model) if wl.rank0_metrics and s.rank == 0 else {}
+        # Under FSDP every rank computes them (the model's forward is a collective): rank 0's count.
+        computes = wl.rank0_metrics is not None and (s.rank == 0 or s.parallel.sharded)
+        extra = wl.rank0_metrics(model) if computes else {}
     model.train(was_training)
     names = sorted(extra) if s.rank == 0 else []
     if s.world_size > 1:
@@ -98,7 +156,8 @@ def evaluate(s: WorkerState) -> None:
         holder = [names]
         dist.broadcast_object_list(holder, src=0)
         names = holder[0]
-    vec = torch.tensor([loss_sum, count, *(extra.get(n, 0.0) for n in names)], dtype=torch.float64)
+    mine = [extra.get(n, 0.0) if s.rank == 0 else 0.0 for n in names]
+    vec = torch.tensor([loss_sum, count, *mine], dtype=torch.float64)
     if s.world_size > 1:
         vec = vec.to(acc.device)
         dist.all_reduce(vec)

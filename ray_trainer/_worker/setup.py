@@ -22,6 +22,7 @@ from ray_trainer._config import TrainingArgs
 from ray_trainer._contract import RunSpec
 from ray_trainer._placement import build_manager, keep_for_worker, unpack
 from ray_trainer._worker.hooks import Hooks
+from ray_trainer._worker.parallel import Replicated, Sharded, prepare
 from ray_trainer._worker.resume import agree_attempt
 from ray_trainer._worker.sampler import ResumableDistributedSampler
 from ray_trainer._worker.workload import Workload, build_workload
@@ -36,6 +37,7 @@ class WorkerState:
     rank: int
     world_size: int
     accelerator: Any
+    parallel: Replicated | Sharded  # DDP or FSDP2: how the model is spread over the ranks
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -65,8 +67,12 @@ def setup(spec: RunSpec) -> WorkerState:
     lists = unpack(ray.get(spec.callbacks_ref))
     manager = build_manager(lists, keep_for_worker(rank))
 
-    accelerator = Accelerator(cpu=not args.use_gpu, mixed_precision=mixed_precision(args))
-    set_seed(args.seed)  # same initial weights on every rank; DDP also broadcasts them
+    precision = mixed_precision(args)
+    # Under FSDP, mixed precision is FSDP's own policy (parallel.py), not accelerate's autocast.
+    accelerator = Accelerator(
+        cpu=not args.use_gpu, mixed_precision="no" if args.strategy == "fsdp" else precision
+    )
+    set_seed(args.seed)  # same initial weights on every rank (FSDP shards each rank's copy)
     shipped = {name: ray.get(ref) for name, ref in spec.shipped_data.items()}
     workload = build_workload(args, shipped)
     sampler = ResumableDistributedSampler(
@@ -87,12 +93,12 @@ def setup(spec: RunSpec) -> WorkerState:
             f"num_workers={world}; add data or lower batch_size"
         )
     total_steps = args.max_steps or steps_per_epoch * args.num_epochs
-    optimizer = _optimizer(workload.model, args)
+    parallel = prepare(workload.model, args, accelerator, lambda m: _optimizer(m, args), precision)
+    model, optimizer = parallel.model, parallel.optimizer
     # The scheduler is ours, not accelerate's: its wrapper steps once per process per call.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(args.lr_schedule, args.warmup_steps, total_steps)
     )
-    model, optimizer = accelerator.prepare(workload.model, optimizer)
 
     ctx = TrainingContext(
         rank=rank,
@@ -119,6 +125,7 @@ def setup(spec: RunSpec) -> WorkerState:
         rank=rank,
         world_size=world,
         accelerator=accelerator,
+        parallel=parallel,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,

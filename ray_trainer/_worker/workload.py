@@ -26,6 +26,7 @@ class Workload:
     loss_fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
     # Extra validation metrics computed on rank 0 from the unwrapped model, e.g. exact match.
     rank0_metrics: Callable[[nn.Module], dict[str, float]] | None = None
+    tokenizer: Any = None  # saved into a Hugging Face export when it can save itself
 
 
 def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) -> Workload:
@@ -53,7 +54,7 @@ def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) 
             train, [len(train) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed)
         )
     loss_fn = args.loss_fn or model_loss
-    return Workload(model, train, val, collate, loss_fn)
+    return Workload(model, train, val, collate, loss_fn, tokenizer=tokenizer)
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

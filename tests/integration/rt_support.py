@@ -416,3 +416,37 @@ class StatusProbe(TrainerCallback):
             timeout=120,
         )
         self.log.write(returncode=done.returncode, stdout=done.stdout, stderr=done.stderr[-2000:])
+
+
+class ShardProbe(TrainerCallback):
+    """Every rank, at the start: how many parameters this rank holds, of how many."""
+
+    runs_on = "all_ranks"
+
+    def __init__(self, folder: str) -> None:
+        self.log = _FileLog(folder, "shards")
+
+    def on_train_begin(self, context, **kwargs):
+        params = list(context.model.parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        self.log.write(
+            rank=context.rank,
+            attempt=context.attempt,
+            world_size=context.world_size,
+            local=local,
+            total=sum(p.numel() for p in params),
+        )
+
+
+def eval_hf_export(checkpoint_path: str, step: int, checkpoint_uri: str | None = None):
+    """An evaluation task as users write one: `from_pretrained` on `<checkpoint>/hf` (the
+    code path of a process that never imports ray_trainer), compared with `load_model`."""
+    import transformers
+
+    from ray_trainer import load_model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(checkpoint_path, "hf"))
+    ours = load_model(checkpoint_uri).state_dict()
+    theirs = hf.state_dict()
+    diff = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    return {"max_abs_diff": diff, "params": sum(p.numel() for p in hf.parameters())}

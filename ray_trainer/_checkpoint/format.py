@@ -1,20 +1,19 @@
 """Every process: the checkpoint format, written by the workers, complete or refused.
 
-Written in the training processes; read there (resume), in the callback actor (its state), in
-the driver (``resume_from``) and in evaluation tasks and notebooks (``load_model``). Every rank
-writes its own part into its own temporary folder (its RNG state and the state of its stateful
-callbacks); rank 0 also writes the model, optimizer, scheduler, trainer state and how to build
-the model (``model_spec.pkl``). Ray Train uploads the folders of all ranks into one checkpoint on
-the run's storage. Each rank writes ``rank<r>.complete`` last: a JSON manifest of its files and
-their sizes. A checkpoint is trusted only when rank 0's manifest is there, names the world size,
-and the manifest of every rank matches the files in storage; anything else is incomplete.
-Every read goes through the storage layer (``_storage.py``): a checkpoint path may be a local
-path or a URI, with an optional ``filesystem``.
+Every rank writes its own part into its own temporary folder: its RNG state and the state of its
+stateful callbacks, and under ``strategy="fsdp"`` its shards of the model and optimizer
+(``shards/``, written with torch.distributed.checkpoint); rank 0 also writes the trainer state,
+the scheduler, how to build the model (``model_spec.pkl``), under DDP the whole model and
+optimizer (``model.pt``, ``optimizer.pt``), and for a Hugging Face model the ``hf/`` export.
+Ray Train uploads the folders of all ranks into one checkpoint on the run's storage. Each rank
+writes ``rank<r>.complete`` last: a JSON manifest of its files and their sizes. A checkpoint is
+trusted only when rank 0's manifest is there, names the world size, and the manifest of every
+rank matches the files in storage; anything else is incomplete. Reads go through the storage
+layer (``_storage.py``): a checkpoint path may be a local path or a URI.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from ray_trainer._contract import CHECKPOINT_PREFIX
-from ray_trainer._storage import Location, local_copy, locate
+from ray_trainer._storage import Location, locate
 
 if TYPE_CHECKING:
     import torch  # noqa: F401  (imported lazily: the callback actor reads manifests without torch)
@@ -35,6 +34,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
 MODEL_SPEC_FILE = "model_spec.pkl"
+SHARDS_DIR = "shards"  # FSDP: every rank's DCP shards of model and optimizer, and .metadata
+HF_DIR = "hf"  # a Hugging Face model's export: config, safetensors, tokenizer
 
 
 class CheckpointError(RuntimeError):
@@ -52,19 +53,8 @@ class TrainerState:
     tokens_seen: int = 0
     world_size: int = 1
     stop_reason: str | None = None
+    strategy: str = "ddp"  # how the model and optimizer are stored: "ddp" whole, "fsdp" sharded
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class LoadedCheckpoint:
-    path: str
-    state: TrainerState
-    model: dict[str, Any]
-    optimizer: dict[str, Any] | None
-    scheduler: dict[str, Any] | None
-    rng: dict[str, Any] | None
-    callbacks: dict[str, Any]  # state_key -> state of this rank's stateful callbacks
-    user_state: dict[str, Any]
 
 
 def rng_state() -> dict[str, Any]:
@@ -97,19 +87,23 @@ def write_rank_part(
     scheduler: dict[str, Any] | None = None,
     trainer_state: TrainerState | None = None,
     model_spec: Any = None,
+    extra_files: list[str] = (),
 ) -> None:
-    """Write this rank's files into `folder`, the completion manifest last."""
+    """Write this rank's files into `folder`, the completion manifest last. `extra_files` are
+    paths relative to `folder` that this rank already wrote there (DCP shards, the HF export):
+    they go into its manifest too."""
     import torch
 
-    files = {}
+    files = {name: os.path.getsize(os.path.join(folder, name)) for name in extra_files}
 
     def put(name: str, obj: Any) -> None:
         torch.save(obj, os.path.join(folder, name))
         files[name] = os.path.getsize(os.path.join(folder, name))
 
     if rank == 0:
-        assert model is not None and trainer_state is not None
-        put(MODEL_FILE, model)
+        assert trainer_state is not None
+        if model is not None:
+            put(MODEL_FILE, model)
         if optimizer is not None:
             put(OPTIMIZER_FILE, optimizer)
         if scheduler is not None:
@@ -162,80 +156,6 @@ def _verify(location: Location) -> TrainerState:
     raw = json.loads(location.child(STATE_FILE).read_bytes())
     raw.pop("format", None)
     return TrainerState(**raw)
-
-
-def load(path: str, rank: int, filesystem: Any = None) -> LoadedCheckpoint:
-    """Load a verified checkpoint for `rank` (a rank the checkpoint did not have uses rank 0's).
-    A checkpoint on remote storage is downloaded into a temporary folder first."""
-    location = locate(path, filesystem)
-    state = _verify(location)
-    with local_copy(location) as folder:
-        return _load_local(folder, location.name, state, rank)
-
-
-def _load_local(folder: str, name: str, state: TrainerState, rank: int) -> LoadedCheckpoint:
-    import torch
-
-    part_rank = rank if os.path.exists(os.path.join(folder, f"rank{rank}.pt")) else 0
-    part = torch.load(os.path.join(folder, f"rank{part_rank}.pt"), weights_only=False)
-
-    def opt(file: str) -> Any:
-        full = os.path.join(folder, file)
-        if not os.path.exists(full):
-            return None
-        return torch.load(full, map_location="cpu", weights_only=False)
-
-    return LoadedCheckpoint(
-        path=name,
-        state=state,
-        model=torch.load(os.path.join(folder, MODEL_FILE), map_location="cpu", weights_only=True),
-        optimizer=opt(OPTIMIZER_FILE),
-        scheduler=opt(SCHEDULER_FILE),
-        rng=part["rng"] if part_rank == rank else None,
-        callbacks=cloudpickle.loads(part["callbacks"]),
-        user_state=cloudpickle.loads(part["user_state"]),
-    )
-
-
-def load_model_state(path: str, filesystem: Any = None) -> dict[str, Any]:
-    """The model weights (a state dict, on CPU) of a complete checkpoint on any storage.
-
-    Runs anywhere the storage is reachable, e.g. in an `EvalOnSave` task.
-
-    Example:
-        >>> model = build_my_model()
-        >>> model.load_state_dict(load_model_state(checkpoint_path))
-    """
-    import torch
-
-    location = locate(path, filesystem)
-    _verify(location)
-    data = location.child(MODEL_FILE).read_bytes()
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-
-
-def load_model(path: str, device: str = "cpu", filesystem: Any = None) -> Any:
-    """The trained ``nn.Module`` of a complete checkpoint on any storage, in eval mode on
-    ``device``: rebuilt from the model spec the checkpoint records (the built-in demo, a model
-    factory, or a Hugging Face model), then loaded with the checkpoint's weights.
-
-    Runs anywhere the storage is reachable: an evaluation task, a notebook, a script.
-
-    Example:
-        >>> model = load_model("s3://bucket/runs/my-run/checkpoint_00000400", device="cuda")
-    """
-    location = locate(path, filesystem)
-    _verify(location)
-    spec_file = location.child(MODEL_SPEC_FILE)
-    if spec_file.size() is None:
-        raise CheckpointError(
-            f"{location.name}: this checkpoint does not record how to build its model (written "
-            "by an older ray-trainer); build the model yourself and use load_model_state()"
-        )
-    spec = cloudpickle.loads(spec_file.read_bytes())
-    model = spec.build_model()
-    model.load_state_dict(load_model_state(path, filesystem))
-    return model.to(device).eval()
 
 
 def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:

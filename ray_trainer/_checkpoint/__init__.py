@@ -1,0 +1,53 @@
+"""Every process: the checkpoint format (``format.py``) and reading checkpoints (``reading.py``).
+
+Written by the training workers; read by the workers (resume), the callback actor (its state),
+the driver (``resume_from``), and evaluation tasks and notebooks (``load_model``).
+"""
+
+from ray_trainer._checkpoint.format import (
+    HF_DIR,
+    MODEL_FILE,
+    MODEL_SPEC_FILE,
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    SHARDS_DIR,
+    STATE_FILE,
+    CheckpointError,
+    TrainerState,
+    latest_checkpoint,
+    rng_state,
+    set_rng_state,
+    verify,
+    write_rank_part,
+)
+from ray_trainer._checkpoint.reading import (
+    LoadedCheckpoint,
+    LocalCheckpoint,
+    load,
+    load_model,
+    load_model_state,
+    open_checkpoint,
+)
+
+__all__ = [
+    "HF_DIR",
+    "MODEL_FILE",
+    "MODEL_SPEC_FILE",
+    "OPTIMIZER_FILE",
+    "SCHEDULER_FILE",
+    "SHARDS_DIR",
+    "STATE_FILE",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "LocalCheckpoint",
+    "TrainerState",
+    "latest_checkpoint",
+    "load",
+    "load_model",
+    "load_model_state",
+    "open_checkpoint",
+    "rng_state",
+    "set_rng_state",
+    "verify",
+    "write_rank_part",
+]

@@ -1,0 +1,155 @@
+"""Training worker: the ``hf/`` export of a Hugging Face model, inside every checkpoint.
+
+Runs in each training worker when a checkpoint is written (``save_hf_format``, the default), for
+a model that has ``save_pretrained``. The export is what evaluation tools open
+(``AutoModelForCausalLM.from_pretrained(f"{checkpoint}/hf")``, vLLM, lm-eval-harness): the
+config, safetensors weights and, when the run has one, the tokenizer. Under DDP rank 0 holds
+the whole model and calls ``save_pretrained``. Under FSDP no rank holds it: the weights are
+gathered one tensor at a time (a collective every rank joins, in the same order) and rank 0
+streams each into a safetensors file whose header it wrote from the tensors' shapes, so the
+most any rank holds at once is its shards plus one whole tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ray_trainer._checkpoint import HF_DIR
+
+if TYPE_CHECKING:
+    from ray_trainer._worker.setup import WorkerState
+
+#: A file of the export holds at most this many bytes (as save_pretrained's default shards).
+MAX_SHARD_BYTES = 5 * 2**30
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def exports(s: WorkerState) -> bool:
+    """Whether this run's checkpoints carry an ``hf/`` export."""
+    return s.args.save_hf_format and hasattr(s.parallel.module(), "save_pretrained")
+
+
+def export_hf(s: WorkerState, folder: str) -> list[str]:
+    """Write ``<folder>/hf/`` (rank 0); the files it wrote, relative to `folder` (none on the
+    other ranks). A collective under FSDP: every rank calls it."""
+    module = s.parallel.module()
+    target = os.path.join(folder, HF_DIR)
+    if s.parallel.sharded:
+        _write_gathered(module, target, s.rank)
+    elif s.rank == 0:
+        module.save_pretrained(target, safe_serialization=True)
+    if s.rank != 0:
+        return []
+    config = copy.deepcopy(module.config)
+    for key, value in s.parallel.config_for_export.items():  # what training switched off
+        setattr(config, key, value)
+    config.save_pretrained(target)
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(target)
+    tokenizer = s.workload.tokenizer
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(target)
+    return sorted(
+        os.path.relpath(os.path.join(root, name), folder)
+        for root, _, names in os.walk(target)
+        for name in names
+    )
+
+
+def _write_gathered(module: torch.nn.Module, target: str, rank: int) -> None:
+    """Gather each weight in turn (every rank) and stream it into safetensors (rank 0)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(module)  # this rank's shards, under the model's own names
+    names, seen = [], set()
+    for name, tensor in state.items():  # tied weights (lm_head = wte): once; HF ties them back
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        key = (local.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            names.append(name)
+    files = _plan(names, state)
+    if rank == 0:
+        os.makedirs(target, exist_ok=True)
+    for file_names, file in zip(files, _file_names(len(files)), strict=True):
+        out = open(os.path.join(target, file), "wb") if rank == 0 else None  # noqa: SIM115
+        try:
+            if out is not None:
+                out.write(_header(file_names, state))
+            for name in file_names:
+                tensor = state[name]
+                whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                if out is not None:
+                    out.write(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                del whole
+        finally:
+            if out is not None:
+                out.close()
+    if rank == 0 and len(files) > 1:
+        weight_map = {
+            n: f for ns, f in zip(files, _file_names(len(files)), strict=True) for n in ns
+        }
+        total = sum(_nbytes(state[n]) for n in names)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _plan(names: list[str], state: dict[str, Any]) -> list[list[str]]:
+    """The weights of each file, in order, each file at most `MAX_SHARD_BYTES` (one weight
+    larger than that gets a file of its own)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = _nbytes(state[name])
+        if files[-1] and size + n > MAX_SHARD_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += n
+    return files
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _header(names: list[str], state: dict[str, Any]) -> bytes:
+    """The safetensors header of one file (sizes known from the shapes: nothing gathered)."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        tensor = state[name]
+        n = _nbytes(tensor)
+        entries[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(header)) + header

@@ -1,0 +1,124 @@
+"""Training worker: how the model is spread over the ranks, replicated (DDP) or sharded (FSDP2).
+
+Runs in each training worker, once per worker-group start. ``strategy="ddp"`` (the default)
+replicates the model on every rank through accelerate's DDP. ``strategy="fsdp"`` shards it with
+torch's own FSDP2 (``fully_shard``), each block on its own and then the root, so every rank
+holds about 1/N of the parameters, gradients and optimizer state (plus the block being
+computed). The same code runs on CPU (gloo) and GPU (nccl). Activation checkpointing (torch's
+composable ``checkpoint``, which keeps parameter names unchanged) recomputes each block in
+backward under either strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ray_trainer._config import TrainingArgs
+from ray_trainer._models import find_blocks
+
+
+@dataclass
+class Replicated:
+    """DDP through accelerate: every rank holds the whole model, gradients and optimizer."""
+
+    accelerator: Any
+    model: nn.Module  # the DDP-wrapped model
+    optimizer: torch.optim.Optimizer
+    # Config fields changed for training, to put back in an export ({"use_cache": True}).
+    config_for_export: dict[str, Any] = field(default_factory=dict)
+    sharded = False
+
+    def module(self) -> nn.Module:
+        """The model without its DDP wrapper (for state dicts, evaluation, export)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def no_sync(self) -> Any:
+        """Accumulate gradients locally (a micro-batch that is not the step's last)."""
+        return self.accelerator.no_sync(self.model)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+@dataclass
+class Sharded:
+    """FSDP2: the parameters, gradients and optimizer state are DTensors sharded over ranks."""
+
+    model: nn.Module  # the fully_shard-ed model (the module itself: FSDP2 wraps in place)
+    optimizer: torch.optim.Optimizer
+    config_for_export: dict[str, Any] = field(default_factory=dict)
+    sharded = True
+
+    def module(self) -> nn.Module:
+        return self.model
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: FSDP2 reduce-scatters only on the step's last
+        micro-batch."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every rank's shards (a collective: all ranks call it)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def prepare(
+    model: nn.Module,
+    args: TrainingArgs,
+    accelerator: Any,
+    make_optimizer: Any,
+    mixed_precision: str,
+) -> Replicated | Sharded:
+    """Spread `model` over the ranks as `args.strategy` says and build its optimizer
+    (`make_optimizer(model)`) on the result. Every rank calls it: FSDP's sharding and DDP's
+    broadcast of the initial weights are collectives."""
+    restore: dict[str, Any] = {}
+    if args.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        # A Hugging Face model's KV cache would be appended to again when a block is recomputed;
+        # training never needs it (the export gets the config's own value back).
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            restore["use_cache"] = config.use_cache
+            config.use_cache = False
+        for block in find_blocks(model, args.fsdp_shard_modules, why="checkpointing"):
+            checkpoint(block)  # recompute this block's activations in backward
+    if args.strategy == "ddp":
+        prepared, optimizer = accelerator.prepare(model, make_optimizer(model))
+        return Replicated(accelerator, prepared, optimizer, restore)
+    _shard(model, args, accelerator.device, mixed_precision)
+    return Sharded(model, make_optimizer(model), restore)
+
+
+def _shard(model: nn.Module, args: TrainingArgs, device: torch.device, precision: str) -> None:
+    """`fully_shard` each block, then the root, on a 1-D mesh of every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy()  # fp32 everywhere
+    if precision == "bf16":  # bf16 parameters for compute, fp32 for the gradient reduction
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.to(device)
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": args.fsdp_reshard_after_forward,
+        "mp_policy": policy,
+    }
+    for block in find_blocks(model, args.fsdp_shard_modules):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
