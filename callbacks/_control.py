@@ -17,9 +17,10 @@ class TrainerControl:
 
     A hook requests by setting flags on ``context.control`` or by returning a
     ``TrainerControl``. The runner ORs the requests of every callback (``merge``) and applies
-    them on every rank at the same step boundary: the boundary of the current step for
-    requests made before its last backward (``on_step_begin`` to ``on_before_backward``), the
-    next one for requests made later (``on_step_end``, ``on_log``, ...).
+    them on every rank at the same step boundary, read one step late: the boundary of the next
+    step for requests made during a step before its last backward (``on_step_begin`` to
+    ``on_before_backward``), the one after for requests made later (``on_step_end``,
+    ``on_log``, ...); at the last step, at once.
 
     The same object travels end to end: from a hook to the manager, from the callback actor to
     rank 0 (pickled with its fields), and into the step's all-reduce (encoded as numbers beside
@@ -39,7 +40,7 @@ class TrainerControl:
     Example:
         >>> class StopAt100(TrainerCallback):
         ...     def on_step_begin(self, context):  # global_step counts the finished steps
-        ...         if context.global_step + 1 >= 100:  # step 100 begins: it is the last
+        ...         if context.global_step + 1 >= 99:  # asked during step 99: acts at step 100
         ...             return TrainerControl(should_training_stop=True, stop_reason="step 100")
     """
 

@@ -83,6 +83,10 @@ class TrainingArgs(BaseModel):
     activation_checkpointing: bool = False
     # Every checkpoint of a Hugging Face model holds <checkpoint>/hf/ (from_pretrained loads it).
     save_hf_format: bool = True
+    # torch.compile the model: each block under FSDP, the whole model under DDP.
+    compile: bool = False
+    # The peak FLOP/s of one device, for MFU in the logs (default: a table of known GPUs).
+    peak_flops: float | None = Field(None, gt=0)
 
     # Scaling.
     num_workers: int = Field(2, gt=0)

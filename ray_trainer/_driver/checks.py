@@ -118,6 +118,12 @@ def check_inputs(args: TrainingArgs) -> None:
         check_model_ref(args.model, allow_download=args.allow_download)
     if args.strategy == "fsdp" or args.activation_checkpointing:
         _check_blocks(args)
+    if args.compile:
+        from ray_trainer._models import missing_compile_toolchain
+
+        problem = missing_compile_toolchain(args.use_gpu)  # here; each worker checks again
+        if problem:
+            raise TrainingArgsError(problem)
 
 
 def _check_blocks(args: TrainingArgs) -> None:

@@ -1,14 +1,21 @@
 """Training worker: the step's one all-reduce of control, loss and tokens across ranks.
 
-Runs in each training worker, once per optimizer step. Every rank must start this collective
-at the same point of the step (just before its last micro-batch's backward), so that it runs
-while backward and the optimizer step compute; the loop reads the result at the boundary. The
-control travels as a ``TrainerControl``: encoded into numbers here, summed over ranks, decoded
-back here. A flag set on any rank is set on every rank after the sum.
+Runs in each training worker, once per optimizer step. Every rank starts this collective at the
+same point of the step (just before its last micro-batch's backward), so that it runs while
+backward and the optimizer step compute. The control travels as a ``TrainerControl``: encoded
+into numbers here, summed over ranks, decoded back here; a flag set on any rank is set on every
+rank after the sum.
+
+Reading the result must not stall the CPU behind the GPU: on a GPU the summed values reach
+pinned host memory through a non-blocking copy on a side stream, ordered after the all-reduce
+only, with an event; the loop reads a step's agreement one step later (by then the copy is long
+done), and at once only where it must (log, evaluation, save and stop boundaries: see
+``loop.after_boundary``). On a CPU (gloo) the values are already in host memory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +23,7 @@ import torch.distributed as dist
 
 from callbacks import TrainerControl
 
-#: The ``TrainerControl`` flags, in the order they ride in the all-reduce after loss and tokens.
+#: The ``TrainerControl`` flags, in the order they ride in the all-reduce after the numbers.
 FLAGS: tuple[str, ...] = (
     "should_training_stop",
     "should_save",
@@ -24,7 +31,7 @@ FLAGS: tuple[str, ...] = (
     "should_log",
     "should_abort",
 )
-_LOSS, _TOKENS, _FIRST_FLAG = 0, 1, 2
+_LOSS, _TOKENS, _POSITIONS, _FIRST_FLAG = 0, 1, 2, 3
 
 
 def encode(control: TrainerControl) -> list[float]:
@@ -37,26 +44,72 @@ def decode(values: list[float]) -> TrainerControl:
     return TrainerControl(**{flag: values[i] > 0 for i, flag in enumerate(FLAGS)})
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """A step's values summed over every rank."""
+
+    loss_sum: float  # the micro-batches' losses, summed over micro-batches and ranks
+    tokens: float  # tokens that are not padding
+    positions: float  # every position of every batch, padding included
+    control: TrainerControl
+
+
 class Agreement:
-    """The step's all-reduce of ``[loss, tokens, *flags]``, summed over ranks, in flight; and
-    this rank's own requests that went into it."""
+    """The step's all-reduce of ``[loss, tokens, positions, *flags]``, in flight; and this
+    rank's own requests that went into it. Read once with `result`."""
 
     def __init__(
-        self, loss_sum: Any, tokens: Any, requested: TrainerControl, device: Any, world: int
+        self,
+        loss_sum: Any,
+        tokens: Any,
+        positions: int,
+        requested: TrainerControl,
+        device: Any,
+        world: int,
+        copy_stream: Any = None,
     ) -> None:
         self.requested = requested
-        values = torch.tensor([0.0, 0.0, *encode(requested)], dtype=torch.float64, device=device)
+        flags = encode(requested)
+        values = torch.tensor(
+            [0.0, 0.0, float(positions), *flags], dtype=torch.float64, device=device
+        )
         values[_LOSS] = loss_sum
         values[_TOKENS] = tokens
         self.values = values
-        # Asynchronous: the loop does not wait here (a blocking all-reduce at the boundary cost
-        # 3-5% of a 50 ms step). All ranks must reach this collective.
+        # All ranks must reach this collective. Asynchronous: the loop does not wait here.
         self.work = dist.all_reduce(values, async_op=True) if world > 1 else None
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        if copy_stream is not None:
+            self._copy_to_host(values, copy_stream)
+        self._agreed: Agreed | None = None
+        self.recorded = False  # its numbers went into the progress and the log window
 
-    def result(self) -> tuple[float, float, TrainerControl]:
-        """(summed loss, summed tokens, agreed control); waits if the all-reduce still runs
-        (it rarely does: it overlapped backward and the optimizer step)."""
-        if self.work is not None:
-            self.work.wait()
-        values = self.values.tolist()  # on a GPU, a CPU-GPU sync point
-        return values[_LOSS], values[_TOKENS], decode(values[_FIRST_FLAG:])
+    def _copy_to_host(self, values: torch.Tensor, stream: Any) -> None:
+        """Queue the copy to pinned host memory on a side stream that waits for the
+        all-reduce only (not for the backward and optimizer kernels queued after it)."""
+        stream.wait_stream(torch.cuda.current_stream(values.device))  # values were written there
+        with torch.cuda.stream(stream):
+            if self.work is not None:
+                self.work.wait()  # this stream waits for the all-reduce; the CPU does not
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(stream)
+        values.record_stream(stream)
+
+    def result(self) -> Agreed:
+        """The summed values. Waits for this agreement alone: on a GPU for its copy to host
+        (done long ago when read one step late), on a CPU for the all-reduce."""
+        if self._agreed is None:
+            if self._event is not None:
+                self._event.synchronize()
+                values = self._host.tolist()
+            else:
+                if self.work is not None:
+                    self.work.wait()
+                values = self.values.tolist()
+            self._agreed = Agreed(
+                values[_LOSS], values[_TOKENS], values[_POSITIONS], decode(values[_FIRST_FLAG:])
+            )
+        return self._agreed

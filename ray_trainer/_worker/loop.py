@@ -6,17 +6,20 @@ One optimizer step, top to bottom (`train_step`)::
       per micro-batch: on_before_forward, forward, on_after_forward,
                        on_before_backward, backward, on_after_backward
                        (before the LAST backward: start the step's ONE all-reduce of
-                        [loss, tokens, stop, save, evaluate, log, abort], asynchronously)
+                        [loss, tokens, positions, stop, save, evaluate, log, abort])
     on_before_optimizer_step, clip, optimizer.step(), on_after_optimizer_step
     on_step_end                      (its `loss` is this rank's loss for the step)
-    -- step boundary: read the agreed values (done by now: it overlapped backward) --
+    -- step boundary (`after_boundary`): act on the PREVIOUS step's agreed control --
     on_log / evaluation + on_evaluate / checkpoint + on_save, as `boundary.decide`s; stop
 
-Requests made before the last micro-batch's backward (on_step_begin up to on_before_backward,
-and any pending from the previous step) take effect at this step's boundary; requests made later
-(on_after_backward, the optimizer-step events, on_step_end, and on_log, on_evaluate, on_save
-after the boundary) take effect at the next boundary, one step later. Callback-actor requests
-are picked up at the same point, when their reply has arrived.
+The agreement is read one step late: reading a step's own all-reduce at its boundary would stall
+the CPU behind the GPU every step. So requests made up to `on_before_backward` of step k's last
+micro-batch (and any pending from earlier) ride in step k's all-reduce and take effect at the
+boundary of step k+1; requests made later in step k (`on_after_backward`, the optimizer-step
+events, `on_step_end`, and `on_log`, `on_evaluate`, `on_save` after the boundary) ride in step
+k+1's and take effect at boundary k+2. At the last step both take effect at once. Callback-actor
+requests join when their reply has arrived. The step's own loss and token count are read at its
+boundary only where they are needed: log, evaluation, save and stop boundaries (a sync there).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ray_trainer._worker.boundary import Schedule, decide
 from ray_trainer._worker.resume import maybe_resume
 from ray_trainer._worker.saving import evaluate, gather_summary, save
 from ray_trainer._worker.setup import WorkerState, setup
+from ray_trainer._worker.throughput import count_tokens
 
 
 def run_worker(spec: RunSpec) -> None:
@@ -79,8 +83,8 @@ def train(s: WorkerState) -> None:
         batches = iter(s.loader)
         while p.step_in_epoch < s.steps_per_epoch and p.global_step < s.total_steps:
             micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
-            agreed = train_step(s, micro_batches)
-            if after_boundary(s, agreed, schedule):
+            agreement = train_step(s, micro_batches)
+            if after_boundary(s, agreement, schedule):
                 return
         if p.step_in_epoch >= s.steps_per_epoch:
             hooks.fire("on_epoch_end")
@@ -89,13 +93,14 @@ def train(s: WorkerState) -> None:
     # Reached max_steps inside an epoch: nothing more to do (the last boundary saved).
 
 
-def train_step(s: WorkerState, micro_batches: list[dict[str, torch.Tensor]]) -> TrainerControl:
-    """One optimizer step over `grad_accum_steps` micro-batches; returns the agreed control."""
+def train_step(s: WorkerState, micro_batches: list[dict[str, torch.Tensor]]) -> Agreement:
+    """One optimizer step over `grad_accum_steps` micro-batches; returns its agreement."""
     hooks, acc, n_micro = s.hooks, s.accelerator, len(micro_batches)
     started = time.perf_counter()
     hooks.fire("on_step_begin")
     loss_sum: Any = 0
     tokens: Any = 0
+    positions = 0
     agreement = None
     for i, batch in enumerate(micro_batches):
         batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
@@ -108,34 +113,40 @@ def train_step(s: WorkerState, micro_batches: list[dict[str, torch.Tensor]]) -> 
                 loss = s.workload.loss_fn(outputs, batch)
             hooks.fire("on_after_forward", batch=batch, outputs=outputs, micro_step=i)
             hooks.fire("on_before_backward", batch=batch, outputs=outputs, micro_step=i)
-            loss_sum = loss_sum + loss.detach()
-            tokens = tokens + count_tokens(batch)
+            loss_sum, (n, p) = loss_sum + loss.detach(), count_tokens(batch, s.workload.pad_id)
+            tokens, positions = tokens + n, positions + p
             if last:  # every rank starts the step's agreement here; it runs during backward
                 agreement = Agreement(
-                    loss_sum, tokens, hooks.take_pending(), acc.device, s.world_size
-                )
+                    loss_sum, tokens, positions, hooks.take_pending(), acc.device, s.world_size,
+                    s.copy_stream,
+                )  # fmt: skip
             acc.backward(loss / n_micro if n_micro > 1 else loss)
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
 
     hooks.fire("on_before_optimizer_step")
-    grad_norm = _optimizer_step(s)
-    hooks.fire("on_after_optimizer_step", grad_norm=grad_norm)
-    s.progress.global_step += 1
-    s.progress.step_in_epoch += 1
-    s.ctx.global_step = s.progress.global_step
-    s.ctx.elapsed_time = time.perf_counter() - started
+    s.grad_norm = _optimizer_step(s)  # a tensor: read (a sync) only when logged
+    hooks.fire("on_after_optimizer_step", grad_norm=s.grad_norm)
+    _count_step(s, n_micro, time.perf_counter() - started)
     if "on_step_end" in hooks.active:
         s.ctx.loss = float(loss_sum) / n_micro  # this rank's loss: a CPU-GPU sync
         hooks.fire("on_step_end")
-    # Step boundary: the agreement started before the last backward is done by now.
-    return _record_step(s, agreement, grad_norm, n_micro, started)
+    return agreement
 
 
-def after_boundary(s: WorkerState, agreed: TrainerControl, schedule: Schedule) -> bool:
-    """Act on the agreed control at the step boundary; True when training must end now."""
+def after_boundary(s: WorkerState, agreement: Agreement, schedule: Schedule) -> bool:
+    """Act at the step boundary on the previous step's agreed control (and, at the last step,
+    on this one's too); True when training must end now."""
     step = s.progress.global_step
+    previous, s.pending = s.pending, agreement
+    agreed = TrainerControl()
+    if previous is not None:
+        agreed.merge(_read(s, previous, apply=True))
+    if step >= schedule.total_steps:  # nothing follows: this step's requests act now
+        agreed.merge(_read(s, agreement, apply=True))
     decision = decide(step, agreed, schedule, s.last_saved_step)
     s.abort = decision.abort
+    if decision.log or decision.evaluate or decision.save or decision.stop:
+        _read(s, agreement, apply=False)  # this step's loss and tokens: the one sync, here
     if decision.log and "on_log" in s.hooks.active:
         _fill_log_metrics(s)
         s.hooks.fire("on_log")
@@ -159,47 +170,51 @@ def _optimizer_step(s: WorkerState) -> Any:
     return grad_norm
 
 
-def _record_step(
-    s: WorkerState, agreement: Agreement, grad_norm: Any, n_micro: int, started: float
-) -> TrainerControl:
-    """Read the agreed values into the progress and the context; return the agreed control."""
-    loss_sum, tokens, agreed = agreement.result()
+def _count_step(s: WorkerState, n_micro: int, seconds: float) -> None:
+    """Count the step locally (every rank takes the same number of micro-batches of the same
+    size: samples are counted, not reduced)."""
     p, ctx = s.progress, s.ctx
-    step_time = time.perf_counter() - started
-    ctx.loss = loss_sum / (n_micro * s.world_size)
-    p.tokens_seen += round(tokens)
-    # Every rank takes the same number of micro-batches of the same size: count, don't reduce.
-    p.samples_seen += n_micro * s.args.batch_size * s.world_size
-    ctx.tokens_seen, ctx.samples_seen = p.tokens_seen, p.samples_seen
-    ctx.elapsed_time = step_time
-    ctx.throughput = tokens / step_time if step_time > 0 else 0.0
-    ctx.learning_rate = s.scheduler.get_last_lr()[0]
-    ctx.grad_norm = float(grad_norm) if grad_norm is not None else None
-    requested = agreement.requested
-    if requested.stops:
-        s.stop_reason = requested.stop_reason
-    elif agreed.stops and s.stop_reason is None:
-        s.stop_reason = "a callback on another rank"
-    return agreed
+    p.global_step += 1
+    p.step_in_epoch += 1
+    samples = n_micro * s.args.batch_size * s.world_size
+    p.samples_seen += samples
+    ctx.global_step, ctx.samples_seen, ctx.elapsed_time = p.global_step, p.samples_seen, seconds
+    s.window.add_step(seconds, samples)
+
+
+def _read(s: WorkerState, agreement: Agreement, apply: bool) -> TrainerControl:
+    """Take a step's agreed numbers into the progress, once; return its agreed control, and
+    with `apply` note who asked to stop (the control is acted on now)."""
+    agreed = agreement.result()
+    if not agreement.recorded:
+        agreement.recorded = True
+        s.progress.tokens_seen += round(agreed.tokens)
+        s.ctx.tokens_seen = s.progress.tokens_seen
+        s.ctx.loss = agreed.loss_sum / (s.args.grad_accum_steps * s.world_size)
+        s.window.add_agreed(agreed.tokens, agreed.positions)
+    if apply:
+        requested = agreement.requested
+        if requested.stops:
+            s.stop_reason = requested.stop_reason
+        elif agreed.control.stops and s.stop_reason is None:
+            s.stop_reason = "a callback on another rank"
+    return agreed.control
 
 
 def _fill_log_metrics(s: WorkerState) -> None:
+    """The log's numbers: loss, learning rate, gradient norm, and the window's throughput,
+    padding share and MFU (tokens that are not padding, over the steps since the last log)."""
     ctx = s.ctx
     ctx.cuda_mem_allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    ctx.learning_rate = s.scheduler.get_last_lr()[0]
+    ctx.grad_norm = float(s.grad_norm) if s.grad_norm is not None else None  # a sync: logs only
+    window = s.window.close(s.model_shape, s.peak_flops, s.world_size)
+    ctx.throughput = window.get("tokens_per_s")
     ctx.batch_metrics = {
         "loss": ctx.loss,
         "learning_rate": ctx.learning_rate,
         "grad_norm": ctx.grad_norm,
         "step_time": ctx.elapsed_time,
-        "tokens_per_s": ctx.throughput,
         "epoch": s.progress.epoch,
+        **window,
     }
-
-
-def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor | int:
-    """Tokens in a batch: the attention mask's ones, else the input ids, else 0 (not text)."""
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        return mask.sum()
-    ids = batch.get("input_ids")
-    return ids.numel() if ids is not None else 0

@@ -96,11 +96,29 @@ def prepare(
             config.use_cache = False
         for block in find_blocks(model, args.fsdp_shard_modules, why="checkpointing"):
             checkpoint(block)  # recompute this block's activations in backward
+    if args.compile:
+        _compile(model, args)
     if args.strategy == "ddp":
         prepared, optimizer = accelerator.prepare(model, make_optimizer(model))
         return Replicated(accelerator, prepared, optimizer, restore)
     _shard(model, args, accelerator.device, mixed_precision)
     return Sharded(model, make_optimizer(model), restore)
+
+
+def _compile(model: nn.Module, args: TrainingArgs) -> None:
+    """`torch.compile` in place (`Module.compile`: parameter names stay as they are): each
+    block under FSDP (it then shards compiled blocks), the whole model under DDP (DDP then
+    wraps the compiled module)."""
+    from ray_trainer._models import missing_compile_toolchain
+
+    problem = missing_compile_toolchain(args.use_gpu)
+    if problem:
+        raise RuntimeError(problem)
+    if args.strategy == "fsdp":
+        for block in find_blocks(model, args.fsdp_shard_modules):
+            block.compile()
+    else:
+        model.compile()
 
 
 def _shard(model: nn.Module, args: TrainingArgs, device: torch.device, precision: str) -> None:

@@ -25,6 +25,7 @@ from ray_trainer._worker.hooks import Hooks
 from ray_trainer._worker.parallel import Replicated, Sharded, prepare
 from ray_trainer._worker.resume import agree_attempt
 from ray_trainer._worker.sampler import ResumableDistributedSampler
+from ray_trainer._worker.throughput import ModelShape, Window, model_shape, peak_flops
 from ray_trainer._worker.workload import Workload, build_workload
 
 
@@ -52,6 +53,12 @@ class WorkerState:
     last_saved_step: int = -1
     stop_reason: str | None = None
     abort: bool = False
+    pending: Any = None  # the last step's agreement, read (and acted on) at the next boundary
+    grad_norm: Any = None  # the last step's gradient norm, a tensor until logged
+    window: Window = field(default_factory=Window)  # tokens and time since the last log
+    model_shape: ModelShape = field(default_factory=lambda: ModelShape(0))
+    peak_flops: float | None = None  # of one device, for MFU
+    copy_stream: Any = None  # on a GPU: the side stream that copies agreements to the host
 
 
 def setup(spec: RunSpec) -> WorkerState:
@@ -63,11 +70,15 @@ def setup(spec: RunSpec) -> WorkerState:
     train_ctx = ray.train.get_context()
     rank, world = train_ctx.get_world_rank(), train_ctx.get_world_size()
     attempt = agree_attempt(spec, rank, world)
+    forwarder = _forwarder(spec, rank, attempt)  # first: the actor counts this start at once
 
     lists = unpack(ray.get(spec.callbacks_ref))
     manager = build_manager(lists, keep_for_worker(rank))
 
     precision = mixed_precision(args)
+    if args.use_gpu and precision != "no":  # TF32 for the fp32 matmuls that remain
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     # Under FSDP, mixed precision is FSDP's own policy (parallel.py), not accelerate's autocast.
     accelerator = Accelerator(
         cpu=not args.use_gpu, mixed_precision="no" if args.strategy == "fsdp" else precision
@@ -93,7 +104,11 @@ def setup(spec: RunSpec) -> WorkerState:
             f"num_workers={world}; add data or lower batch_size"
         )
     total_steps = args.max_steps or steps_per_epoch * args.num_epochs
-    parallel = prepare(workload.model, args, accelerator, lambda m: _optimizer(m, args), precision)
+
+    def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return _optimizer(model, args, accelerator.device)
+
+    parallel = prepare(workload.model, args, accelerator, make_optimizer, precision)
     model, optimizer = parallel.model, parallel.optimizer
     # The scheduler is ours, not accelerate's: its wrapper steps once per process per call.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -132,11 +147,16 @@ def setup(spec: RunSpec) -> WorkerState:
         workload=workload,
         loader=loader,
         sampler=sampler,
-        hooks=Hooks(manager, ctx, _forwarder(spec, rank, attempt)),
+        hooks=Hooks(manager, ctx, forwarder),
         ctx=ctx,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         progress=ckpt.TrainerState(world_size=world),
+        model_shape=model_shape(model),
+        peak_flops=peak_flops(accelerator.device, args.peak_flops),
+        copy_stream=torch.cuda.Stream(accelerator.device)
+        if accelerator.device.type == "cuda"
+        else None,
     )
 
 
@@ -159,8 +179,10 @@ def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:
     )
 
 
-def _optimizer(model: torch.nn.Module, args: TrainingArgs) -> torch.optim.Optimizer:
-    """AdamW, with weight decay on matrices only (not on biases and norms)."""
+def _optimizer(
+    model: torch.nn.Module, args: TrainingArgs, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW, with weight decay on matrices only (not on biases and norms); fused on CUDA."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW(
@@ -169,7 +191,14 @@ def _optimizer(model: torch.nn.Module, args: TrainingArgs) -> torch.optim.Optimi
             {"params": no_decay, "weight_decay": 0},
         ],
         lr=args.learning_rate,
+        **optimizer_options(device),
     )
+
+
+def optimizer_options(device: torch.device) -> dict[str, Any]:
+    """AdamW's implementation for the device: the fused kernel on CUDA (one kernel for every
+    parameter, as torch recommends there); torch's default elsewhere."""
+    return {"fused": True} if device.type == "cuda" else {}
 
 
 def mixed_precision(args: TrainingArgs) -> str:

@@ -27,6 +27,7 @@ class Workload:
     # Extra validation metrics computed on rank 0 from the unwrapped model, e.g. exact match.
     rank0_metrics: Callable[[nn.Module], dict[str, float]] | None = None
     tokenizer: Any = None  # saved into a Hugging Face export when it can save itself
+    pad_id: int | None = None  # when batches have no attention mask: what padding is
 
 
 def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) -> Workload:
@@ -91,4 +92,5 @@ def _demo_workload(args: TrainingArgs) -> Workload:
         collate_fn=None,
         loss_fn=args.loss_fn or model_loss,
         rank0_metrics=demo.eval_fn,
+        pad_id=demo.tokenizer.pad_id,
     )

@@ -156,7 +156,8 @@ ActorRecorder = type(
 
 class StopAt(TrainerCallback):
     """Asks to stop during one step, from rank 0 (in the training process). The request is made
-    before the step's last backward, so it acts at that step's boundary."""
+    before the step's last backward, so it rides in that step's all-reduce, which the loop reads
+    one step late: it acts at the next step's boundary."""
 
     runs_on = "rank0"
 
@@ -170,7 +171,8 @@ class StopAt(TrainerCallback):
 
 class Rank1SaveAfter(TrainerCallback):
     """Asks for a checkpoint from rank 1 only, in `on_step_end` of one step: a request made after
-    the step's last backward, so it acts at the next step's boundary, on every rank."""
+    the step's last backward, so it rides in the next step's all-reduce and acts at the boundary
+    after that one (two steps later), on every rank."""
 
     runs_on = "all_ranks"
 
@@ -450,3 +452,13 @@ def eval_hf_export(checkpoint_path: str, step: int, checkpoint_uri: str | None =
     theirs = hf.state_dict()
     diff = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
     return {"max_abs_diff": diff, "params": sum(p.numel() for p in hf.parameters())}
+
+
+class LogMetricsRecorder(TrainerCallback):
+    """Actor-side: keeps every log's step, loss and batch_metrics."""
+
+    def __init__(self, folder: str) -> None:
+        self.log = _FileLog(folder, "logs")
+
+    def on_log(self, context, **kwargs):
+        self.log.write(**{**context.batch_metrics, "step": context.global_step})

@@ -42,7 +42,9 @@ def stopped_then_continued(ray_session, tmp_path_factory):
         **_args(
             storage,
             first_dir,
-            [StopAt(4), Rank1SaveAfter(2)],
+            # A stop asked during step 3 acts at step 4; a save asked by rank 1 in on_step_end of
+            # step 1 rides in step 2's all-reduce and acts at step 3 (loop.py's docstring).
+            [StopAt(3), Rank1SaveAfter(1)],
             data=tiny_data_4_steps_per_epoch,  # step 4 is the last of epoch 0
             max_steps=10,
             run_name="stop-continue",
@@ -66,7 +68,7 @@ def stopped_then_continued(ray_session, tmp_path_factory):
     )
 
 
-def test_rank0_stop_request_stops_both_ranks_at_that_step(stopped_then_continued):
+def test_rank0_stop_request_stops_both_ranks_one_step_later(stopped_then_continued):
     first, _, records, _, _ = stopped_then_continued
     assert first.global_step == 4
     assert first.stopped_early
@@ -85,7 +87,7 @@ def test_stop_saves_a_final_checkpoint(stopped_then_continued):
     assert os.path.exists(os.path.join(first.checkpoint_path, "rank1.complete"))
     for rank in (0, 1):
         saves = [r["step"] for r in records if r["rank"] == rank and r["event"] == "on_save"]
-        # 3: rank 1 asked in on_step_end of step 2 (after its backward: the next boundary).
+        # 3: rank 1 asked in on_step_end of step 1 (after its backward: two boundaries later).
         assert saves == [3, 4]
 
 
