@@ -17,12 +17,16 @@ from ray_trainer._checkpoint import (
 )
 from ray_trainer._config import TrainingArgs, TrainingArgsError
 from ray_trainer._driver.checks import ResourceRequestError
+from ray_trainer._driver.control import RunEnded, save, stop
 from ray_trainer._driver.launch import RunFailedError, run_training
 from ray_trainer._driver.result import TrainingResult
+from ray_trainer._driver.status import NoLiveRun
 
 __all__ = [
     "CheckpointError",
+    "NoLiveRun",
     "ResourceRequestError",
+    "RunEnded",
     "RunFailedError",
     "TrainingArgs",
     "TrainingArgsError",
@@ -31,5 +35,7 @@ __all__ = [
     "load_model",
     "load_model_state",
     "run_training",
+    "save",
+    "stop",
     *_callbacks_all,
 ]

@@ -121,6 +121,8 @@ class TrainingArgs(BaseModel):
     worker_start_timeout_s: float = Field(60.0, gt=0)
     max_start_retries: int = Field(2, ge=0)
     ray_address: str | None = None
+    # The embedded local Ray starts its dashboard on 127.0.0.1 (its URL is printed at the start).
+    dashboard: bool = True
 
     # Callbacks: instances or functions, and one flat field per event and alias.
     callbacks: list[Any] = Field(default_factory=list)

@@ -74,11 +74,24 @@ WireEvent = tuple[str, dict[str, Any], dict[str, Any]]
 @dataclass
 class EventBatch:
     """Rank-0 events for the actor, in the order they fired. ``seq`` counts the batches of one
-    worker-group start (``attempt``) from 1; the actor ignores a ``seq`` it has handled."""
+    worker-group start (``attempt``) from 1; the actor ignores a ``seq`` it has handled. A
+    heartbeat has no events and carries ``progress`` (the context's wire): rank 0 sends one
+    when nothing else went for ``HEARTBEAT_S``, so that requests from outside (``ray-trainer
+    save``/``stop``, a signal to the driver) and ``status`` reach a run whose actor-side
+    callbacks subscribe to nothing frequent."""
 
     attempt: int
     seq: int
     events: list[WireEvent]
+    progress: dict[str, Any] | None = None
+
+
+#: The longest rank 0 goes without a call to the actor (a heartbeat when nothing else went).
+HEARTBEAT_S = 1.0
+
+#: Requests from outside the run (``ray-trainer save``/``stop``, ``ray_trainer.save/stop``, a
+#: signal to the driver, a preemption notice), and the stop reason each gives.
+REQUESTS = ("save", "stop")
 
 
 @dataclass

@@ -6,10 +6,12 @@ Runs in the driver process (a terminal, or the entrypoint of a Ray job); ``statu
     ray-trainer run CONFIG.yaml [--set key=value ...]
     ray-trainer demo [--num-workers 2] [--max-steps N] [--set key=value ...]
     ray-trainer status RUN_NAME [--address http://HOST:8265 | HOST:PORT] [--json]
+    ray-trainer save RUN_NAME [--address ...]     ray-trainer stop RUN_NAME [--address ...]
     ray-trainer submit CONFIG.yaml --address http://HOST:8265 [--set key=value ...] [--no-wait]
 
 Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (refused before
-anything ran; one message naming the config file and the entry).
+anything ran; one message naming the config file and the entry), 128 + N after a clean stop on
+signal N (143 for SIGTERM, as ``ray job stop`` sends; 130 for Ctrl-C).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 from ray_trainer._config import TrainingArgs, TrainingArgsError, parse_overrides
 
-#: Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (nothing ran).
+#: Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (nothing ran);
+#: 128 + N after a clean, checkpointed stop on signal N (143 SIGTERM, 130 Ctrl-C; a second
+#: signal aborts, also 130).
 EXIT_OK, EXIT_FAILED, EXIT_INPUT = 0, 1, 2
 
 
@@ -104,9 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="no per-log progress lines")
 
     # The cluster commands define their own options, beside the code that reads them.
-    from ray_trainer._driver import status, submit
+    from ray_trainer._driver import control, status, submit
 
     status.add_parser(sub)
+    control.add_parsers(sub)
     submit.add_parser(sub)
     return parser
 
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from callbacks import CallbackPicklingError
     from ray_trainer._driver.checks import ResourceRequestError
     from ray_trainer._driver.launch import RunFailedError, run_training
+    from ray_trainer._driver.signals import exit_code_of
 
     source = opts.config if opts.command == "run" else "demo"
     try:
@@ -136,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailedError as e:
         print(f"ray-trainer: run failed: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt as e:  # a second SIGTERM/SIGINT: aborted, nothing more saved
+        print(f"ray-trainer: aborted: {e}", file=sys.stderr)
+        return 130
     print(result.summary(), flush=True)
-    return 0
+    return exit_code_of(result.stop_reason) or EXIT_OK
 
 
 def _demo_args(opts: argparse.Namespace) -> TrainingArgs:

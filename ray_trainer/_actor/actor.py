@@ -20,12 +20,14 @@ from typing import Any
 
 import ray
 
-from callbacks import TrainingContext
+from callbacks import TrainerControl, TrainingContext
 from ray_trainer._actor.evaluation import EvalTracker
+from ray_trainer._actor.requests import OutsideRequests
 from ray_trainer._actor.state import ActorStateWriter, restore
 from ray_trainer._actor.storage import RunStorage
 from ray_trainer._contract import (
     NAMESPACE,
+    REQUESTS,
     ActorSummary,
     BatchReply,
     EventBatch,
@@ -88,12 +90,14 @@ class CallbackActor:
         self.received: collections.Counter[str] = collections.Counter()
         self.duplicates = 0
         self.ended = False
+        self._ending = False  # end() under way: no request can still act
         self._exception_attempt: int | None = None  # the attempt whose on_exception arrived
         self._train_end: tuple | None = None  # rank 0's last on_train_end: wire, kwargs, attempt
         self.attempts = 0
         self.worker_summary: WorkerSummary | None = None
         self.restored_from = restore(self.manager, run_dir, filesystem)
         self.restarted = _was_restarted()
+        self.requests = OutsideRequests()
         self._last_seq: dict[int, int] = {}
         self._status: dict[str, Any] = {"started_at": time.time()}
 
@@ -111,14 +115,19 @@ class CallbackActor:
         if batch.seq <= self._last_seq.get(batch.attempt, 0):
             self.duplicates += 1
             return BatchReply(ack=batch.seq)
+        if batch.progress is not None:  # a heartbeat
+            self._status.update({k: batch.progress.get(k) for k in _STATUS_FIELDS})
         wire: dict[str, Any] = {}
         for event, wire, kwargs in batch.events:
             self.received[event] += 1
             self._status.update({k: wire.get(k) for k in _STATUS_FIELDS})
+            if event == "on_save":
+                self.requests.saw_save(wire.get("global_step"))
             if event == "on_train_end":
                 # The end of an attempt: another may follow (a restart), so the actor-side
                 # on_train_end waits for the driver's end() and gets this context then.
                 self._train_end = (wire, kwargs, batch.attempt)
+                self.requests.saw_end(wire.get("global_step"))
                 continue
             if event == "on_exception":
                 self._exception_attempt = batch.attempt
@@ -131,7 +140,25 @@ class CallbackActor:
         # Give quick callbacks a moment, so their requests ride on this reply (rank 0 never waits
         # for it: it collects the reply at a later step boundary).
         self.manager.flush(timeout=self.push_wait_s)
-        return BatchReply(ack=batch.seq, control=self.manager.take_control())
+        control = self.manager.take_control()
+        outside = self.requests.take()
+        if outside is not None:
+            control = (control or TrainerControl()).merge(outside, outside.stop_reason)
+        return BatchReply(ack=batch.seq, control=control)
+
+    @ray.method(concurrency_group="control")
+    def request(self, kind: str, source: str) -> dict[str, Any]:
+        """A ``save`` or ``stop`` from outside the run (the control thread: answered even while
+        the actor ends the run). It reaches every rank at one agreed step boundary within the
+        actor's lag. Refused, with the reason, when the run has ended."""
+        if kind not in REQUESTS:
+            raise ValueError(f"unknown request {kind!r}; use one of {', '.join(REQUESTS)}")
+        step = self._status.get("global_step")
+        if self.ended or self._ending:
+            return {"accepted": False, "run_name": self.run_name, "step": step,
+                    "message": f"run {self.run_name} has ended (at step {step})"}  # fmt: skip
+        record = self.requests.add(kind, source, step)
+        return {"accepted": True, "run_name": self.run_name, "step": step, "request": record}
 
     def finish(self, summary: WorkerSummary) -> None:
         """Called by rank 0 at the end of an attempt, after its last batch: the workers' view of
@@ -146,6 +173,7 @@ class CallbackActor:
         `on_train_end` with what the actor last heard. Idempotent; True if it fired."""
         if self.ended:
             return False
+        self._ending = True
         last_attempt = self.attempts - 1
         if self._train_end is not None and self._train_end[2] == last_attempt:
             wire, kwargs, _ = self._train_end
@@ -159,10 +187,13 @@ class CallbackActor:
         self._end(wire, kwargs)
         return True
 
+    @ray.method(concurrency_group="control")
     def status(self) -> dict[str, Any]:
-        """A snapshot for `ray-trainer status`: progress, evaluations so far, callback errors."""
+        """A snapshot for `ray-trainer status`: progress, evaluations so far, callback errors,
+        the last request from outside (the control thread: answered while the actor is busy)."""
         errors = self.manager.errors
         return {
+            "last_request": self.requests.last(),
             "run_name": self.run_name,
             **self._status,
             "events": dict(self.received),
@@ -278,6 +309,9 @@ def start_actor(packed: bytes, run_name: str, run_dir: str, **options: Any) -> t
         resources={"node:__internal_head__": 0.001},
         max_restarts=-1,
         max_task_retries=-1,
-        max_concurrency=1,  # one call at a time: batches are handled in the order they arrive
+        # One event call at a time: batches are handled in the order they arrive. Requests and
+        # status queries have their own thread, so they are answered while a batch is handled.
+        max_concurrency=1,
+        concurrency_groups={"control": 2},
     ).remote(packed, run_name, run_dir, **options)
     return actor, actor.ready.remote()

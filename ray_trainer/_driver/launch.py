@@ -37,8 +37,15 @@ from ray_trainer._driver.checks import (
     resolve_paths,
     write_run_record,
 )
+from ray_trainer._driver.console import (
+    dashboard_line,
+    filter_ray_noise,
+    quiet_prints,
+    start_embedded_ray,
+)
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage, ship_data
 from ray_trainer._driver.result import TrainingResult, build_result
+from ray_trainer._driver.signals import run_with_graceful_signals
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
 from ray_trainer._storage import locate
 
@@ -90,10 +97,12 @@ def _init_ray(args: TrainingArgs) -> bool:
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
+        filter_ray_noise()
         return False
     machine = embedded_resources(count_gpus="GPU" in per_worker(args))
     check_resources(args, nodes=[machine])  # before starting anything
-    ray.init(num_cpus=int(machine["CPU"]), include_dashboard=False)
+    url = start_embedded_ray(int(machine["CPU"]), args.dashboard)
+    print(dashboard_line(url), flush=True)
     return True
 
 
@@ -174,13 +183,10 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
             checkpoint_config=CheckpointConfig(num_to_keep=args.num_checkpoints_to_keep),
         ),
     )
-    error: BaseException | None = None
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
-    try:
-        trainer.fit()
-    except Exception as e:  # ray.train.TrainingFailedError and friends
-        error = e
+    quiet_prints()
+    error = run_with_graceful_signals(trainer.fit, launch.actor)
     summary = finish_actor(launch, args, error)
     if error is not None:
         capacity = ""

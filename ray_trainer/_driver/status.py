@@ -110,9 +110,12 @@ def no_live_run_message(run_name: str, address: str, live: list[str]) -> str:
     )
 
 
-def fetch_status(run_name: str, address: str, timeout_s: float = ACTOR_ANSWER_S) -> dict:
-    """Ask the run's callback actor for its status. Runs in the one-shot query process, which
-    joins the cluster as a driver for the duration of the call.
+def fetch_status(
+    run_name: str, address: str, timeout_s: float = ACTOR_ANSWER_S, question: str = "status"
+) -> dict:
+    """Ask the run's callback actor: its status, or (``question`` ``"save"``/``"stop"``) to
+    take a request from outside. Runs in the one-shot query process, which joins the cluster as
+    a driver for the duration of the call.
 
     Raises ``ClusterUnreachable`` or ``NoLiveRun`` (its message lists the live runs).
     """
@@ -139,7 +142,10 @@ def fetch_status(run_name: str, address: str, timeout_s: float = ACTOR_ANSWER_S)
             live = live_run_names(ray.util.list_named_actors(all_namespaces=True))
             raise NoLiveRun(no_live_run_message(run_name, shown, live)) from None
         try:
-            return ray.get(actor.status.remote(), timeout=timeout_s)
+            if question == "status":
+                return ray.get(actor.status.remote(), timeout=timeout_s)
+            source = f"ray-trainer {question}"
+            return ray.get(actor.request.remote(question, source), timeout=timeout_s)
         except GetTimeoutError:
             raise NoLiveRun(
                 f"run {run_name} on {shown}: its callback actor did not answer within "
@@ -155,11 +161,16 @@ def fetch_status(run_name: str, address: str, timeout_s: float = ACTOR_ANSWER_S)
 # ---- the reply: one line from the query process ---------------------------------------------
 
 
-def query_reply(run_name: str, address: str, timeout_s: float) -> dict[str, Any]:
+def query_reply(
+    run_name: str, address: str, timeout_s: float, question: str = "status"
+) -> dict[str, Any]:
     """Run the query here (the one-shot process) and put its outcome in a reply dict:
     ``{"exit": 0, "status": {...}}`` or ``{"exit": 1|2, "error": "..."}``."""
     try:
-        return {"exit": EXIT_OK, "status": fetch_status(run_name, address, timeout_s)}
+        if question == "status":
+            return {"exit": EXIT_OK, "status": fetch_status(run_name, address, timeout_s)}
+        answer = fetch_status(run_name, address, timeout_s, question=question)
+        return {"exit": EXIT_OK, "status": answer}
     except NoLiveRun as e:
         return {"exit": EXIT_NOT_FOUND, "error": str(e)}
     except ClusterUnreachable as e:
@@ -179,12 +190,14 @@ def parse_reply(text: str, where: str) -> dict[str, Any]:
     raise DashboardError(f"{where} gave no status reply; its output ends with:\n{tail}")
 
 
-def ask_in_subprocess(run_name: str, address: str, timeout_s: float) -> dict[str, Any]:
+def ask_in_subprocess(
+    run_name: str, address: str, timeout_s: float, question: str = "status"
+) -> dict[str, Any]:
     """The query in a child process that joins the cluster at the GCS ``address``; killed
     when ``timeout_s`` runs out (``ray.init`` has no bound of its own)."""
     check_reachable(address)
     answer_s = min(ACTOR_ANSWER_S, max(1.0, timeout_s - 2.0))
-    cmd = [sys.executable, "-m", "ray_trainer.cli", "status", run_name, "--address", address]
+    cmd = [sys.executable, "-m", "ray_trainer.cli", question, run_name, "--address", address]
     cmd += ["--timeout", f"{answer_s:g}", "--reply-line"]
     # Started where this ray_trainer was imported from: `-m` puts the working dir first on
     # sys.path, and a user's own `callbacks.py` there must not shadow the package.
@@ -206,15 +219,17 @@ def ask_in_subprocess(run_name: str, address: str, timeout_s: float) -> dict[str
     return parse_reply(out, f"the status query for {address}")
 
 
-def ask_through_job(run_name: str, address: str, opts: argparse.Namespace) -> dict[str, Any]:
+def ask_through_job(
+    run_name: str, address: str, opts: argparse.Namespace, question: str = "status"
+) -> dict[str, Any]:
     """The query as a tiny Ray job on the head, through the dashboard's job API; the whole
     exchange is bounded by ``--timeout`` (the job is stopped when it runs out)."""
     deadline = time.monotonic() + opts.timeout
     headers, verify = parse_headers(opts.headers), parse_verify(opts.verify)
     client = connect(address, headers, verify, opts.timeout)
     answer_s = min(ACTOR_ANSWER_S, max(1.0, deadline - time.monotonic() - 2.0))
-    words = ["ray-trainer", "status", run_name, "--timeout", f"{answer_s:g}", "--reply-line"]
-    job_id = f"ray-trainer-status-{run_name}-{secrets.token_hex(3)}"
+    words = ["ray-trainer", question, run_name, "--timeout", f"{answer_s:g}", "--reply-line"]
+    job_id = f"ray-trainer-{question}-{run_name}-{secrets.token_hex(3)}"
     with job_api(address, "asking the run's status"):
         client.submit_job(
             entrypoint=shlex.join(words),
@@ -234,6 +249,40 @@ def ask_through_job(run_name: str, address: str, opts: argparse.Namespace) -> di
     with contextlib.suppress(Exception):  # a leftover status job is harmless
         client.delete_job(job_id)  # keep the dashboard's job list for runs
     return parse_reply(logs, f"the status job {job_id} on {address}")
+
+
+def ask(run_name: str, opts: argparse.Namespace, question: str = "status") -> dict[str, Any]:
+    """Ask the run's actor through whichever address ``opts`` gives (or, with
+    ``--reply-line``, here); the reply dict. Raises ``DashboardError``/``ClusterUnreachable``."""
+    if opts.reply_line:
+        address = opts.address or os.environ.get("RAY_ADDRESS") or "auto"
+        return query_reply(run_name, address, opts.timeout, question)
+    address = resolve_address(opts.address)
+    extra = () if question == "status" else (question,)
+    if is_dashboard_url(address):
+        return ask_through_job(run_name, address.rstrip("/"), opts, *extra)
+    return ask_in_subprocess(run_name, address, opts.timeout, *extra)
+
+
+def answer(opts: argparse.Namespace, question: str) -> tuple[int, dict[str, Any] | None]:
+    """The exit code and the actor's answer for a command; errors printed here. With
+    ``--reply-line`` (the one-shot process) the reply line is printed instead."""
+    try:
+        reply = ask(opts.run_name, opts, question)
+    except DashboardError as e:
+        print(f"ray-trainer: error: {e}", file=sys.stderr)
+        return e.exit_code, None
+    except ClusterUnreachable as e:
+        print(f"ray-trainer: error: {e}", file=sys.stderr)
+        return EXIT_ERROR, None
+    if opts.reply_line:
+        print(REPLY_MARKER + json.dumps(reply, default=str), flush=True)
+        return EXIT_OK, None
+    if reply["exit"] != EXIT_OK:
+        prefix = "ray-trainer: " if reply["exit"] == EXIT_NOT_FOUND else "ray-trainer: error: "
+        print(prefix + str(reply.get("error")), file=sys.stderr)
+        return int(reply["exit"]), None
+    return EXIT_OK, reply["status"]
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -272,6 +321,9 @@ def format_status(status: dict[str, Any]) -> str:
             )
             line += f"; last at step {last.get('step')}: {metrics or '(no metrics)'}"
     lines.append(line)
+    request = status.get("last_request")
+    if request:
+        lines.append("  last request " + format_request(request))
     errors = status.get("callback_errors") or []
     lines.append(f"  callback errors {status.get('num_callback_errors', len(errors))}")
     for err in errors:
@@ -280,6 +332,24 @@ def format_status(status: dict[str, Any]) -> str:
             f"{err.get('error')}"
         )
     return "\n".join(lines)
+
+
+def format_request(request: dict[str, Any]) -> str:
+    """One line: what was asked from outside, when, and when it took effect."""
+    asked = _clock(request.get("requested_at"))
+    text = f"{request.get('kind')} ({request.get('source')}) at {asked}"
+    if request.get("took_effect_at"):
+        took = _clock(request["took_effect_at"])
+        text += f", took effect at step {request.get('took_effect_at_step')} ({took})"
+    elif request.get("delivered_at"):
+        text += ", agreed by the workers, acting at the next boundaries"
+    else:
+        text += ", on its way to the workers"
+    return text
+
+
+def _clock(stamp: Any) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(stamp)) if stamp else "-"
 
 
 def add_parser(sub: Any) -> None:
@@ -300,29 +370,11 @@ def add_parser(sub: Any) -> None:
 
 def status_main(opts: argparse.Namespace) -> int:
     """``ray-trainer status RUN_NAME [--address URL|HOST:PORT] [--json]``."""
-    if opts.reply_line:
-        address = opts.address or os.environ.get("RAY_ADDRESS") or "auto"
-        reply = query_reply(opts.run_name, address, opts.timeout)
-        print(REPLY_MARKER + json.dumps(reply, default=str), flush=True)
-        return EXIT_OK
-    address = resolve_address(opts.address)
-    try:
-        if is_dashboard_url(address):
-            reply = ask_through_job(opts.run_name, address.rstrip("/"), opts)
-        else:
-            reply = ask_in_subprocess(opts.run_name, address, opts.timeout)
-    except DashboardError as e:
-        print(f"ray-trainer: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except ClusterUnreachable as e:
-        print(f"ray-trainer: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    if reply["exit"] != EXIT_OK:
-        prefix = "ray-trainer: " if reply["exit"] == EXIT_NOT_FOUND else "ray-trainer: error: "
-        print(prefix + str(reply.get("error")), file=sys.stderr)
-        return int(reply["exit"])
+    code, status = answer(opts, "status")
+    if status is None:
+        return code
     if opts.json:
-        print(json.dumps(reply["status"], default=str, indent=2, sort_keys=True), flush=True)
+        print(json.dumps(status, default=str, indent=2, sort_keys=True), flush=True)
     else:
-        print(format_status(reply["status"]), flush=True)
+        print(format_status(status), flush=True)
     return EXIT_OK

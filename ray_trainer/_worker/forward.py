@@ -42,6 +42,7 @@ import ray
 
 from callbacks import TrainerControl, TrainingContext
 from ray_trainer._contract import (
+    HEARTBEAT_S,
     LIVE_KWARGS,
     URGENT_EVENTS,
     BatchReply,
@@ -84,6 +85,7 @@ class EventForwarder:
         self._in_flight: collections.deque[list[Any]] = collections.deque()  # [reply, batch]
         self._seq = 0
         self._last_poll = 0.0
+        self._last_send = time.monotonic()
         self._control: TrainerControl | None = None
         self.dead = False
         self.actor.start_attempt.remote(attempt)  # the actor counts worker-group starts
@@ -105,12 +107,15 @@ class EventForwarder:
         ):
             self._flush()
 
-    def poll_control(self) -> TrainerControl | None:
-        """Once per step (when the loop starts the step's all-reduce): send what is due, collect
-        the replies that arrived, without waiting."""
+    def poll_control(self, context: TrainingContext | None = None) -> TrainerControl | None:
+        """Once per step (when the loop starts the step's all-reduce): send what is due (a
+        heartbeat with `context`'s progress when nothing went for `HEARTBEAT_S`), collect the
+        replies that arrived, without waiting."""
         now = time.monotonic()
         if self._buffer and now - self._oldest >= self.flush_interval_s:
             self._flush()
+        elif now - self._last_send >= HEARTBEAT_S and context is not None and not self.dead:
+            self._heartbeat(context, now)
         if self._in_flight and now - self._last_poll >= self.poll_interval_s:
             self._last_poll = now
             self._collect(timeout=0)
@@ -161,6 +166,17 @@ class EventForwarder:
         self._seq += 1
         batch = EventBatch(self.attempt, self._seq, self._buffer)
         self._buffer = []
+        self._send(batch)
+
+    def _heartbeat(self, context: TrainingContext, now: float) -> None:
+        """An empty batch with the progress: its reply brings control from outside the run."""
+        if len(self._in_flight) >= self.max_in_flight:
+            return
+        self._seq += 1
+        self._send(EventBatch(self.attempt, self._seq, [], progress=context.to_wire()))
+
+    def _send(self, batch: EventBatch) -> None:
+        self._last_send = time.monotonic()
         self._in_flight.append([_reply(self.actor.push.remote(batch)), batch])
 
     def _give_up(self) -> None:

@@ -28,7 +28,7 @@ class Forwarder(Protocol):
 
     def push(self, event: str, context: TrainingContext, kwargs: dict[str, Any]) -> None: ...
 
-    def poll_control(self) -> TrainerControl | None: ...
+    def poll_control(self, context: TrainingContext | None = None) -> TrainerControl | None: ...
 
     def close(self, timeout: float, summary: WorkerSummary | None = None) -> None: ...
 
@@ -44,6 +44,7 @@ class Hooks:
         manager: CallbackManager,
         context: TrainingContext,
         forwarder: Forwarder | None = None,
+        preemption_notice: Any = None,
     ) -> None:
         self.manager = manager
         self.context = context
@@ -52,6 +53,8 @@ class Hooks:
         self.forward_events = forwarder.events if forwarder is not None else frozenset()
         self.active = self.local_events | self.forward_events
         self.pending = TrainerControl()
+        # A callable, True once when Ray says a node of this run is about to be preempted.
+        self.preemption_notice = preemption_notice
 
     def fire(self, event: str, **kwargs: Any) -> None:
         if event not in self.active:
@@ -66,9 +69,12 @@ class Hooks:
             self.forwarder.push(event, ctx, kwargs)
 
     def take_pending(self) -> TrainerControl:
-        """The requests made since the last call (local and from the actor); resets them."""
+        """The requests made since the last call (local, from the actor, and a save when a
+        node is about to be preempted); resets them."""
+        if self.preemption_notice is not None and self.preemption_notice():
+            self.pending.merge(TrainerControl(should_save=True), "preemption notice")
         if self.forwarder is not None:
-            remote = self.forwarder.poll_control()
+            remote = self.forwarder.poll_control(self.context)
             if remote is not None and remote.any:
                 self.pending.merge(remote, remote.stop_reason or "actor callback")
         if not self.pending.any:

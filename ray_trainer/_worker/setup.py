@@ -147,7 +147,7 @@ def setup(spec: RunSpec) -> WorkerState:
         workload=workload,
         loader=loader,
         sampler=sampler,
-        hooks=Hooks(manager, ctx, forwarder),
+        hooks=Hooks(manager, ctx, forwarder, preemption_notice()),
         ctx=ctx,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
@@ -158,6 +158,28 @@ def setup(spec: RunSpec) -> WorkerState:
         if accelerator.device.type == "cuda"
         else None,
     )
+
+
+def preemption_notice() -> Any:
+    """A callable that is True once, when Ray Train's preemption watcher has told this worker
+    that a node of the run is about to be preempted (a spot reclaim); None on a Ray without
+    one. It reads the worker's own notice (no collective: the step's all-reduce agrees the
+    save it asks for)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        holder = get_train_context().preemption_context
+    except Exception:  # another Ray: no notices
+        return None
+    seen = []
+
+    def noticed() -> bool:
+        if seen or holder.preemption_info is None:
+            return False
+        seen.append(holder.preemption_info)
+        return True
+
+    return noticed
 
 
 def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:

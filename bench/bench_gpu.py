@@ -1,0 +1,291 @@
+"""On a GPU: the runner against a bare accelerate loop and HF Trainer, eager and compiled.
+
+One GPU, one worker, a GPT-2-shaped model of 124M parameters built from a `transformers`
+config (random init, nothing downloaded), bf16 mixed precision, sequence 512, batch 16, random
+token ids generated on the spot (no padding). Configurations, each timed over steps `--skip` to
+`--steps` (the CUDA queue is drained at both ends of the window: the figure is the GPU's time):
+
+* bare accelerate loop, eager (AdamW unfused) and compiled + fused AdamW (the baseline);
+* HF Trainer, eager and `torch_compile=True` (both with the fused AdamW, `adamw_torch_fused`);
+* `run_training`, eager and `compile=True`, each with no callbacks and with every built-in
+  callback plus a slow (0.5 s/event) actor-side callback; its figure is the tokens/s its own
+  logs report for the last window (it logs every `--skip` steps: the last `--skip` steps).
+
+For each: step ms, tokens/s, MFU (6N + attention FLOPs per token over the GPU's bf16 peak, from
+the runner's table) and the ratio of step time to the compiled bare loop. The targets the issue
+names are printed against the figures. Without a GPU it prints that it skipped and writes a
+report saying so; `--smoke-cpu` runs every configuration on the CPU with a tiny model instead,
+to check the script itself (its figures mean nothing).
+
+Usage: python bench/bench_gpu.py [--steps 300] [--skip 50] [--json OUT] [--smoke-cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _support import SlowActorCallback, emit, machine, table  # noqa: E402
+
+FULL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 512, "batch": 16}
+TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 64, "batch": 4}
+
+
+def _config(shape: dict):
+    import transformers
+
+    return transformers.GPT2Config(
+        vocab_size=shape["vocab"],
+        n_positions=shape["seq"],
+        n_embd=shape["n_embd"],
+        n_layer=shape["n_layer"],
+        n_head=shape["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
+def make_model(shape: dict):
+    """A fresh GPT-2 of that shape, seeded: every configuration starts from the same weights."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(_config(shape))
+
+
+class TokenDataset:
+    """Random token ids, labels = inputs (the model shifts them); no padding."""
+
+    def __init__(self, shape: dict, n: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, shape["vocab"], (n, shape["seq"]), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _synced(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def bare_loop(shape: dict, steps: int, skip: int, compiled: bool, cpu: bool) -> float:
+    """Seconds per step of a plain accelerate loop (forward, backward, clip, AdamW, zero)."""
+    import torch
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16")
+    model = make_model(shape)
+    if compiled:
+        model.compile()
+    fused = {"fused": True} if compiled and not cpu else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, **fused)
+    model, optimizer = acc.prepare(model, optimizer)
+    data = TokenDataset(shape, (steps + 1) * shape["batch"])
+    started = 0.0
+    for step in range(steps):
+        if step == skip:
+            started = _synced(acc.device)
+        rows = data.ids[step * shape["batch"] : (step + 1) * shape["batch"]].to(acc.device)
+        with acc.autocast():
+            loss = model(input_ids=rows, labels=rows).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (_synced(acc.device) - started) / (steps - skip)
+
+
+def hf_trainer(shape: dict, steps: int, skip: int, compiled: bool, cpu: bool) -> float:
+    """Seconds per step of transformers.Trainer over the same window."""
+    import transformers
+
+    marks: dict[int, float] = {}
+
+    class Window(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step in (skip, steps - 1):
+                import torch
+
+                marks[state.global_step] = _synced(torch.device("cpu" if cpu else "cuda"))
+
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_hf_") as out:
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=shape["batch"],
+            max_steps=steps,
+            learning_rate=3e-4,
+            bf16=not cpu,
+            use_cpu=cpu,
+            torch_compile=compiled,
+            optim="adamw_torch_fused" if not cpu else "adamw_torch",
+            logging_steps=50,
+            save_strategy="no",
+            report_to=[],
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        data = TokenDataset(shape, steps * shape["batch"])
+        trainer = transformers.Trainer(
+            model=make_model(shape), args=args, train_dataset=data, callbacks=[Window()]
+        )
+        trainer.train()
+    return (marks[steps - 1] - marks[skip]) / (steps - 1 - skip)
+
+
+def runner(shape: dict, steps: int, skip: int, compiled: bool, callbacks: bool, cpu: bool) -> float:
+    """Seconds per step of `run_training`, from its own logs' window throughput."""
+    from callbacks import (
+        DivergenceDetector,
+        EarlyStopping,
+        JsonlLogger,
+        ProgressBar,
+        RayMetrics,
+        TrainerCallback,
+    )
+    from ray_trainer import run_training
+
+    folder = tempfile.mkdtemp(prefix="bench_gpu_logs_")
+
+    class Logs(TrainerCallback):  # actor-side: one event per log, off the loop
+        def on_log(self, context, **kwargs):
+            with open(os.path.join(folder, f"{context.global_step}.json"), "w") as f:
+                json.dump(dict(context.batch_metrics), f)
+
+    extra = []
+    if callbacks:
+        extra = [ProgressBar(), JsonlLogger(), RayMetrics(), EarlyStopping("val_loss")]
+        extra += [DivergenceDetector(), SlowActorCallback(0.5)]
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_runs_") as storage:
+        run_training(
+            model=lambda: make_model(shape),
+            data=lambda: TokenDataset(shape, steps * shape["batch"]),
+            batch_size=shape["batch"],
+            max_steps=steps,
+            learning_rate=3e-4,
+            lr_schedule="constant",
+            num_workers=1,
+            use_gpu=not cpu,
+            mixed_precision="no" if cpu else "bf16",
+            compile=compiled,
+            log_every_steps=skip if steps % skip == 0 else steps,
+            save_at_end=False,
+            storage_path=storage,
+            callback_timeout_s=5,
+            callbacks=[Logs(), *extra],
+        )
+    with open(os.path.join(folder, f"{steps}.json")) as f:
+        window = json.load(f)  # the last window's figure
+    return shape["batch"] * shape["seq"] / window["tokens_per_s"]
+
+
+def mfu_of(shape: dict, seconds: float, cpu: bool) -> float | None:
+    import torch
+
+    from ray_trainer._worker.throughput import ModelShape, flops_per_token, mfu, peak_flops
+
+    params = sum(p.numel() for p in make_model(shape).parameters())
+    per_token = flops_per_token(ModelShape(params, shape["n_layer"], shape["n_embd"]), shape["seq"])
+    device = torch.device("cpu" if cpu else "cuda")
+    return mfu(shape["batch"] * shape["seq"] / seconds, per_token, peak_flops(device), 1)
+
+
+CONFIGS = {
+    "bare_eager": ("bare accelerate loop, eager", lambda o, c: bare_loop(*o, False, c)),
+    "bare_compiled": (
+        "bare loop, compile + fused AdamW (baseline)",
+        lambda o, c: bare_loop(*o, True, c),
+    ),
+    "hf_eager": ("HF Trainer, eager", lambda o, c: hf_trainer(*o, False, c)),
+    "hf_compiled": ("HF Trainer, torch_compile=True", lambda o, c: hf_trainer(*o, True, c)),
+    "runner_eager": ("run_training, eager", lambda o, c: runner(*o, False, False, c)),
+    "runner_eager_cb": (
+        "run_training, eager, built-ins + slow actor callback",
+        lambda o, c: runner(*o, False, True, c),
+    ),
+    "runner_compiled": ("run_training, compile=True", lambda o, c: runner(*o, True, False, c)),
+    "runner_compiled_cb": (
+        "run_training, compile=True, built-ins + slow actor callback",
+        lambda o, c: runner(*o, True, True, c),
+    ),
+}
+
+
+def targets(s: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(what, ratio, target) for each target the issue names."""
+    tps = {k: 1 / v for k, v in s.items()}
+    return [
+        ("run_training(compile=True) step / compiled bare loop", s["runner_compiled"] / s["bare_compiled"], 1.03),
+        ("run_training(compile=True) tokens/s / HF Trainer torch_compile=True (at least)", tps["runner_compiled"] / tps["hf_compiled"], 1.05),
+        ("with built-ins + slow actor callback / without (compiled)", s["runner_compiled_cb"] / s["runner_compiled"], 1.02),
+        ("eager run_training / eager bare loop", s["runner_eager"] / s["bare_eager"], 1.02),
+    ]  # fmt: skip
+
+
+def main() -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--skip", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke-cpu", action="store_true", help="tiny model on the CPU")
+    opts = parser.parse_args()
+    import torch
+
+    cpu = opts.smoke_cpu
+    if not cpu and not torch.cuda.is_available():
+        report = {"machine": machine(), "skipped": "no GPU", "table": "skipped: no GPU found"}
+        return emit(report, opts.json)
+    shape = TINY if cpu else FULL
+    steps, skip = (20, 10) if cpu else (opts.steps, opts.skip)
+    seconds = {}
+    for key, (label, run) in CONFIGS.items():
+        seconds[key] = run((shape, steps, skip), cpu)
+        print(f"{label}: {seconds[key] * 1e3:.1f} ms/step", flush=True)
+    base = seconds["bare_compiled"]
+    rows = []
+    for key, (label, _) in CONFIGS.items():
+        tokens = shape["batch"] * shape["seq"] / seconds[key]
+        value = mfu_of(shape, seconds[key], cpu)
+        rows.append(
+            {
+                "configuration": label,
+                "step (ms)": f"{seconds[key] * 1e3:.1f}",
+                "tokens/s": f"{tokens:,.0f}",
+                "MFU": "-" if value is None else f"{value:.1%}",
+                "vs compiled bare loop": f"{seconds[key] / base:.3f}",
+            }
+        )
+    checks = [
+        {"target": what, "ratio": f"{ratio:.3f}", "limit": f"{limit}"}
+        for what, ratio, limit in targets(seconds)
+    ]
+    device = "CPU (smoke run)" if cpu else torch.cuda.get_device_name(0)
+    report = {
+        "machine": f"{machine()}, {device}",
+        "device": device,
+        "seconds": seconds,
+        "baseline": CONFIGS["bare_compiled"][0],
+        "table": table(rows) + "\n\nTargets:\n\n" + table(checks),
+    }
+    return emit(report, opts.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Driver: a clean console, and the embedded Ray's dashboard on this machine only.
+
+Runs in the driver. A healthy run prints no traceback, no error-level line and no Ray noise:
+
+* the embedded local Ray starts with its dashboard on 127.0.0.1 (the dashboard can submit jobs
+  and run code: never on every interface), and the driver prints its URL once, with one line
+  of ours about Ray's token authentication instead of Ray's own warning;
+* two lines Ray itself repeats although nothing is wrong are dropped from the worker logs this
+  driver prints: Ray Train's PlacementGroupCleaner retrying the state API (when the cluster has
+  no dashboard), and Ray core's error-level note that an actor Ray Train creates has
+  constructor arguments in the object store;
+* Ray Train's print patching is off (``RAY_TRAIN_ENABLE_PRINT_PATCH=0``): a worker-side
+  callback's print appears once, not twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+#: Lines Ray prints in a healthy run that say nothing is wrong (matched as substrings).
+HARMLESS_RAY_LINES = (
+    "Failed to query Ray Train Controller actor state",
+    "has constructor arguments in the object store and max_restarts > 0",
+)
+DASHBOARD_PORTS = range(8265, 8300)
+_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_prints() -> None:
+    """Worker prints once: no Ray Train print patching (it copies each print into its log)."""
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+
+
+def free_dashboard_port(host: str = "127.0.0.1") -> int:
+    """The first free port from 8265 on (Ray's default first)."""
+    for port in DASHBOARD_PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return 0  # let Ray choose
+
+
+def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
+    """Start the embedded local Ray; with its dashboard on 127.0.0.1 when `dashboard`. The
+    dashboard's URL (None without one)."""
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": dashboard}
+    url = None
+    if dashboard:
+        port = free_dashboard_port()
+        url = f"http://127.0.0.1:{port}"
+        options.update(dashboard_host="127.0.0.1", dashboard_port=port)
+        # The state API (Ray Train's placement group cleaner, `ray list`) finds this dashboard
+        # even where another Ray runs on the machine.
+        options["runtime_env"] = {"env_vars": {"RAY_API_SERVER_ADDRESS": url}}
+    auth = logging.getLogger(_AUTH_LOGGER)
+    level = auth.level
+    auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says
+    try:
+        ray.init(**options)
+    finally:
+        auth.setLevel(level)
+    filter_ray_noise()
+    return url
+
+
+def dashboard_line(url: str | None) -> str:
+    """The one line the driver prints about the embedded Ray."""
+    where = f"Ray dashboard at {url} (this machine only)" if url else "no Ray dashboard"
+    auth = "off" if os.environ.get("RAY_AUTH_MODE") == "disabled" else "on"
+    return f"ray-trainer: local Ray started; {where}; Ray's token authentication is {auth}"
+
+
+def filter_ray_noise(harmless: tuple[str, ...] = HARMLESS_RAY_LINES) -> bool:
+    """Drop `harmless` lines from the worker logs Ray prints in this driver; True when the
+    filter is in place (False with a Ray whose log printing we do not know)."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    with dispatcher._lock:
+        handlers = dispatcher.handlers
+        for i, (name, handle) in enumerate(handlers):
+            if name == "ray_print_logs" and not getattr(handle, "_ray_trainer_filter", False):
+                handlers[i] = (name, _filtered(handle, harmless))
+                return True
+    return False
+
+
+def _filtered(handle: Callable[[dict], Any], harmless: tuple[str, ...]) -> Callable[[dict], Any]:
+    def keep(data: dict) -> Any:
+        lines = data.get("lines") or []
+        kept = [line for line in lines if not any(h in line for h in harmless)]
+        if lines and not kept:
+            return None
+        return handle({**data, "lines": kept} if len(kept) != len(lines) else data)
+
+    keep._ray_trainer_filter = True
+    return keep
