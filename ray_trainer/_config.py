@@ -6,7 +6,6 @@ plain dict; the objects in them (model factories, datasets, callbacks) travel cl
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Callable
@@ -257,21 +256,14 @@ class TrainingArgs(BaseModel):
             raise TrainingArgsError(
                 f"{path}: the top level must be a mapping of TrainingArgs fields"
             )
+        from ray_trainer._config_files import import_entries, parse_overrides
+
         raw.update(parse_overrides(overrides or []))
-        callbacks = raw.get("callbacks") or []
-        if not isinstance(callbacks, list):
-            callbacks = [callbacks]
-        raw["callbacks"] = [
-            _load(path, f"callbacks[{i}]", spec, _import_callback)
-            for i, spec in enumerate(callbacks)
-        ]
-        for name in EVENTS | set(ALIASES):
-            if isinstance(raw.get(name), (str, list)):
-                specs = raw[name] if isinstance(raw[name], list) else [raw[name]]
-                raw[name] = [_load(path, name, spec, _import_object) for spec in specs]
         try:
-            return cls.coerce(raw)
+            return cls.coerce(import_entries(raw, str(path)))
         except TrainingArgsError as e:
+            if str(e).startswith(f"{path}: "):
+                raise
             raise TrainingArgsError(f"{path}: {e}") from None
 
     def resolved_run_name(self) -> str:
@@ -290,30 +282,6 @@ class TrainingArgs(BaseModel):
             else:
                 out[k] = repr(v)
         return out
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``--set key=value`` items as fields (values parsed as YAML; ``null`` unsets a field).
-
-    Raises ``TrainingArgsError`` for an item without ``=`` or with an empty value (``max_steps=``
-    would silently mean ``None``: write ``max_steps=null`` to mean that).
-    """
-    fields: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise TrainingArgsError(f"--set {item!r}: expected key=value, e.g. max_steps=100")
-        if not value.strip():
-            raise TrainingArgsError(
-                f"--set {item!r}: the value is empty; give one (e.g. {key}=100), or {key}=null "
-                "to unset the field"
-            )
-        try:
-            fields[key] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise TrainingArgsError(f"--set {item!r}: the value is not valid YAML ({e})") from None
-    return fields
 
 
 def is_builtin(model: Any) -> bool:
@@ -336,65 +304,3 @@ def format_validation_error(e: ValidationError) -> str:
         shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
         lines.append(f"  - {field}: {err['msg']} (got {shown})")
     return "\n".join(lines)
-
-
-def _load(path: Path, entry: str, spec: Any, load: Callable[[Any], Any]) -> Any:
-    """Import (and build) one callback entry of a config file; any failure becomes one
-    `TrainingArgsError` naming the file, the entry and what went wrong."""
-    try:
-        return load(spec)
-    except _EntryError as e:
-        raise TrainingArgsError(f"{path}: {entry} {_shown(spec)}: {e}") from None
-
-
-class _EntryError(ValueError):
-    """A callback entry of a config file that cannot be loaded; the message says why."""
-
-
-def _shown(spec: Any) -> str:
-    text = repr(spec)
-    return f"({text if len(text) <= 80 else text[:77] + '...'})"
-
-
-def _import_object(spec: Any) -> Any:
-    if not isinstance(spec, str):
-        raise _EntryError("expected an import string like 'package.module:Name'")
-    module, sep, attr = spec.partition(":")
-    if not sep:
-        module, _, attr = spec.rpartition(".")
-    if not module or not attr:
-        raise _EntryError("not an import string like 'package.module:Name'")
-    try:
-        obj: Any = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        raise _EntryError(
-            f"no module named {e.name!r} (is it installed, or on PYTHONPATH?)"
-        ) from None
-    except Exception as e:  # the user's module raised while being imported
-        raise _EntryError(f"importing {module!r} raised {type(e).__name__}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise _EntryError(f"{module!r} has no attribute {part!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def _import_callback(spec: Any) -> Any:
-    if isinstance(spec, str):
-        obj = _import_object(spec)
-        return _construct(obj, {}) if isinstance(obj, type) else obj
-    if isinstance(spec, dict) and "class" in spec:
-        kwargs = {k: v for k, v in spec.items() if k != "class"}
-        return _construct(_import_object(spec["class"]), kwargs)
-    raise _EntryError(
-        "use an import string 'module:Name' or a mapping with a 'class' key and the "
-        "constructor arguments"
-    )
-
-
-def _construct(cls: Any, kwargs: dict[str, Any]) -> Any:
-    try:
-        return cls(**kwargs)
-    except Exception as e:  # the user's constructor raised
-        name = getattr(cls, "__qualname__", repr(cls))
-        raise _EntryError(f"{name}({', '.join(kwargs)}) raised {type(e).__name__}: {e}") from None

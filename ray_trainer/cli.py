@@ -20,7 +20,8 @@ import argparse
 import sys
 from typing import Any
 
-from ray_trainer._config import TrainingArgs, TrainingArgsError, parse_overrides
+from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._config_files import import_entries, parse_overrides
 
 #: Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (nothing ran);
 #: 128 + N after a clean, checkpointed stop on signal N (143 SIGTERM, 130 Ctrl-C; a second
@@ -163,7 +164,8 @@ def _demo_args(opts: argparse.Namespace) -> TrainingArgs:
         "storage_path": "./runs",
     }
     fields.update(parse_overrides(opts.overrides))
-    return TrainingArgs.coerce(fields)
+    # Callbacks given with --set are imported as in a config file.
+    return TrainingArgs.coerce(import_entries(fields, "--set"))
 
 
 if __name__ == "__main__":

@@ -166,14 +166,16 @@ class CallbackActor:
         self.worker_summary = summary
         self.attempts = max(self.attempts, summary.attempt + 1)
 
-    def end(self, error: str | None = None) -> bool:
+    def end(self, error: str | None = None) -> dict[str, Any]:
         """Called by the driver once training is over (no attempt will follow): the actor-side
         `on_train_end`, once per run, with the context of rank 0's last `on_train_end`; when rank
         0 died before it could send one, `on_exception` (with the error text) first, then
-        `on_train_end` with what the actor last heard. Idempotent; True if it fired."""
+        `on_train_end` with what the actor last heard. Idempotent. Says whether it fired and
+        whether the callbacks printed meanwhile (the driver then waits for Ray to forward it)."""
         if self.ended:
-            return False
+            return {"fired": False, "printed": False, "pid": os.getpid()}
         self._ending = True
+        before = _stdout_position()
         last_attempt = self.attempts - 1
         if self._train_end is not None and self._train_end[2] == last_attempt:
             wire, kwargs, _ = self._train_end
@@ -185,7 +187,8 @@ class CallbackActor:
             context = self._context({**wire, "event": "on_exception"})
             self.manager.fire("on_exception", context, exception=error)
         self._end(wire, kwargs)
-        return True
+        printed = _stdout_position() != before
+        return {"fired": True, "printed": printed, "pid": os.getpid()}
 
     @ray.method(concurrency_group="control")
     def status(self) -> dict[str, Any]:
@@ -282,6 +285,17 @@ class CallbackActor:
             )
 
 
+def _stdout_position() -> int | None:
+    """How much this process wrote to stdout so far (Ray sends it to a log file)."""
+    import sys
+
+    try:
+        sys.stdout.flush()
+        return sys.stdout.tell()
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _was_restarted() -> bool:
     """Whether Ray restarted this actor (read from the GCS actor table, as Ray's deprecated
     `was_current_actor_reconstructed` does)."""
@@ -301,7 +315,9 @@ def start_actor(packed: bytes, run_name: str, run_dir: str, **options: Any) -> t
     the actor starts while Ray Train starts the workers (rank 0 finds it by name and its calls
     queue until the actor is up). Get the reference to surface a constructor error.
     """
-    remote_cls = ray.remote(CallbackActor)
+    # Requests and status queries have their own thread (the "control" concurrency group), so
+    # they are answered while a batch is handled; events are handled one call at a time.
+    remote_cls = ray.remote(concurrency_groups={"control": 2})(CallbackActor)
     actor = remote_cls.options(
         name=actor_name(run_name),
         namespace=NAMESPACE,
@@ -309,9 +325,6 @@ def start_actor(packed: bytes, run_name: str, run_dir: str, **options: Any) -> t
         resources={"node:__internal_head__": 0.001},
         max_restarts=-1,
         max_task_retries=-1,
-        # One event call at a time: batches are handled in the order they arrive. Requests and
-        # status queries have their own thread, so they are answered while a batch is handled.
-        max_concurrency=1,
-        concurrency_groups={"control": 2},
+        max_concurrency=1,  # one event call at a time: batches are handled in arrival order
     ).remote(packed, run_name, run_dir, **options)
     return actor, actor.ready.remote()

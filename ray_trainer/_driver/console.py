@@ -10,7 +10,8 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
   no dashboard), and Ray core's error-level note that an actor Ray Train creates has
   constructor arguments in the object store;
 * Ray Train's print patching is off (``RAY_TRAIN_ENABLE_PRINT_PATCH=0``): a worker-side
-  callback's print appears once, not twice.
+  callback's print appears once, not twice; and its state tracking is on
+  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run.
 """
 
 from __future__ import annotations
@@ -18,21 +19,32 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-#: Lines Ray prints in a healthy run that say nothing is wrong (matched as substrings).
+#: Lines Ray prints in a healthy run that say nothing is wrong (matched as substrings): each
+#: about Ray's own code, nothing a user can act on.
 HARMLESS_RAY_LINES = (
+    # Ray Train's placement group cleaner, retrying the state API (a cluster without dashboard).
     "Failed to query Ray Train Controller actor state",
+    # Ray core, about actors Ray Train creates (PreemptionWatcher).
     "has constructor arguments in the object store and max_restarts > 0",
+    # Ray Train's state tracking constructs a Ray Data option Ray itself deprecated.
+    "`ExecutionOptions.exclude_resources` is deprecated",
+    "self.exclude_resources = exclude_resources",
 )
 DASHBOARD_PORTS = range(8265, 8300)
 _AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
-def quiet_prints() -> None:
-    """Worker prints once: no Ray Train print patching (it copies each print into its log)."""
+def prepare_ray_train() -> None:
+    """Before Ray Train starts (it reads these in the driver and hands them on): worker prints
+    once (no print patching, which copies each print into its log), and the run in the
+    dashboard's Ray Train view (state tracking). A value the user set is kept."""
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
 
 
 def free_dashboard_port(host: str = "127.0.0.1") -> int:
@@ -91,12 +103,51 @@ def filter_ray_noise(harmless: tuple[str, ...] = HARMLESS_RAY_LINES) -> bool:
         for i, (name, handle) in enumerate(handlers):
             if name == "ray_print_logs" and not getattr(handle, "_ray_trainer_filter", False):
                 handlers[i] = (name, _filtered(handle, harmless))
+                _ARRIVALS.watching = True
                 return True
     return False
 
 
+class _Arrivals:
+    """When the driver last printed output from each worker process (its pid)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[Any, float] = {}
+        self.changed = threading.Condition()
+        self.watching = False  # only while this driver's filter sees Ray's worker output
+
+    def note(self, pid: Any) -> None:
+        with self.changed:
+            self.seen[pid] = time.monotonic()
+            self.changed.notify_all()
+
+    def wait(self, pid: Any, since: float, timeout: float) -> bool:
+        if not self.watching:
+            return False  # output is not printed through us: nothing to wait for
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while self.seen.get(pid, 0.0) < since:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+        return True
+
+
+_ARRIVALS = _Arrivals()
+
+
+def wait_for_output(pid: Any, since: float, timeout: float = 3.0) -> bool:
+    """Wait (at most `timeout`) until output that process `pid` wrote after `since` (a
+    `time.monotonic()`) has reached this driver's console: Ray forwards worker output
+    asynchronously, and a driver that exits at once loses the last lines (the actor's
+    end-of-run summary)."""
+    return _ARRIVALS.wait(pid, since, timeout)
+
+
 def _filtered(handle: Callable[[dict], Any], harmless: tuple[str, ...]) -> Callable[[dict], Any]:
     def keep(data: dict) -> Any:
+        _ARRIVALS.note(data.get("pid"))
         lines = data.get("lines") or []
         kept = [line for line in lines if not any(h in line for h in harmless)]
         if lines and not kept:

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,9 @@ from ray_trainer._driver.checks import (
 from ray_trainer._driver.console import (
     dashboard_line,
     filter_ray_noise,
-    quiet_prints,
+    prepare_ray_train,
     start_embedded_ray,
+    wait_for_output,
 )
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage, ship_data
 from ray_trainer._driver.result import TrainingResult, build_result
@@ -163,6 +165,7 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     nodes = alive_nodes()
     check_shared_storage(args, nodes)
     launch = prepare_launch(args, lists, run_dir, ship_data(args, nodes))
+    prepare_ray_train()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"spec": launch.spec},
@@ -185,7 +188,6 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     )
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
-    quiet_prints()
     error = run_with_graceful_signals(trainer.fit, launch.actor)
     summary = finish_actor(launch, args, error)
     if error is not None:
@@ -218,7 +220,10 @@ def finish_actor(launch: Launch, args: TrainingArgs, error: BaseException | None
         lost.callback_errors = [failure]
         return lost
     try:
-        ray.get(actor.end.remote(root_message(error) if error else None), timeout=timeout)
+        asked = time.monotonic()
+        ended = ray.get(actor.end.remote(root_message(error) if error else None), timeout=timeout)
+        if ended["printed"]:  # e.g. ProgressBar's summary line: let Ray forward it first
+            wait_for_output(ended["pid"], since=asked)
         return ray.get(actor.summary.remote(), timeout=args.callback_timeout_s)
     except Exception as e:  # the actor is gone for good: nothing comes back
         logger.warning("callback actor did not finish cleanly: %s", e)

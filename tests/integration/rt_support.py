@@ -462,3 +462,66 @@ class LogMetricsRecorder(TrainerCallback):
 
     def on_log(self, context, **kwargs):
         self.log.write(**{**context.batch_metrics, "step": context.global_step})
+
+
+class PrintOnce(TrainerCallback):
+    """Rank 0, in the training process: prints one line at one step (for the console test)."""
+
+    runs_on = "rank0"
+
+    def __init__(self, step: int = 10) -> None:
+        self.step = step
+
+    def on_step_end(self, context, **kwargs):
+        if context.global_step == self.step:
+            print(f"hello from rank 0 at step {self.step}", flush=True)
+
+
+class DashboardProbe(TrainerCallback):
+    """Rank 0, at one step: asks the embedded Ray's dashboard (its URL in RAY_API_SERVER_ADDRESS)
+    for the run's Ray Train view and its callback actor, and the node's metrics endpoint for
+    the run's `ray_trainer_*` gauges; writes what it found to `path` (a JSON file)."""
+
+    runs_on = "rank0"
+
+    def __init__(self, path: str, step: int = 20, wait_s: float = 20.0) -> None:
+        self.path, self.step, self.wait_s = path, step, wait_s
+
+    def on_step_end(self, context, **kwargs):
+        if context.global_step != self.step:
+            return
+        import urllib.request
+
+        import ray
+        from ray._private.authentication.http_token_authentication import (
+            get_auth_headers_if_auth_enabled,
+        )
+
+        headers = get_auth_headers_if_auth_enabled({})  # the token, as the dashboard asks for
+
+        def get(url, auth=True):
+            request = urllib.request.Request(url, headers=headers if auth else {})
+            try:
+                with urllib.request.urlopen(request, timeout=5) as r:
+                    return r.read().decode()
+            except OSError as e:
+                return f"error: {e}"
+
+        base = os.environ.get("RAY_API_SERVER_ADDRESS", "")
+        node = next(n for n in ray.nodes() if n.get("Alive"))
+        metrics_url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        found = {"dashboard": base, "train": "", "actors": "", "metrics": ""}
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:  # a bounded wait: gauges appear after a report
+            found["train"] = get(f"{base}/api/train/v2/runs/v1")
+            found["actors"] = get(f"{base}/api/v0/actors?limit=1000")
+            metrics = get(metrics_url, auth=False)
+            found["metrics"] = "\n".join(
+                line for line in metrics.splitlines() if line.startswith("ray_trainer_")
+            )
+            if context.run_name in found["train"] and "ray_trainer_loss{" in found["metrics"]:
+                break
+            time.sleep(0.5)
+        found["without_token"] = get(f"{base}/api/v0/actors?limit=1", auth=False)
+        with open(self.path, "w") as f:
+            json.dump(found, f)

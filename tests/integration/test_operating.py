@@ -1,0 +1,259 @@
+"""Operating a live run (issue 16): the console and dashboard of the demo, save and stop from
+outside, and a graceful SIGTERM to the driver (real Ray, 2 gloo workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+from rt_support import (
+    AllRanksRecorder,
+    SlowSteps,
+    StepCounter,
+    TinyDataset,
+    TinyRegressor,
+    read_records,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ERROR_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ E \d+ \d+\]|\bERROR\b|Traceback")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _embedded_env() -> dict[str, str]:
+    """For a CLI that starts its own local Ray beside this test session's: its own fixed
+    ports, metrics reported every second, no address of another cluster."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    }
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p),
+        AUTOSCALER_METRIC_PORT=str(_free_port()),
+        DASHBOARD_METRIC_PORT=str(_free_port()),
+        RAY_metrics_report_interval_ms="1000",
+    )
+    return env
+
+
+def test_the_demo_console_is_clean_and_the_dashboard_shows_the_run(tmp_path):
+    probe = tmp_path / "dashboard.json"
+    callbacks = [
+        {"class": "rt_support:PrintOnce", "step": 10},
+        {"class": "rt_support:DashboardProbe", "path": str(probe), "step": 20},
+        {"class": "callbacks:RayMetrics", "report_every_s": 1.0},
+    ]
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "ray_trainer.cli", "demo", "--max-steps", "30"),
+            *("--set", "eval_every_steps=15", "--set", "run_name=console"),
+            *("--set", "log_every_steps=5"),
+            *("--set", f"callbacks={json.dumps(callbacks)}"),
+        ],
+        cwd=tmp_path,
+        env=_embedded_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-4000:]
+    lines = console.splitlines()
+    bad = [line for line in lines if ERROR_LINE.search(line)]
+    assert bad == [], bad
+    for noise in ("DeprecationWarning", "PlacementGroupCleaner", "Token authentication is"):
+        assert noise not in console, noise
+    dashboard = [line for line in lines if line.startswith("ray-trainer: local Ray started")]
+    assert len(dashboard) == 1 and "http://127.0.0.1:" in dashboard[0], console[-3000:]
+    assert "token authentication is on" in dashboard[0]
+    assert sum("hello from rank 0 at step 10" in line for line in lines) == 1  # once, not twice
+    assert sum("step 30/30 (100%)" in line for line in lines) == 1
+    assert sum("done at step 30/30" in line for line in lines) == 1
+    assert sum(line.startswith("run console: 30 steps") for line in lines) == 1
+    # The dashboard (127.0.0.1 only) had the run's Ray Train view, its callback actor and the
+    # ray_trainer_* gauges tagged with the run.
+    found = json.loads(probe.read_text())
+    assert found["dashboard"] in dashboard[0]
+    assert '"console"' in found["train"], found["train"][:500]
+    assert "CallbackActor" in found["actors"] and "ray-trainer:console" in found["actors"]
+    assert "ray_trainer_loss{" in found["metrics"] and 'run="console"' in found["metrics"]
+
+
+def _tiny(tmp_path, name, **overrides):
+    return dict(
+        model=TinyRegressor,
+        data=lambda: TinyDataset(4096),
+        batch_size=8,
+        num_workers=2,
+        storage_path=str(tmp_path / "storage"),
+        run_name=name,
+        log_every_steps=1000,
+        **overrides,
+    )
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "ray_trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _steps(folder, rank=0):
+    if not os.path.isdir(folder):
+        return []
+    return [
+        r["step"]
+        for r in read_records(folder, "all_ranks")
+        if r["rank"] == rank and r["event"] == "on_step_end"
+    ]
+
+
+def test_save_then_stop_a_live_run_from_outside(ray_session, tmp_path):
+    import ray_trainer
+
+    folder = str(tmp_path / "records")
+    address = ray_session.get_runtime_context().gcs_address
+    outcome = {}
+    run = threading.Thread(
+        target=lambda: outcome.update(
+            result=ray_trainer.run_training(
+                **_tiny(tmp_path, "steered", max_steps=5000),
+                callbacks=[AllRanksRecorder(folder), SlowSteps(0.05)],
+            )
+        ),
+        daemon=True,
+    )
+    run.start()
+    _wait_for(lambda: len(_steps(folder)) >= 5, 120, "the run to take 5 steps")
+    # No such run: a clear message and exit 1, with the live runs listed.
+    missing = _cli("stop", "no-such-run", "--address", address)
+    assert missing.returncode == 1 and "live runs: steered" in missing.stderr, missing.stderr
+    # save, from another process (the CLI).
+    asked = _cli("save", "steered", "--address", address)
+    assert asked.returncode == 0 and "will save" in asked.stdout, asked.stderr
+    run_dir = tmp_path / "storage" / "steered"
+    _wait_for(
+        lambda: any(p.name.startswith("checkpoint_") for p in run_dir.iterdir()), 60, "the save"
+    )
+    saved = min(
+        int(p.name.split("_")[1]) for p in run_dir.iterdir() if p.name.startswith("checkpoint_")
+    )
+    # Training goes on after the save; status shows the request and where it took effect.
+    _wait_for(lambda: max(_steps(folder)) > saved + 3, 60, "steps after the save")
+    status = _cli("status", "steered", "--address", address, "--json")
+    assert status.returncode == 0, status.stderr
+    last = json.loads(status.stdout)["last_request"]
+    assert last["kind"] == "save" and last["took_effect_at_step"] == saved
+    # stop, as a Python function from this process (on the run's Ray already).
+    stopped = ray_trainer.stop("steered")
+    assert stopped["accepted"] and stopped["request"]["kind"] == "stop"
+    before = stopped["request"]["requested_at_step"]  # the last step the actor heard of
+    run.join(timeout=120)
+    assert not run.is_alive()
+    result = outcome["result"]
+    assert result.stopped_early and "ray_trainer.stop()" in result.stop_reason
+    # Within the documented lag: a heartbeat a second (20 steps of 50 ms) and 3 steps, with
+    # room for a loaded machine.
+    assert before < result.global_step <= before + 60
+    assert result.checkpoint_path.endswith(f"checkpoint_{result.global_step:08d}")
+    assert os.path.exists(os.path.join(result.checkpoint_path, "rank1.complete"))
+    for rank in (0, 1):
+        ends = [
+            r
+            for r in read_records(folder, "all_ranks")
+            if r["rank"] == rank and r["event"] == "on_train_end"
+        ]
+        assert len(ends) == 1 and ends[0]["step"] == result.global_step
+    # The run has ended: asking it again is a clear error.
+    with pytest.raises(LookupError):
+        ray_trainer.stop("steered")
+
+
+def test_sigterm_to_the_driver_saves_stops_and_the_run_continues(ray_session, tmp_path):
+    from ray_trainer import run_training
+    from ray_trainer._checkpoint import verify
+
+    folder = str(tmp_path / "records")
+    config = tmp_path / "run.yaml"
+    fields = {
+        "demo": {"n_train": 4000, "n_val": 100},
+        "batch_size": 16,
+        "num_workers": 2,
+        "max_steps": 5000,
+        "log_every_steps": 1000,
+        "storage_path": str(tmp_path / "storage"),
+        "run_name": "terminated",
+        "callbacks": [
+            {"class": "rt_support:AllRanksRecorder", "folder": folder},
+            {"class": "rt_support:SlowSteps", "seconds": 0.05},
+            {"class": "rt_support:StepCounter"},
+        ],
+    }
+    config.write_text(yaml.safe_dump(fields))
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
+    # The job's runtime_env, as `ray job submit` hands it to the driver it starts: the workers
+    # import rt_support from here.
+    env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps(
+        {"runtime_env": {"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}}}
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "ray_trainer.cli", "run", str(config), "--quiet"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(
+            lambda: len(_steps(folder)) >= 10 or driver.poll() is not None,
+            180,
+            "the run to take 10 steps",
+        )
+        assert driver.poll() is None, driver.communicate()[1][-3000:]
+        at = max(_steps(folder))
+        driver.send_signal(signal.SIGTERM)  # what `ray job stop` sends
+        _, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 143, err[-3000:]
+    assert "SIGTERM: saving a checkpoint at the next step boundary" in err
+    stopped_at = max(_steps(folder))
+    checkpoint = tmp_path / "storage" / "terminated" / f"checkpoint_{stopped_at:08d}"
+    assert stopped_at >= at and verify(str(checkpoint)).global_step == stopped_at
+    for rank in (0, 1):
+        ends = [
+            r
+            for r in read_records(folder, "all_ranks")
+            if r["rank"] == rank and r["event"] == "on_train_end"
+        ]
+        assert len(ends) == 1
+    # A new call with the same run_name continues from that checkpoint to its max_steps.
+    fields.pop("callbacks")
+    result = run_training(**fields | {"max_steps": stopped_at + 3}, callbacks=[StepCounter()])
+    assert result.global_step == stopped_at + 3 and not result.stopped_early
