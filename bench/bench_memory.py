@@ -355,7 +355,7 @@ def build_report(results: dict[tuple[str, int], dict[str, Any]], opts: dict[str,
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a ~4M-parameter model (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="a 3.7M-parameter model (smoke run)")
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     parser.add_argument("--n-layer", type=int, default=8, help="GPT-2 blocks of the full model")
     parser.add_argument("--saves", type=int, default=3, help="checkpoints per process group")
