@@ -2,8 +2,8 @@
 
 Each panel shows every configuration's ratio to its benchmark's baseline (measured in the same
 run) as a horizontal bar, the baseline as a line at 1.0, and the target where the benchmark has
-one. Used by `run_all.py`; also runs alone to redraw the plot:
-python bench/plot.py [bench/results.json] [bench/results.png]
+one (or, under ``targets``, a target per bar). Used by `run_all.py`; also runs alone to redraw
+the plot: python bench/plot.py [bench/results.json] [bench/results.png]
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def _panel(ax: Any, name: str, bench: dict[str, Any]) -> None:
             linewidth=1.5,
             label=f"target {'≥' if higher_better else '≤'} {target:g}",
         )
+    _per_bar_targets(ax, labels, y, bench.get("targets") or {})
     for yi, value in zip(y, values, strict=True):
         ax.annotate(
             f"{value:.3g}",
@@ -91,6 +92,20 @@ def _panel(ax: Any, name: str, bench: dict[str, Any]) -> None:
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7, loc="best")
     ax.margins(x=0.15)
+
+
+def _per_bar_targets(ax: Any, labels: list[str], y: list[int], targets: dict[str, float]) -> None:
+    """A target of its own on each bar that has one (e.g. 1/N + 10% for N workers)."""
+    shown = [(yi, targets[label]) for label, yi in zip(labels, y, strict=True) if label in targets]
+    for i, (yi, target) in enumerate(shown):
+        ax.plot(
+            [target, target],
+            [yi - 0.4, yi + 0.4],
+            color="#ef6c00",
+            linestyle=":",
+            linewidth=1.5,
+            label="target of the bar" if i == 0 else None,
+        )
 
 
 def main() -> None:

@@ -99,6 +99,18 @@ BENCHES: dict[str, Bench] = {
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
     ),
+    "memory": Bench(
+        "bench_memory.py",
+        "Models larger than one device: FSDP against DDP, state per rank and checkpoints",
+        "DDP through the runner's own `prepare` (accelerate) on the same GPT-2-shaped model "
+        "(~96M parameters), the same number of gloo workers, in the same run; state = bytes of "
+        "parameters + gradients + AdamW state on the largest rank after one step; checkpoint = "
+        "rank 0's `torch.save` of model and optimizer (FSDP: every rank's DCP shards), slowest "
+        "rank's save time and bytes of all files",
+        quick=["--quick", "--saves", "1", "--rounds", "1"],
+        target_note="FSDP's state per rank at most 1/N + 10% of DDP's (ratio <= 0.55 on 2 "
+        "workers, <= 0.275 on 4); checkpoint time and size are reported, without a target",
+    ),
 }
 
 

@@ -1,0 +1,90 @@
+"""The arithmetic of `bench/bench_memory.py`: what counts as a rank's bytes, how the ranks'
+reports become one configuration's figures, and the target (no process group, no Ray)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from bench_memory import PHASES, compare, local_bytes, state_bytes, summarise, target_ratio
+
+
+class _Shard:
+    """Stands in for a DTensor: its local shard is what a rank holds."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local = local
+
+    def to_local(self) -> torch.Tensor:
+        return self.local
+
+
+def test_a_dtensor_counts_its_local_shard_and_a_tensor_counts_whole():
+    assert local_bytes(torch.zeros(10, 4)) == 160
+    assert local_bytes(torch.zeros(3, dtype=torch.bfloat16)) == 6
+    assert local_bytes(_Shard(torch.zeros(5, 4))) == 80
+
+
+def test_state_bytes_after_an_adamw_step_counts_a_tied_weight_once():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)  # 32 floats
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight  # tied, as GPT-2's lm_head and wte
+            self.norm = torch.nn.LayerNorm(4)  # 8 floats
+
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = state_bytes(model, optimizer)
+    assert before == {"params": 160, "grads": 0, "optimizer": 0}
+    out = model.head(model.norm(model.embed(torch.tensor([1, 2]))))
+    out.sum().backward()
+    optimizer.step()
+    # AdamW: exp_avg and exp_avg_sq per parameter (2 x 160) plus a 4-byte step per parameter.
+    assert state_bytes(model, optimizer) == {"params": 160, "grads": 160, "optimizer": 320 + 3 * 4}
+
+
+def _rank(params, save_s, disk, rss=100, cuda=None, numel=10):
+    return {
+        "params": params,
+        "grads": params,
+        "optimizer": 2 * params,
+        "numel": numel,
+        "save_s": save_s,
+        "disk_bytes": disk,
+        "files": 1,
+        "peak_rss": {phase: rss for phase in PHASES},
+        "cuda_peak": cuda,
+    }
+
+
+def test_a_configuration_is_its_largest_rank_and_its_slowest_saves_over_every_run():
+    first = [_rank(30, [1.0, 5.0], 300, rss=7), _rank(29, [4.0, 1.0], 290, rss=9)]
+    second = [_rank(30, [2.0, 6.0], 300, rss=11), _rank(29, [0.5, 0.5], 290, rss=3)]
+    s = summarise([first, second])
+    assert (s["params"], s["state"]) == (30, 120)  # rank 0 holds the larger shard
+    # Per save the slowest rank: 4, 5 (first run), 2, 6 (second); their median and range.
+    assert (s["save_s"], s["save_range"]) == (4.5, (2.0, 6.0))
+    assert (s["disk_bytes"], s["files"], s["cuda_peak"]) == (590, 2, None)
+    assert s["peak_rss"] == dict.fromkeys(PHASES, 11)
+    assert summarise([[_rank(1, [1.0], 1, cuda=5), _rank(1, [1.0], 1, cuda=8)]])["cuda_peak"] == 8
+
+
+@pytest.mark.parametrize(("world", "target"), [(1, 1.1), (2, 0.55), (4, 0.275)])
+def test_the_target_is_one_over_n_plus_ten_percent(world, target):
+    assert target_ratio(world) == pytest.approx(target)
+
+
+def test_compare_gives_ratios_to_ddp_and_whether_the_target_is_met():
+    ddp = summarise([[_rank(100, [2.0], 400), _rank(100, [0.0], 0)]])
+    met = compare(ddp, summarise([[_rank(54, [3.0], 250), _rank(50, [3.0], 240)]]), 2)
+    assert met["state"] == pytest.approx(0.54) and met["met"]
+    assert met["save_s"] == pytest.approx(1.5) and met["disk_bytes"] == pytest.approx(490 / 400)
+    missed = compare(ddp, summarise([[_rank(56, [1.0], 1), _rank(50, [1.0], 1)]]), 2)
+    assert missed["state"] == pytest.approx(0.56) and not missed["met"]
