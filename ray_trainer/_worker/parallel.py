@@ -131,7 +131,8 @@ def _shard(model: nn.Module, args: TrainingArgs, device: torch.device, precision
     policy = MixedPrecisionPolicy()  # fp32 everywhere
     if precision == "bf16":  # bf16 parameters for compute, fp32 for the gradient reduction
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model.to(device)
+    # No model.to(device) first: fully_shard moves each block's states to the mesh's device as
+    # it shards them, so the whole model is never on one GPU (a model larger than one fits).
     options = {
         "mesh": mesh,
         "reshard_after_forward": args.fsdp_reshard_after_forward,
