@@ -147,7 +147,7 @@ def setup(spec: RunSpec) -> WorkerState:
         workload=workload,
         loader=loader,
         sampler=sampler,
-        hooks=Hooks(manager, ctx, forwarder, preemption_notice()),
+        hooks=Hooks(manager, ctx, forwarder, preemption_notice() if rank == 0 else None),
         ctx=ctx,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
@@ -163,8 +163,8 @@ def setup(spec: RunSpec) -> WorkerState:
 def preemption_notice() -> Any:
     """A callable that is True once, when Ray Train's preemption watcher has told this worker
     that a node of the run is about to be preempted (a spot reclaim); None on a Ray without
-    one. It reads the worker's own notice (no collective: the step's all-reduce agrees the
-    save it asks for)."""
+    one. Rank 0 alone reads it (Ray's watcher tells every rank, maybe at different steps: one
+    reader asks for one save), with no collective: the step's all-reduce agrees the save."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 

@@ -17,18 +17,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> None:
     address, fields = sys.argv[1], json.loads(sys.argv[2])
-    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": HERE}})
+    # Test-only fields: environment for the job's processes, a folder for every rank's events.
+    env, records = fields.pop("_env", {}), fields.pop("_records", None)
+    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": HERE, **env}})
     sys.path.insert(0, HERE)
-    from rt_support import SlowSteps, TinyDataset, TinyRegressor
+    from rt_support import AllRanksRecorder, SlowSteps, TinyDataset, TinyRegressor
 
     from ray_trainer import RunFailedError, run_training
 
+    callbacks = [SlowSteps(0.1)] + ([AllRanksRecorder(records)] if records else [])
     try:
         result = run_training(
             model=TinyRegressor,
             data=TinyDataset,
             batch_size=8,
-            callbacks=[SlowSteps(0.1)],
+            callbacks=callbacks,
             **fields,
         )
     except RunFailedError as e:

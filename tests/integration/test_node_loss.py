@@ -2,7 +2,9 @@
 
 Killing the second node's raylet takes down the workers on it. With room left for the workers,
 Ray Train restarts them on the remaining node and the run completes from its latest checkpoint;
-with no room, the run fails with an error that says so, never a hang.
+with no room, the run fails with an error that says so, never a hang. A node drained for
+preemption (what a spot reclaim looks like to Ray) makes the run save at its next step
+boundary; at the drain deadline Ray Train restarts the workers and the run resumes from there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import pytest
 from local_cluster import LocalCluster
+from rt_support import read_records
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = "127.0.0.3"
@@ -89,3 +92,87 @@ def test_lost_node_without_room_fails_clearly(cluster, tmp_path):
     assert "error" in outcome, outcome
     assert "can no longer place the workers" in outcome["error"]
     assert "room for 1 such worker(s)" in outcome["error"]
+
+
+def _node_id(cluster, ip):
+    """The Ray node id of the raylet on `ip` (asked from a process of its own, like the driver:
+    this pytest process never joins the test cluster)."""
+    ask = (
+        "import ray, sys; ray.init(address=sys.argv[1]); "
+        "print(next(n['NodeID'] for n in ray.nodes() if n['Alive'] "
+        "and n['NodeManagerAddress'] == sys.argv[2]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", ask, cluster.gcs_address, ip],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _rank0_steps(folder, attempt):
+    return [
+        r["step"]
+        for r in read_records(folder, "all_ranks")
+        if r["rank"] == 0 and r["event"] == "on_step_end" and r["attempt"] == attempt
+    ]
+
+
+def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(cluster, tmp_path):
+    cluster.add_node(NODE, num_cpus=2, resources={"slot": 2})
+    node_id = _node_id(cluster, NODE)
+    records, name = str(tmp_path / "records"), "preempted"
+    fields = {
+        "num_workers": 2,
+        "max_steps": 150,  # 15 s of 0.1 s steps: the deadline falls well inside the run
+        "save_every_steps": 1000,  # no scheduled save before the end: any other is the notice's
+        "placement_strategy": "SPREAD",  # one worker on the node that will be preempted
+        "storage_path": str(tmp_path),
+        "run_name": name,
+        "_records": records,
+        "_env": {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
+    }
+    driver = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "node_loss_driver.py"), cluster.gcs_address,
+         json.dumps(fields)],
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not os.path.isdir(records) or len(_rank0_steps(records, 0)) < 10:
+        if driver.poll() is not None or time.monotonic() > deadline:
+            driver.kill()
+            pytest.fail(f"the run never reached step 10:\n{driver.stdout.read()[-4000:]}")
+        time.sleep(0.2)
+    at = max(_rank0_steps(records, 0))
+    # What the cloud's autoscaler does on a spot reclaim notice: drain the node, with the
+    # time left before it goes away.
+    drain = subprocess.run(
+        ["ray", "drain-node", f"--address={cluster.gcs_address}",
+         f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+         "--reason-message=spot reclaim (test)", "--deadline-remaining-seconds=5"],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert drain.returncode == 0, drain.stdout + drain.stderr
+    try:
+        out, _ = driver.communicate(timeout=240)  # never a hang
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        pytest.fail("the run hung after the preemption notice")
+    line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
+    assert line, out[-4000:]
+    outcome = json.loads(line[len("OUTCOME ") :])
+    # One unscheduled save after the notice, then the restart at the deadline resumed from it.
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / name).glob("checkpoint_0*"))
+    assert len(saved) == 2 and saved[-1] == 150, saved
+    assert at <= saved[0] < 100
+    assert outcome == {"global_step": 150, "attempts": 2}, out[-3000:]
+    assert min(_rank0_steps(records, 1)) == saved[0] + 1

@@ -188,9 +188,12 @@ def test_save_then_stop_a_live_run_from_outside(ray_session, tmp_path):
             if r["rank"] == rank and r["event"] == "on_train_end"
         ]
         assert len(ends) == 1 and ends[0]["step"] == result.global_step
-    # The run has ended: asking it again is a clear error.
-    with pytest.raises(LookupError):
+    # The run has ended: asking it again is a clear error, from Python and from the CLI.
+    with pytest.raises(LookupError, match="steered"):
         ray_trainer.stop("steered")
+    ended = _cli("save", "steered", "--address", address)
+    assert ended.returncode == 1 and "steered" in ended.stderr, ended.stderr
+    assert "Traceback" not in ended.stderr
 
 
 def test_sigterm_to_the_driver_saves_stops_and_the_run_continues(ray_session, tmp_path):
