@@ -44,33 +44,42 @@ def _train_then_kill(cluster, tmp_path, name, **fields):
         "run_name": name,
         **fields,
     }
-    driver = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(HERE, "node_loss_driver.py"),
-            cluster.gcs_address,
-            json.dumps(fields),
-        ],
+    driver = _start_driver(cluster, fields)
+    _wait_until(driver, lambda: os.path.isdir(tmp_path / name / "checkpoint_00000010"), "step 10")
+    cluster.raylet(NODE).kill()
+    return _outcome(driver, "the node was lost")[0]
+
+
+def _start_driver(cluster, fields):
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "node_loss_driver.py"), cluster.gcs_address,
+         json.dumps(fields)],
         env=cluster.env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )
-    deadline = time.monotonic() + 180
-    while not os.path.isdir(tmp_path / name / "checkpoint_00000010"):
+    )  # fmt: skip
+
+
+def _wait_until(driver, reached, what, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while not reached():
         if driver.poll() is not None or time.monotonic() > deadline:
             driver.kill()
-            pytest.fail(f"the run never reached step 10:\n{driver.stdout.read()[-4000:]}")
+            pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}")
         time.sleep(0.2)
-    cluster.raylet(NODE).kill()
+
+
+def _outcome(driver, after):
+    """The driver's OUTCOME line (a JSON object), once it exits; never a hang."""
     try:
-        out, _ = driver.communicate(timeout=240)  # never a hang
+        out, _ = driver.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         driver.kill()
-        pytest.fail("the run hung after the node was lost")
+        pytest.fail(f"the run hung after {after}")
     line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
     assert line, out[-4000:]
-    return json.loads(line[len("OUTCOME ") :])
+    return json.loads(line[len("OUTCOME ") :]), out
 
 
 def test_lost_node_restarts_on_the_remaining_node(cluster, tmp_path):
@@ -135,20 +144,10 @@ def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(clust
         "_records": records,
         "_env": {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
     }
-    driver = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "node_loss_driver.py"), cluster.gcs_address,
-         json.dumps(fields)],
-        env=cluster.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 180
-    while not os.path.isdir(records) or len(_rank0_steps(records, 0)) < 10:
-        if driver.poll() is not None or time.monotonic() > deadline:
-            driver.kill()
-            pytest.fail(f"the run never reached step 10:\n{driver.stdout.read()[-4000:]}")
-        time.sleep(0.2)
+    driver = _start_driver(cluster, fields)
+    _wait_until(
+        driver, lambda: os.path.isdir(records) and len(_rank0_steps(records, 0)) >= 10, "step 10"
+    )
     at = max(_rank0_steps(records, 0))
     # What the cloud's autoscaler does on a spot reclaim notice: drain the node, with the
     # time left before it goes away.
@@ -162,14 +161,7 @@ def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(clust
         timeout=60,
     )  # fmt: skip
     assert drain.returncode == 0, drain.stdout + drain.stderr
-    try:
-        out, _ = driver.communicate(timeout=240)  # never a hang
-    except subprocess.TimeoutExpired:
-        driver.kill()
-        pytest.fail("the run hung after the preemption notice")
-    line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, out[-4000:]
-    outcome = json.loads(line[len("OUTCOME ") :])
+    outcome, out = _outcome(driver, "the preemption notice")
     # One unscheduled save after the notice, then the restart at the deadline resumed from it.
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / name).glob("checkpoint_0*"))
     assert len(saved) == 2 and saved[-1] == 150, saved
