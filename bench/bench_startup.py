@@ -1,12 +1,20 @@
-"""Start-up cost of `run_training` against a bare `TorchTrainer.fit`, in one run.
+"""Start-up cost of `run_training` against a bare `TorchTrainer.fit`, and of the embedded Ray's
+dashboard against an embedded Ray without one, in one run.
 
-Each configuration trains one step of a tiny model on 2 workers, with Ray already initialised,
-and is timed end to end (the call's wall time). Rounds alternate the configurations; medians are
-reported with the difference to the bare fit.
+Each training configuration trains one step of a tiny model on 2 workers, with Ray already
+initialised, and is timed end to end (the call's wall time). Rounds alternate the
+configurations; medians are reported with the difference to their baseline.
 
 * bare: `TorchTrainer(fn).fit()` where fn builds the model, takes one accelerate step;
-* run_training: the same step through the runner (validation, callbacks ObjectRef, summary);
-* run_training + actor: the same with one actor-side callback (the callback actor is started).
+* run_training: the same step through the runner (validation, callbacks ObjectRef, the callback
+  actor, summary);
+* run_training + actor-side callback: the same with one callback on the actor (events forwarded).
+
+The embedded Ray is timed in a fresh process per sample (what `run_training` does on one
+machine without a cluster: `start_embedded_ray`, then `ray.shutdown`), alternating:
+
+* embedded Ray, no dashboard (``TrainingArgs.dashboard=False``): the baseline of this pair;
+* embedded Ray with its dashboard on 127.0.0.1 (the default).
 
 Usage: python bench/bench_startup.py [--rounds 3] [--json OUT]
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +117,35 @@ def time_runner(with_actor: bool) -> float:
     return time.perf_counter() - start
 
 
+EMBEDDED = """
+import sys, time
+from ray_trainer._driver.console import start_embedded_ray
+import ray
+start = time.perf_counter()
+start_embedded_ray(num_cpus=2, dashboard=sys.argv[1] == "1")
+started = time.perf_counter() - start
+ray.shutdown()
+print("STARTED", started)
+"""
+
+
+def time_embedded(dashboard: bool) -> float:
+    """Seconds to start the embedded local Ray in a fresh process (ray.init as the runner
+    calls it, with or without the dashboard)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    done = subprocess.run(
+        [sys.executable, "-c", EMBEDDED, "1" if dashboard else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("STARTED ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"embedded Ray start failed:\n{done.stderr[-3000:]}")
+    return float(line.split()[1])
+
+
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -115,35 +153,45 @@ def main() -> dict:
     opts = parser.parse_args()
     import ray
 
+    samples: dict[str, list[float]] = {"ray": [], "ray_dashboard": []}
+    for r in range(opts.rounds):  # first, before this process starts its own Ray
+        order = ("ray", "ray_dashboard") if r % 2 == 0 else ("ray_dashboard", "ray")
+        for key in order:
+            samples[key].append(time_embedded(dashboard=key == "ray_dashboard"))
+        print(f"round {r}: embedded Ray {samples['ray'][-1]:.2f} s, with dashboard "
+              f"{samples['ray_dashboard'][-1]:.2f} s")  # fmt: skip
     init_ray(num_cpus=4)
-    samples: dict[str, list[float]] = {"bare": [], "runner": [], "runner_actor": []}
+    samples.update({"bare": [], "runner": [], "runner_actor": []})
     for r in range(opts.rounds):
         samples["bare"].append(time_bare())
         samples["runner"].append(time_runner(False))
         samples["runner_actor"].append(time_runner(True))
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in samples.items()))
+        print(f"round {r}: " + ", ".join(
+            f"{k} {samples[k][-1]:.2f} s" for k in ("bare", "runner", "runner_actor")
+        ))  # fmt: skip
     ray.shutdown()
-    base = statistics.median(samples["bare"])
-    labels = {
-        "bare": "bare TorchTrainer.fit (baseline)",
-        "runner": "run_training",
-        "runner_actor": "run_training + callback actor",
+    groups = {
+        "bare": ("bare", "bare TorchTrainer.fit (baseline)"),
+        "runner": ("bare", "run_training"),
+        "runner_actor": ("bare", "run_training + actor-side callback"),
+        "ray": ("ray", "embedded Ray, no dashboard (baseline)"),
+        "ray_dashboard": ("ray", "embedded Ray + dashboard on 127.0.0.1"),
     }
     rows = []
-    for key, values in samples.items():
-        med = statistics.median(values)
+    for key, (baseline, label) in groups.items():
+        med, base = statistics.median(samples[key]), statistics.median(samples[baseline])
         rows.append(
             {
-                "configuration": labels[key],
+                "configuration": label,
                 "wall (s)": f"{med:.2f}",
-                "vs bare (s)": f"{med - base:+.2f}",
+                "vs baseline (s)": f"{med - base:+.2f}",
                 "ratio": f"{med / base:.3f}",
             }
         )
     report = {
         "machine": machine(),
         "samples_s": samples,
-        "table": table(rows, ["configuration", "wall (s)", "vs bare (s)", "ratio"]),
+        "table": table(rows, ["configuration", "wall (s)", "vs baseline (s)", "ratio"]),
     }
     return emit(report, opts.json)
 

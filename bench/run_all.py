@@ -65,9 +65,10 @@ BENCHES: dict[str, Bench] = {
     ),
     "startup": Bench(
         "bench_startup.py",
-        "Start-up: one-step run, wall time",
+        "Start-up: one-step run, and the embedded Ray's dashboard, wall time",
         "a bare `TorchTrainer(fn).fit()` taking the same one accelerate step on 2 workers, Ray "
-        "already initialised",
+        "already initialised; for the dashboard rows, the embedded Ray started without its "
+        "dashboard in a fresh process, alternating",
         quick=["--rounds", "1"],
     ),
     "loop": Bench(
