@@ -152,3 +152,11 @@ def test_the_contract_imports_the_worker_loop_only_inside_the_entry_point():
     )
     inner = [n for n in ast.walk(entry) if isinstance(n, ast.ImportFrom)]
     assert [n.module for n in inner] == ["ray_trainer._worker.loop"]
+
+
+def test_test_files_have_unique_basenames():
+    # pytest's default import mode puts every test folder on sys.path without a package, so two
+    # test files of one name in tests/unit and tests/integration fail the whole collection.
+    names = [p.name for p in (ROOT / "tests").rglob("*.py") if "__pycache__" not in p.parts]
+    clashes = sorted({n for n in names if names.count(n) > 1 and n != "conftest.py"})
+    assert clashes == [], f"rename one of each: {clashes}"
