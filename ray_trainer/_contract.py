@@ -27,6 +27,7 @@ Each side imports this module; none imports another side's package (``_driver`` 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,9 +149,18 @@ CHECKPOINT_PREFIX = "checkpoint_"
 ACTOR_STATE_FILE = "actor_state.pkl"
 
 
+_CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"\d+")
+
+
 def checkpoint_dir_name(step: int) -> str:
     """The folder name of the checkpoint taken after ``step`` optimizer steps."""
     return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def checkpoint_names(names: list[str]) -> list[str]:
+    """The checkpoint folders among a run folder's ``names``, oldest first (Ray Train keeps files
+    of its own there, such as ``checkpoint_manager_snapshot.json``)."""
+    return sorted(n for n in names if _CHECKPOINT_NAME.fullmatch(n))
 
 
 # ---- driver -> workers ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import cloudpickle
 
 from callbacks import CallbackManager, TrainingContext
 from ray_trainer._checkpoint import CheckpointError, verify
-from ray_trainer._contract import ACTOR_STATE_FILE, CHECKPOINT_PREFIX
+from ray_trainer._contract import ACTOR_STATE_FILE, checkpoint_names
 from ray_trainer._storage import locate
 
 logger = logging.getLogger("ray_trainer")
@@ -50,7 +50,7 @@ def restore(manager: CallbackManager, run_dir: str, filesystem: Any = None) -> s
     """Load the actor callbacks' state from the newest complete checkpoint that has it; the
     checkpoint's path, or None."""
     run = locate(run_dir, filesystem)
-    for name in reversed([n for n in run.listdir() if n.startswith(CHECKPOINT_PREFIX)]):
+    for name in reversed(checkpoint_names(run.listdir())):
         checkpoint = run.child(name)
         state_file = checkpoint.child(ACTOR_STATE_FILE)
         if state_file.size() is None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ray_trainer._contract import CHECKPOINT_PREFIX
+from ray_trainer._contract import checkpoint_names
 from ray_trainer._storage import Location, locate
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def _verify(location: Location) -> TrainerState:
 def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:
     """The newest complete checkpoint under a run folder (a local path or a URI), or None."""
     run = locate(run_dir, filesystem)
-    for name in reversed([n for n in run.listdir() if n.startswith(CHECKPOINT_PREFIX)]):
+    for name in reversed(checkpoint_names(run.listdir())):
         try:
             _verify(run.child(name))
         except CheckpointError:

@@ -17,7 +17,7 @@ from callbacks._serialize import unpicklable_state
 from callbacks._state import is_stateful
 from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, verify
 from ray_trainer._config import TrainingArgs, TrainingArgsError, is_builtin
-from ray_trainer._contract import CHECKPOINT_PREFIX
+from ray_trainer._contract import checkpoint_names
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, locate
 
@@ -218,7 +218,7 @@ def _check_strategy(args: TrainingArgs, checkpoint: str | None) -> None:
 
 
 def _checkpoints(folder: Location) -> list[str]:
-    return [n for n in folder.listdir() if n.startswith(CHECKPOINT_PREFIX)]
+    return checkpoint_names(folder.listdir())
 
 
 def _check_resume_from(path: str) -> None:

@@ -132,6 +132,12 @@ def _steps(folder, rank=0):
     ]
 
 
+def _checkpoint_steps(run_dir) -> list[int]:
+    """Steps of the checkpoint folders in `run_dir` (Ray Train keeps its own files beside them)."""
+    found = (re.fullmatch(r"checkpoint_(\d+)", p.name) for p in run_dir.iterdir())
+    return [int(m.group(1)) for m in found if m]
+
+
 def test_save_then_stop_a_live_run_from_outside(ray_session, tmp_path):
     import ray_trainer
 
@@ -156,12 +162,8 @@ def test_save_then_stop_a_live_run_from_outside(ray_session, tmp_path):
     asked = _cli("save", "steered", "--address", address)
     assert asked.returncode == 0 and "will save" in asked.stdout, asked.stderr
     run_dir = tmp_path / "storage" / "steered"
-    _wait_for(
-        lambda: any(p.name.startswith("checkpoint_") for p in run_dir.iterdir()), 60, "the save"
-    )
-    saved = min(
-        int(p.name.split("_")[1]) for p in run_dir.iterdir() if p.name.startswith("checkpoint_")
-    )
+    _wait_for(lambda: _checkpoint_steps(run_dir), 60, "the save")
+    saved = min(_checkpoint_steps(run_dir))
     # Training goes on after the save; status shows the request and where it took effect.
     _wait_for(lambda: max(_steps(folder)) > saved + 3, 60, "steps after the save")
     status = _cli("status", "steered", "--address", address, "--json")

@@ -109,6 +109,16 @@ def test_latest_checkpoint_skips_incomplete_ones(tmp_path):
     assert ckpt.latest_checkpoint(str(tmp_path / "nothing")) is None
 
 
+def test_checkpoint_names_leave_out_ray_trains_own_files():
+    from ray_trainer._contract import checkpoint_names
+
+    names = ["checkpoint_manager_snapshot.json", "checkpoint_00000010", "run.json"]
+    assert checkpoint_names([*names, "checkpoint_00000002"]) == [
+        "checkpoint_00000002",
+        "checkpoint_00000010",
+    ]
+
+
 def test_rng_state_round_trip():
     state = ckpt.rng_state()
     a = torch.rand(3)
