@@ -11,7 +11,8 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
   constructor arguments in the object store;
 * Ray Train's print patching is off (``RAY_TRAIN_ENABLE_PRINT_PATCH=0``): a worker-side
   callback's print appears once, not twice; and its state tracking is on
-  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run.
+  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run (off for
+  an embedded Ray started without its dashboard, where nothing would show it).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
         # The state API (Ray Train's placement group cleaner, `ray list`) finds this dashboard
         # even where another Ray runs on the machine.
         options["runtime_env"] = {"env_vars": {"RAY_API_SERVER_ADDRESS": url}}
+    else:  # nothing would show Ray Train's state: no actor polling for it (unless the user asks)
+        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "0")
     auth = logging.getLogger(_AUTH_LOGGER)
     level = auth.level
     auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says
