@@ -8,7 +8,9 @@ linear decay, grad clip 1.0, seed 42, logging every 50 steps, no evaluation or s
   `TrainerCallback` recording step-begin times, one keeping the logged loss, and HF's
   PrinterCallback printing each log;
 * this runner: `run_training` in a fresh Python process that starts its own embedded Ray, with
-  `StepTimer` (rank 0), `LossKeeper` (rank 0) and `ProgressBar` (callback actor).
+  `StepTimer` (rank 0), `LossKeeper` (rank 0) and `ProgressBar` (callback actor); once as it
+  comes (the embedded Ray with its dashboard) and once with `dashboard=False` (on 2 cores, the
+  dashboard's processes take CPU time from the two workers).
 
 Each side runs as a subprocess launched by this script, so both start-up times are measured the
 same way: from launching the command to the first step's begin (`time.perf_counter` is
@@ -40,7 +42,7 @@ NUM_WORKERS = 2
 BATCH_SIZE = 64
 
 
-def runner_side(steps: int, out: str) -> None:
+def runner_side(steps: int, out: str, dashboard: bool) -> None:
     """In the subprocess: one `run_training` with the runner's equivalent callbacks."""
     from callbacks import ProgressBar
     from ray_trainer import run_training
@@ -59,6 +61,7 @@ def runner_side(steps: int, out: str) -> None:
             log_every_steps=50,
             save_at_end=False,
             storage_path=storage,
+            dashboard=dashboard,
             callbacks=[StepTimer(out), LossKeeper(), ProgressBar()],
         )
 
@@ -83,7 +86,7 @@ def launch(side: str, steps: int, out: str, log: str) -> tuple[list[float], floa
             out,
         ]
     else:
-        cmd = [sys.executable, os.path.abspath(__file__), "--side", "runner"]
+        cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
         cmd += ["--steps", str(steps), "--out", out]
     # The Ray workers the runner side starts inherit PYTHONPATH: they import `_support`.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
@@ -115,15 +118,19 @@ def main() -> dict:
     parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--side", choices=["runner"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["runner", "runner_no_dashboard"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
-    if opts.side == "runner":
-        runner_side(opts.steps, opts.out)
+    if opts.side:
+        runner_side(opts.steps, opts.out, dashboard=opts.side == "runner")
         return {}
 
     tokens_per_step = tokens_per_item() * BATCH_SIZE * NUM_WORKERS
-    sides = {"hf": "HF Trainer, torchrun (baseline)", "runner": "run_training (this runner)"}
+    sides = {
+        "hf": "HF Trainer, torchrun (baseline)",
+        "runner": "run_training (this runner; its embedded Ray with the dashboard, the default)",
+        "runner_no_dashboard": "run_training, `dashboard=False`",
+    }
     step_s: dict[str, list[float]] = {k: [] for k in sides}
     startup_s: dict[str, list[float]] = {k: [] for k in sides}
     total_s: dict[str, list[float]] = {k: [] for k in sides}

@@ -172,7 +172,9 @@ def _step_and_save(
     set_seed(args.seed)  # as the runner: the same initial weights on every rank
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**opts["model"]))
     peak_rss = {"built": _peak_rss()}  # every rank holds the whole model here, as in the runner
-    parallel = prepare(model, args, accelerator, lambda m: _optimizer(m, args), "no")
+    parallel = prepare(
+        model, args, accelerator, lambda m: _optimizer(m, args, accelerator.device), "no"
+    )
     del model  # only the prepared model holds on to the weights now
     peak_rss["prepared"] = _peak_rss()
     generator = torch.Generator().manual_seed(rank)
