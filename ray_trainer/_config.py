@@ -73,7 +73,7 @@ class TrainingArgs(BaseModel):
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
     seed: int = 42
 
-    # Parallelism (docs: README "Models larger than one device").
+    # Parallelism (docs/large-models.md).
     strategy: Literal["ddp", "fsdp"] = "ddp"
     # Class names of the blocks FSDP shards one by one (default: the model's _no_split_modules,
     # else the children of its nn.ModuleLists); each is also the unit of activation checkpointing.
@@ -105,7 +105,7 @@ class TrainingArgs(BaseModel):
     run_name: str | None = None
     resume_from: str | None = None
 
-    # Callback machinery (see the README, "Forwarding to the callback actor").
+    # Callback machinery (docs/behaviour.md, "Forwarding to the callback actor").
     callback_timeout_s: float = Field(60.0, gt=0)
     eval_timeout_s: float = Field(600.0, gt=0)
     actor_queue_size: int = Field(10_000, gt=0)

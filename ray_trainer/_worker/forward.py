@@ -2,7 +2,7 @@
 
 Runs in the rank-0 training process only, on the training loop's thread.
 
-Policy (documented in the README, "Forwarding to the callback actor"):
+Policy (documented in docs/behaviour.md, "Forwarding to the callback actor"):
 
 * Only events that some actor-side callback subscribes to are forwarded (the set is fixed before
   training starts); an unsubscribed event costs the loop one set lookup.

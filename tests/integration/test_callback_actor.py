@@ -23,7 +23,7 @@ from rt_support import (
     tiny_run,
 )
 
-# Documented bound (README, "Control from actor-side callbacks"): event_flush_interval_s (0.25 s)
+# Documented bound (docs/behaviour.md, "Control from actor-side callbacks"): event_flush_interval_s (0.25 s)
 # + the actor's reply wait (0.05 s) + three steps (the agreement is read one step late); with
 # steps of >= 50 ms, within 9 steps of the event that caused it.
 ACTOR_CONTROL_LAG_STEPS = 9
