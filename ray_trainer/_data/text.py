@@ -1,4 +1,4 @@
-"""Driver and workers: JSONL text data, validated in the driver, tokenized in the workers.
+"""Driver, prep tasks and workers: JSONL text data, validated in the driver, tokenized in the workers.
 
 Runs in two places: :func:`validate_jsonl` in the driver, before any Ray resource is requested,
 so that a bad file fails the run at once with the file and line; :class:`JsonlTextDataset` and
