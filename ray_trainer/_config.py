@@ -59,6 +59,16 @@ class TrainingArgs(BaseModel):
     text_field: str = "text"
     max_length: int = Field(128, gt=0)
     demo: dict[str, Any] = Field(default_factory=dict)
+    # Chat data and packing (docs/chat.md). A Jinja chat template, or the path of a file with
+    # one: it overrides the tokenizer's own.
+    chat_template: str | None = None
+    # Which tokens take the loss in chat records: every assistant turn (and the token that ends
+    # it), the last assistant turn only, or every token.
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    # Pack samples into micro-batches of at most `max_tokens_per_batch` tokens, without padding
+    # (default: batch_size x max_length).
+    packing: bool = False
+    max_tokens_per_batch: int | None = Field(None, gt=0)
 
     # How long and how.
     max_steps: int | None = Field(None, gt=0)
@@ -214,7 +224,25 @@ class TrainingArgs(BaseModel):
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("max_grad_norm must be positive, or None to turn clipping off")
+        if self.max_tokens_per_batch is not None and not self.packing:
+            raise ValueError(
+                "max_tokens_per_batch bounds packed micro-batches: set packing=True too, or drop it"
+            )
+        too_small = (self.max_tokens_per_batch or self.max_length) < self.max_length
+        if self.packing and too_small:
+            raise ValueError(
+                f"max_tokens_per_batch={self.max_tokens_per_batch} is below max_length="
+                f"{self.max_length}: a sample of max_length tokens would not fit; raise it "
+                "(or lower max_length)"
+            )
         return self
+
+    @property
+    def tokens_per_micro_batch(self) -> int | None:
+        """With packing: the most tokens a packed micro-batch holds (None without packing)."""
+        if not self.packing:
+            return None
+        return self.max_tokens_per_batch or self.batch_size * self.max_length
 
     # ---- construction helpers -------------------------------------------------------------
 

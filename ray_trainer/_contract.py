@@ -179,9 +179,10 @@ class RunSpec:
     actor_name: str
     actor_namespace: str = NAMESPACE
     forward_events: frozenset[str] = ACTOR_EVENTS
-    # Data files only the driver sees, shipped through Ray's object store: field -> ObjectRef
-    # of the file's bytes ("data", "val_data").
-    shipped_data: dict[str, Any] = field(default_factory=dict)
+    # The token cache of each data field the driver encoded ("data", "val_data"): a folder on
+    # the run's storage (``_data/cache.py``); and the chat template the data was rendered with.
+    data_caches: dict[str, str] = field(default_factory=dict)
+    chat_template: str | None = None
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

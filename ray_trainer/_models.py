@@ -101,6 +101,15 @@ class ModelSpec:
         name = self.tokenizer or (self.model if isinstance(self.model, str) else None)
         return load_hf_tokenizer(name, allow_download=self.allow_download) if name else None
 
+    def data_tokenizer(self) -> Any:
+        """The tokenizer data is encoded with: `build_tokenizer`'s, else the byte tokenizer."""
+        tokenizer = self.build_tokenizer()
+        if tokenizer is None:
+            from ray_trainer._data import ByteTokenizer
+
+            tokenizer = ByteTokenizer()
+        return tokenizer
+
 
 class ModelLoadError(ValueError):
     """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""

@@ -167,8 +167,10 @@ class TinyCausalLM(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        """Logits for every position and, with ``labels``, the mean next-token loss.
+        """Logits for every position and, with ``labels``, the mean next-token loss (with
+        ``num_items_in_batch``, as Hugging Face models take it: the summed loss divided by it).
 
         ``attention_mask`` (1 = real token, 0 = padding) matters only for left or inner padding:
         with right padding causality already keeps real tokens from seeing the padding.
@@ -185,7 +187,7 @@ class TinyCausalLM(nn.Module):
         for block in self.blocks:
             x = block(x, mask)
         logits = self.head(self.ln_f(x))
-        loss = None if labels is None else causal_lm_loss(logits, labels)
+        loss = None if labels is None else causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits)
 
 
@@ -205,8 +207,13 @@ def _attention_bias(attention_mask: torch.Tensor | None, t: int) -> torch.Tensor
     return mask | torch.eye(t, dtype=torch.bool, device=keep.device)[None, None]
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of ``logits[:, t]`` against ``labels[:, t + 1]``, skipping ``-100``.
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross entropy of ``logits[:, t]`` against ``labels[:, t + 1]``, skipping ``-100``: the
+    mean over the labelled tokens, or their sum divided by ``num_items_in_batch`` when given.
 
     A batch with no labelled token gives a zero loss that still has a gradient path, rather than
     NaN, so that one empty batch cannot poison a data-parallel all-reduce.
@@ -214,6 +221,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[:, 1:].reshape(-1)
     total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if num_items_in_batch is not None:
+        return total / num_items_in_batch
     count = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
     return total / count
 

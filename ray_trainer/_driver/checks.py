@@ -94,17 +94,20 @@ def _check_state(callback: Any) -> None:
     unpicklable_state(key, state)
 
 
-def check_inputs(args: TrainingArgs) -> None:
-    """Data files, data size and model names, checked in the driver so that no worker starts
-    for nothing."""
-    records: int | None = None
-    for field_name in ("data", "val_data"):
-        value = getattr(args, field_name)
-        if isinstance(value, str):
-            from ray_trainer._data import validate_jsonl
+def check_inputs(args: TrainingArgs) -> dict[str, Any]:
+    """Data, data size and model names, checked in the driver so that no worker starts for
+    nothing; returns the data plans (``_driver/data.py``) of the sources ray-trainer encodes."""
+    from ray_trainer._driver.data import plan_data
 
-            count = validate_jsonl(value, text_field=args.text_field)
-            records = count if field_name == "data" else records
+    if isinstance(args.model, str) and not is_builtin(args.model):
+        from ray_trainer._models import check_model_ref
+
+        check_model_ref(args.model, allow_download=args.allow_download)
+    plans = plan_data(args)
+    train = plans.get("data")
+    records = None
+    if train is not None:
+        records = train.samples if train.samples is not None else train.source.records
     held_out = args.eval_every_steps is not None and args.val_data is None
     if records is None:
         records = _known_length(args)
@@ -112,10 +115,12 @@ def check_inputs(args: TrainingArgs) -> None:
             held_out = False  # the demo has its own validation set
     if records is not None:
         _check_enough_data(args, records, held_out)
-    if isinstance(args.model, str) and not is_builtin(args.model):
-        from ray_trainer._models import check_model_ref
-
-        check_model_ref(args.model, allow_download=args.allow_download)
+    if args.packing and args.data is not None and train is None:
+        raise TrainingArgsError(
+            "packing=True needs data that ray-trainer tokenizes (a JSONL/JSON/Parquet file or "
+            "glob, a save_to_disk folder or a datasets.Dataset); a torch Dataset of yours is "
+            "batched as it is: pack it yourself, or set packing=False"
+        )
     if args.strategy == "fsdp" or args.activation_checkpointing:
         _check_blocks(args)
     if args.compile:
@@ -124,6 +129,15 @@ def check_inputs(args: TrainingArgs) -> None:
         problem = missing_compile_toolchain(args.use_gpu)  # here; each worker checks again
         if problem:
             raise TrainingArgsError(problem)
+    return plans
+
+
+def check_enough_samples(args: TrainingArgs, plans: dict[str, Any]) -> None:
+    """After the data is encoded: enough samples kept for one optimizer step."""
+    train = plans.get("data")
+    if train is not None and train.samples is not None:
+        held_out = args.eval_every_steps is not None and args.val_data is None
+        _check_enough_data(args, train.samples, held_out)
 
 
 def _check_blocks(args: TrainingArgs) -> None:

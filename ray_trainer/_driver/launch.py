@@ -28,6 +28,7 @@ from ray_trainer._contract import (
 )
 from ray_trainer._driver.checks import (
     ResourceRequestError,
+    check_enough_samples,
     check_inputs,
     check_resources,
     check_storage,
@@ -45,7 +46,8 @@ from ray_trainer._driver.console import (
     start_embedded_ray,
     wait_for_output,
 )
-from ray_trainer._driver.nodes import alive_nodes, check_shared_storage, ship_data
+from ray_trainer._driver.data import DataPlan, prepare_data
+from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.signals import run_with_graceful_signals
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
@@ -75,7 +77,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         args = args.model_copy(update={"run_name": f"run-{stamp}-{secrets.token_hex(2)}"})
     lists = collect_callbacks(args)
-    check_inputs(args)
+    plans = check_inputs(args)
     run_dir = check_storage(args)
 
     import ray
@@ -83,7 +85,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
     started_ray = _init_ray(args)
     try:
         check_resources(args)
-        return _fit(args, lists, run_dir)
+        return _fit(args, lists, run_dir, plans)
     finally:
         if started_ray:
             ray.shutdown()
@@ -121,11 +123,15 @@ def prepare_launch(
     args: TrainingArgs,
     lists: CallbackLists,
     run_dir: str,
-    shipped_data: dict[str, Any] | None = None,
+    plans: dict[str, DataPlan] | None = None,
 ) -> Launch:
-    """Record the run, put the callbacks in the object store, start the callback actor. Ray is
-    initialised; no worker exists yet."""
+    """Encode the data (where its cache is missing), record the run, put the callbacks in the
+    object store, start the callback actor. Ray is initialised; no worker exists yet."""
     import ray
+
+    plans = plans or {}
+    caches = prepare_data(plans, args)
+    check_enough_samples(args, plans)
 
     record = {"fingerprint": fingerprint(args), "run_name": args.run_name}
     write_run_record(run_dir, record, args.storage_filesystem)
@@ -152,19 +158,22 @@ def prepare_launch(
         actor_name=actor_name(args.run_name),
         actor_namespace=NAMESPACE,
         forward_events=forwarded_events(subscribed_events(lists, keep_for_actor)),
-        shipped_data=dict(shipped_data or {}),
+        data_caches=caches,
+        chat_template=next((p.settings.chat_template for p in plans.values()), None),
     )
     return Launch(spec=spec, actor=actor, actor_ready=ready)
 
 
-def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResult:
+def _fit(
+    args: TrainingArgs, lists: CallbackLists, run_dir: str, plans: dict[str, DataPlan]
+) -> TrainingResult:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     # What every node must see, checked before anything of the run is written.
     nodes = alive_nodes()
     check_shared_storage(args, nodes)
-    launch = prepare_launch(args, lists, run_dir, ship_data(args, nodes))
+    launch = prepare_launch(args, lists, run_dir, plans)
     prepare_ray_train()
     trainer = TorchTrainer(
         train_loop_per_worker,

@@ -1,25 +1,21 @@
-"""Driver: what every node of the cluster sees: a shared storage path, and the run's data files.
+"""Driver: what every node of the cluster sees: a shared storage path.
 
 Runs in the driver after Ray is up and before any worker starts. A real cluster shares no disk:
-a local ``storage_path`` must be a mount every node sees (NFS, EFS...), and a local data file
-the driver reads may exist nowhere else. On a cluster of more than one node the driver writes a
-marker into storage and a tiny Ray task on every node (``num_cpus=0``, pinned to the node)
-checks that it reads the same marker; a small local data file is shipped to the workers
-through Ray's object store, a large one must be visible on every node.
+a local ``storage_path`` must be a mount every node sees (NFS, EFS...). On a cluster of more
+than one node the driver writes a marker into storage and a tiny Ray task on every node
+(``num_cpus=0``, pinned to the node) checks that it reads the same marker. (A local data file
+the driver reads may exist nowhere else: it is encoded on the driver's node into the run's token
+cache on that storage, which every worker reads; ``_driver/data.py``.)
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 from typing import Any
 
 from ray_trainer._config import TrainingArgs, TrainingArgsError
 from ray_trainer._storage import is_uri, locate
 
-#: Local data files up to this size travel with the run through Ray's object store when the
-#: cluster has several nodes; larger ones must be visible at the same path on every node.
-SHIP_LIMIT_BYTES = 100 * 1024 * 1024
 PROBE_TIMEOUT_S = 120.0
 
 
@@ -58,43 +54,8 @@ def check_shared_storage(args: TrainingArgs, nodes: list[dict[str, Any]]) -> Non
         )
 
 
-def ship_data(args: TrainingArgs, nodes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The data files to send through Ray's object store (field -> ObjectRef of the bytes).
-
-    On one node nothing is shipped (the workers read the file where the driver does). On
-    several, a local file up to `SHIP_LIMIT_BYTES` is shipped; a larger one is refused unless
-    every node sees a file of the same size at that path.
-    """
-    import ray
-
-    shipped: dict[str, Any] = {}
-    if len(nodes) < 2:
-        return shipped
-    for field in ("data", "val_data"):
-        path = getattr(args, field)
-        if not isinstance(path, str) or is_uri(path):
-            continue
-        size = os.path.getsize(path)
-        if size <= SHIP_LIMIT_BYTES:
-            with open(path, "rb") as f:
-                shipped[field] = ray.put(f.read())
-            continue
-        seen = _probe(nodes, path, size_only=True)
-        blind = [node for node, found in seen if found != size]
-        if blind:
-            raise TrainingArgsError(
-                f"{field}: {path} is {size / 2**20:.0f} MiB, over the {SHIP_LIMIT_BYTES // 2**20} "
-                f"MiB that travel with the run, and {_describe(blind)} cannot see it (or sees "
-                "another file there): put it on shared storage or in a bucket "
-                f"({field}='s3://my-bucket/{os.path.basename(path)}'), or copy it to the same "
-                "path on every node"
-            )
-    return shipped
-
-
-def _probe(nodes: list[dict[str, Any]], path: str, size_only: bool = False) -> list[tuple]:
-    """(node, what it read at `path`) for every node: the text, or the size with `size_only`
-    (None when it sees no such file)."""
+def _probe(nodes: list[dict[str, Any]], path: str) -> list[tuple]:
+    """(node, the text it read at `path`) for every node (None when it sees no such file)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -102,18 +63,16 @@ def _probe(nodes: list[dict[str, Any]], path: str, size_only: bool = False) -> l
     refs = [
         task.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        ).remote(path, size_only)
+        ).remote(path)
         for node in nodes
     ]
     results = ray.get(refs, timeout=PROBE_TIMEOUT_S)
     return list(zip(nodes, results, strict=True))
 
 
-def _read_on_node(path: str, size_only: bool) -> Any:
+def _read_on_node(path: str) -> Any:
     """The probe task's body, on one node: what that node sees at `path`."""
     try:
-        if size_only:
-            return os.path.getsize(path)
         with open(path) as f:
             return f.read()
     except OSError:

@@ -1,4 +1,4 @@
-"""Training worker: the step's one all-reduce of control, loss and tokens across ranks.
+"""Training worker: the step's one all-reduce of control, loss and token counts across ranks.
 
 Runs in each training worker, once per optimizer step. Every rank starts this collective at the
 same point of the step (just before its last micro-batch's backward), so that it runs while
@@ -31,7 +31,7 @@ FLAGS: tuple[str, ...] = (
     "should_log",
     "should_abort",
 )
-_LOSS, _TOKENS, _POSITIONS, _FIRST_FLAG = 0, 1, 2, 3
+_LOSS, _TARGETS, _TOKENS, _POSITIONS, _FIRST_FLAG = 0, 1, 2, 3, 4
 
 
 def encode(control: TrainerControl) -> list[float]:
@@ -48,33 +48,34 @@ def decode(values: list[float]) -> TrainerControl:
 class Agreed:
     """A step's values summed over every rank."""
 
-    loss_sum: float  # the micro-batches' losses, summed over micro-batches and ranks
-    tokens: float  # tokens that are not padding
+    loss_sum: float  # the micro-batches' token-loss sums over `norm`, summed over ranks
+    targets: float  # labels the model scored (the loss's denominator)
+    tokens: float  # sample tokens: not padding, not filler
     positions: float  # every position of every batch, padding included
     control: TrainerControl
 
 
 class Agreement:
-    """The step's all-reduce of ``[loss, tokens, positions, *flags]``, in flight; and this
-    rank's own requests that went into it. Read once with `result`."""
+    """The step's all-reduce of ``[loss, targets, tokens, positions, *flags]``, in flight; and
+    this rank's own requests that went into it. Read once with `result`; the gradients' scale
+    (`scale`) is read from it on the device, before the optimizer step."""
 
     def __init__(
         self,
         loss_sum: Any,
-        tokens: Any,
-        positions: int,
+        counts: list[int],
         requested: TrainerControl,
         device: Any,
         world: int,
         copy_stream: Any = None,
     ) -> None:
         self.requested = requested
+        self.world = world
         flags = encode(requested)
         values = torch.tensor(
-            [0.0, 0.0, float(positions), *flags], dtype=torch.float64, device=device
+            [0.0, *map(float, counts), *flags], dtype=torch.float64, device=device
         )
-        values[_LOSS] = loss_sum
-        values[_TOKENS] = tokens
+        values[_LOSS] = loss_sum  # a device tensor: no sync
         self.values = values
         # All ranks must reach this collective. Asynchronous: the loop does not wait here.
         self.work = dist.all_reduce(values, async_op=True) if world > 1 else None
@@ -98,6 +99,15 @@ class Agreement:
             self._event.record(stream)
         values.record_stream(stream)
 
+    def scale(self, norm: float) -> torch.Tensor:
+        """The factor that turns every rank's summed gradients of token-loss sums over `norm`
+        into the gradient of the mean over the global batch's targets: norm x world / targets.
+        A device tensor: on a GPU the stream waits for the all-reduce, the CPU does not."""
+        if self.work is not None:
+            self.work.wait()  # queued before the gradients' own all-reduce: done by now
+        targets = self.values[_TARGETS].clamp(min=1.0)
+        return (norm * self.world / targets).to(torch.float32)
+
     def result(self) -> Agreed:
         """The summed values. Waits for this agreement alone: on a GPU for its copy to host
         (done long ago when read one step late), on a CPU for the all-reduce."""
@@ -110,6 +120,7 @@ class Agreement:
                     self.work.wait()
                 values = self.values.tolist()
             self._agreed = Agreed(
-                values[_LOSS], values[_TOKENS], values[_POSITIONS], decode(values[_FIRST_FLAG:])
-            )
+                values[_LOSS], values[_TARGETS], values[_TOKENS], values[_POSITIONS],
+                decode(values[_FIRST_FLAG:]),
+            )  # fmt: skip
         return self._agreed

@@ -61,16 +61,35 @@ def export_hf(s: WorkerState, folder: str) -> list[str]:
     for key, value in s.parallel.config_for_export.items():  # what training switched off
         setattr(config, key, value)
     config.save_pretrained(target)
-    if getattr(module, "generation_config", None) is not None:
-        module.generation_config.save_pretrained(target)
+    generation = _generation_config(module, s.workload.end_of_turn_ids)
+    if generation is not None:
+        generation.save_pretrained(target)
     tokenizer = s.workload.tokenizer
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        if s.workload.chat_template is not None:  # the template the data was rendered with
+            tokenizer.chat_template = s.workload.chat_template
         tokenizer.save_pretrained(target)
     return sorted(
         os.path.relpath(os.path.join(root, name), folder)
         for root, _, names in os.walk(target)
         for name in names
     )
+
+
+def _generation_config(module: torch.nn.Module, end_of_turn: list[int] | None) -> Any:
+    """The model's generation config; after chat training its end-of-sequence ids include the
+    token that ends an assistant turn, so generation stops where the model learned to stop."""
+    from transformers import GenerationConfig
+
+    config = getattr(module, "generation_config", None)
+    if config is None and not end_of_turn:
+        return None
+    config = copy.deepcopy(config) if config is not None else GenerationConfig()
+    if end_of_turn:
+        eos = config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        config.eos_token_id = [*eos, *(t for t in end_of_turn if t not in eos)]
+    return config
 
 
 def _write_gathered(module: torch.nn.Module, target: str, rank: int) -> None:

@@ -6,9 +6,14 @@ One optimizer step, top to bottom (`train_step`)::
       per micro-batch: on_before_forward, forward, on_after_forward,
                        on_before_backward, backward, on_after_backward
                        (before the LAST backward: start the step's ONE all-reduce of
-                        [loss, tokens, positions, stop, save, evaluate, log, abort])
-    on_before_optimizer_step, clip, optimizer.step(), on_after_optimizer_step
+                        [loss, targets, tokens, positions, stop, save, evaluate, log, abort])
+    scale the gradients by the step's global target count, clip
+    on_before_optimizer_step, optimizer.step(), on_after_optimizer_step
     on_step_end                      (its `loss` is this rank's loss for the step)
+
+The loss of a step is the mean over every target token of all micro-batches of all ranks
+(``workload.py`` says how): each micro-batch backpropagates its token-loss sum over a constant,
+and the gradients are rescaled once the all-reduce has summed the targets of every rank.
     -- step boundary (`after_boundary`): act on the PREVIOUS step's agreed control --
     on_log / evaluation + on_evaluate / checkpoint + on_save, as `boundary.decide`s; stop
 
@@ -34,10 +39,10 @@ from callbacks import TrainerControl
 from ray_trainer._contract import RunSpec
 from ray_trainer._worker.agreement import Agreement
 from ray_trainer._worker.boundary import Schedule, decide
+from ray_trainer._worker.data import MicroBatch
 from ray_trainer._worker.resume import maybe_resume
 from ray_trainer._worker.saving import evaluate, gather_summary, save
 from ray_trainer._worker.setup import WorkerState, setup
-from ray_trainer._worker.throughput import count_tokens
 
 
 def run_worker(spec: RunSpec) -> None:
@@ -75,17 +80,15 @@ def train(s: WorkerState) -> None:
         save_at_end=args.save_at_end,
     )
     while p.global_step < s.total_steps:
-        s.sampler.set_epoch(p.epoch)
-        # Resume mid-epoch: skip the samples this rank already consumed in this epoch.
-        s.sampler.set_start(p.step_in_epoch * args.grad_accum_steps * args.batch_size)
         s.ctx.epoch = p.epoch
         hooks.fire("on_epoch_begin")
-        batches = iter(s.loader)
-        while p.step_in_epoch < s.steps_per_epoch and p.global_step < s.total_steps:
-            micro_batches = [next(batches) for _ in range(args.grad_accum_steps)]
+        # Resume mid-epoch: the loader starts at the first step this epoch has not taken.
+        for micro_batches in s.loader.steps(p.epoch, p.step_in_epoch):
             agreement = train_step(s, micro_batches)
             if after_boundary(s, agreement, schedule):
                 return
+            if p.global_step >= s.total_steps:
+                break
         if p.step_in_epoch >= s.steps_per_epoch:
             hooks.fire("on_epoch_end")
             p.epoch += 1
@@ -93,42 +96,43 @@ def train(s: WorkerState) -> None:
     # Reached max_steps inside an epoch: nothing more to do (the last boundary saved).
 
 
-def train_step(s: WorkerState, micro_batches: list[dict[str, torch.Tensor]]) -> Agreement:
-    """One optimizer step over `grad_accum_steps` micro-batches; returns its agreement."""
-    hooks, acc, n_micro = s.hooks, s.accelerator, len(micro_batches)
+def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
+    """One optimizer step over this rank's micro-batches of the step; returns its agreement."""
+    hooks, acc, wl, n_micro = s.hooks, s.accelerator, s.workload, len(micro_batches)
     started = time.perf_counter()
     hooks.fire("on_step_begin")
-    loss_sum: Any = 0
-    tokens: Any = 0
-    positions = 0
+    loss_sum: Any = 0  # sum over micro-batches of token-loss sum / norm (a device tensor)
+    targets = tokens = positions = 0  # counted on the host by the loader: no sync
     agreement = None
-    for i, batch in enumerate(micro_batches):
-        batch = {k: v.to(acc.device, non_blocking=True) for k, v in batch.items()}
+    for i, micro in enumerate(micro_batches):
+        batch = {k: v.to(acc.device, non_blocking=True) for k, v in micro.batch.items()}
         last = i == n_micro - 1
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         with contextlib.nullcontext() if last else s.parallel.no_sync():
             hooks.fire("on_before_forward", batch=batch, micro_step=i)
             with acc.autocast():
-                outputs = s.model(**batch)
-                loss = s.workload.loss_fn(outputs, batch)
+                outputs, loss = wl.forward(s.model, batch, micro.targets)
             hooks.fire("on_after_forward", batch=batch, outputs=outputs, micro_step=i)
             hooks.fire("on_before_backward", batch=batch, outputs=outputs, micro_step=i)
-            loss_sum, (n, p) = loss_sum + loss.detach(), count_tokens(batch, s.workload.pad_id)
-            tokens, positions = tokens + n, positions + p
+            loss_sum = loss_sum + loss.detach()
+            targets, tokens = targets + micro.targets, tokens + micro.tokens
+            positions += micro.positions
             if last:  # every rank starts the step's agreement here; it runs during backward
                 agreement = Agreement(
-                    loss_sum, tokens, positions, hooks.take_pending(), acc.device, s.world_size,
-                    s.copy_stream,
+                    loss_sum, [targets, tokens, positions], hooks.take_pending(), acc.device,
+                    s.world_size, s.copy_stream,
                 )  # fmt: skip
-            acc.backward(loss / n_micro if n_micro > 1 else loss)
+            acc.backward(loss)
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
 
-    hooks.fire("on_before_optimizer_step")
-    s.grad_norm = _optimizer_step(s)  # a tensor: read (a sync) only when logged
+    # The mean over the global batch's targets: a collective under FSDP (the norm of all shards).
+    s.grad_norm = s.parallel.scale_and_clip(agreement.scale(wl.norm), s.args.max_grad_norm)
+    hooks.fire("on_before_optimizer_step", grad_norm=s.grad_norm)
+    _optimizer_step(s)
     hooks.fire("on_after_optimizer_step", grad_norm=s.grad_norm)
-    _count_step(s, n_micro, time.perf_counter() - started)
+    _count_step(s, time.perf_counter() - started)
     if "on_step_end" in hooks.active:
-        s.ctx.loss = float(loss_sum) / n_micro  # this rank's loss: a CPU-GPU sync
+        s.ctx.loss = float(loss_sum) * wl.norm / max(targets, 1)  # this rank's: a CPU-GPU sync
         hooks.fire("on_step_end")
     return agreement
 
@@ -159,24 +163,20 @@ def after_boundary(s: WorkerState, agreement: Agreement, schedule: Schedule) -> 
     return decision.stop
 
 
-def _optimizer_step(s: WorkerState) -> Any:
-    """Clip, step the optimizer and the scheduler, zero the gradients; the gradient norm."""
-    grad_norm = None
-    if s.args.max_grad_norm is not None:  # a collective under FSDP (the norm of all shards)
-        grad_norm = s.parallel.clip_grad_norm(s.args.max_grad_norm)
+def _optimizer_step(s: WorkerState) -> None:
+    """Step the optimizer and the scheduler, zero the gradients."""
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
-    return grad_norm
 
 
-def _count_step(s: WorkerState, n_micro: int, seconds: float) -> None:
-    """Count the step locally (every rank takes the same number of micro-batches of the same
-    size: samples are counted, not reduced)."""
+def _count_step(s: WorkerState, seconds: float) -> None:
+    """Count the step locally (every step takes batch_size x grad_accum_steps x world samples
+    of the epoch, packed or not: samples are counted, not reduced)."""
     p, ctx = s.progress, s.ctx
     p.global_step += 1
     p.step_in_epoch += 1
-    samples = n_micro * s.args.batch_size * s.world_size
+    samples = s.loader.per_step
     p.samples_seen += samples
     ctx.global_step, ctx.samples_seen, ctx.elapsed_time = p.global_step, p.samples_seen, seconds
     s.window.add_step(seconds, samples)
@@ -190,7 +190,8 @@ def _read(s: WorkerState, agreement: Agreement, apply: bool) -> TrainerControl:
         agreement.recorded = True
         s.progress.tokens_seen += round(agreed.tokens)
         s.ctx.tokens_seen = s.progress.tokens_seen
-        s.ctx.loss = agreed.loss_sum / (s.args.grad_accum_steps * s.world_size)
+        # The mean over every target token of the step (all micro-batches of all ranks).
+        s.ctx.loss = agreed.loss_sum * s.workload.norm / max(agreed.targets, 1)
         s.window.add_agreed(agreed.tokens, agreed.positions)
     if apply:
         requested = agreement.requested

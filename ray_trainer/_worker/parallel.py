@@ -42,8 +42,11 @@ class Replicated:
         """Accumulate gradients locally (a micro-batch that is not the step's last)."""
         return self.accelerator.no_sync(self.model)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+    def scale_and_clip(self, scale: torch.Tensor, max_norm: float | None) -> Any:
+        """Multiply the gradients by `scale`, clipped to `max_norm`; their norm (or None)."""
+        if self.accelerator.scaler is not None:  # fp16: unscale before anything reads them
+            self.accelerator.unscale_gradients()
+        return scale_and_clip_(list(self.model.parameters()), scale, max_norm, sharded=False)
 
 
 @dataclass
@@ -68,10 +71,36 @@ class Sharded:
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm over every rank's shards (a collective: all ranks call it)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    def scale_and_clip(self, scale: torch.Tensor, max_norm: float | None) -> Any:
+        """Multiply the gradients by `scale`, clipped by the norm over every rank's shards (a
+        collective when clipping: all ranks call it); their norm (or None)."""
+        return scale_and_clip_(list(self.model.parameters()), scale, max_norm, sharded=True)
+
+
+def scale_and_clip_(
+    params: list[nn.Parameter], scale: torch.Tensor, max_norm: float | None, sharded: bool
+) -> torch.Tensor | None:
+    """``grad *= scale`` for every parameter, clipped so that the scaled gradients' norm is at
+    most `max_norm`: one pass to read the norm, one to multiply (as clipping alone takes).
+    Returns the norm of the scaled gradients before clipping, a device tensor (None without
+    clipping). Sharded gradients (FSDP's DTensors) are scaled through their local shards, and
+    their norm is summed over the ranks (an all-reduce)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    if not local:
+        return None
+    if max_norm is None:
+        torch._foreach_mul_(local, scale.to(local[0].device))
+        return None
+    squares = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+    if sharded:
+        import torch.distributed as dist
+
+        dist.all_reduce(squares)  # every rank holds a slice of every gradient
+    norm = squares.sqrt() * scale
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0) * scale
+    torch._foreach_mul_(local, factor.to(local[0].device))
+    return norm
 
 
 def prepare(
@@ -85,15 +114,16 @@ def prepare(
     (`make_optimizer(model)`) on the result. Every rank calls it: FSDP's sharding and DDP's
     broadcast of the initial weights are collectives."""
     restore: dict[str, Any] = {}
+    # Training never needs a Hugging Face model's KV cache: it costs memory, a recomputed block
+    # would append to it again, and with one transformers would not keep packed samples apart.
+    # The export gets the config's own value back.
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        restore["use_cache"] = config.use_cache
+        config.use_cache = False
     if args.activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
-        # A Hugging Face model's KV cache would be appended to again when a block is recomputed;
-        # training never needs it (the export gets the config's own value back).
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            restore["use_cache"] = config.use_cache
-            config.use_cache = False
         for block in find_blocks(model, args.fsdp_shard_modules, why="checkpointing"):
             checkpoint(block)  # recompute this block's activations in backward
     if args.compile:

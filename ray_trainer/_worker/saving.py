@@ -20,6 +20,7 @@ from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import WorkerSummary, checkpoint_dir_name
 from ray_trainer._models import ModelSpec
 from ray_trainer._storage import locate
+from ray_trainer._worker.data import count_targets
 from ray_trainer._worker.hf_export import export_hf, exports
 
 if TYPE_CHECKING:
@@ -137,17 +138,16 @@ def evaluate(s: WorkerState) -> None:
     )
     was_training = model.training
     model.eval()
-    loss_sum, count = 0.0, 0
+    loss_sum, count = 0.0, 0  # token-weighted, as the training loss: sums over target counts
     with torch.no_grad():
         for i, batch in enumerate(loader):
             if s.args.eval_max_batches is not None and i >= s.args.eval_max_batches:
                 break
+            targets = count_targets(batch, wl.shifts_labels)  # on the host, before the copy
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             with acc.autocast():
-                loss = wl.loss_fn(model(**batch), batch)
-            n = len(next(iter(batch.values())))
-            loss_sum += float(loss) * n
-            count += n
+                loss_sum += float(wl.loss_sum(model, batch, targets))
+            count += targets
         # Under FSDP every rank computes them (the model's forward is a collective): rank 0's count.
         computes = wl.rank0_metrics is not None and (s.rank == 0 or s.parallel.sharded)
         extra = wl.rank0_metrics(model) if computes else {}

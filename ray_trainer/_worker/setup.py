@@ -14,17 +14,17 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from torch.utils.data import DataLoader
 
 from callbacks import TrainingContext
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._config import TrainingArgs
 from ray_trainer._contract import RunSpec
 from ray_trainer._placement import build_manager, keep_for_worker, unpack
+from ray_trainer._worker.attention import check_packed_attention
+from ray_trainer._worker.data import StepLoader
 from ray_trainer._worker.hooks import Hooks
 from ray_trainer._worker.parallel import Replicated, Sharded, prepare
 from ray_trainer._worker.resume import agree_attempt
-from ray_trainer._worker.sampler import ResumableDistributedSampler
 from ray_trainer._worker.throughput import ModelShape, Window, model_shape, peak_flops
 from ray_trainer._worker.workload import Workload, build_workload
 
@@ -43,8 +43,7 @@ class WorkerState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     workload: Workload
-    loader: DataLoader
-    sampler: ResumableDistributedSampler
+    loader: StepLoader
     hooks: Hooks
     ctx: TrainingContext
     total_steps: int
@@ -84,19 +83,9 @@ def setup(spec: RunSpec) -> WorkerState:
         cpu=not args.use_gpu, mixed_precision="no" if args.strategy == "fsdp" else precision
     )
     set_seed(args.seed)  # same initial weights on every rank (FSDP shards each rank's copy)
-    shipped = {name: ray.get(ref) for name, ref in spec.shipped_data.items()}
-    workload = build_workload(args, shipped)
-    sampler = ResumableDistributedSampler(
-        workload.train_dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed
-    )
-    loader = DataLoader(
-        workload.train_dataset,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        collate_fn=workload.collate_fn,
-        drop_last=True,  # every rank takes the same number of steps: collectives stay matched
-    )
-    steps_per_epoch = len(loader) // args.grad_accum_steps
+    workload = build_workload(args, spec.data_caches, spec.chat_template)
+    loader = _loader(args, workload, world, rank)
+    steps_per_epoch = loader.steps_per_epoch
     if steps_per_epoch == 0:
         raise ValueError(
             f"data: {len(workload.train_dataset)} samples are too few for one optimizer step of "
@@ -110,6 +99,10 @@ def setup(spec: RunSpec) -> WorkerState:
 
     parallel = prepare(workload.model, args, accelerator, make_optimizer, precision)
     model, optimizer = parallel.model, parallel.optimizer
+    if args.packing:  # on the real model, before any step: packed samples must stay apart
+        check_packed_attention(
+            parallel.module(), accelerator.device, accelerator.autocast, loader.pad_to
+        )
     # The scheduler is ours, not accelerate's: its wrapper steps once per process per call.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(args.lr_schedule, args.warmup_steps, total_steps)
@@ -146,7 +139,6 @@ def setup(spec: RunSpec) -> WorkerState:
         scheduler=scheduler,
         workload=workload,
         loader=loader,
-        sampler=sampler,
         hooks=Hooks(manager, ctx, forwarder, preemption_notice() if rank == 0 else None),
         ctx=ctx,
         total_steps=total_steps,
@@ -157,6 +149,28 @@ def setup(spec: RunSpec) -> WorkerState:
         copy_stream=torch.cuda.Stream(accelerator.device)
         if accelerator.device.type == "cuda"
         else None,
+    )
+
+
+def _loader(args: TrainingArgs, workload: Workload, world: int, rank: int) -> StepLoader:
+    """This rank's step loader: every step takes batch_size x grad_accum_steps x world samples
+    of the epoch (drop_last: every rank takes the same number of steps, collectives match)."""
+    max_tokens = args.tokens_per_micro_batch
+    cache = getattr(workload.train_dataset, "cache", None)
+    return StepLoader(
+        workload.train_dataset,
+        world=world,
+        rank=rank,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum_steps,
+        seed=args.seed,
+        pad_id=workload.pad_id if workload.pad_id is not None else 0,
+        shifts_labels=workload.shifts_labels,
+        collate=workload.collate_fn,
+        max_tokens=max_tokens,
+        # compile=True: one shape for every packed row, no recompilation per length.
+        pad_to=max_tokens if (max_tokens and args.compile) else 1,
+        prefetch=cache is not None and not cache.location.is_local,
     )
 
 

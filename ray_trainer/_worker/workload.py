@@ -1,17 +1,32 @@
 """Training worker: what it trains (model, data, loss), built from `TrainingArgs`.
 
-Runs in each training worker. Every rank builds the same model from the same seed; DDP then keeps the replicas identical.
+Runs in each training worker. Every rank builds the same model from the same seed; DDP then keeps
+the replicas identical. Data that ray-trainer encodes (files, a ``datasets.Dataset``) is read
+from the run's token cache, which the driver's preparation tasks completed before this worker
+started; a torch ``Dataset`` of the user's is used as it is.
+
+**The loss.** A step's loss is the mean over every target token of the step's global batch (all
+micro-batches of all ranks): the sum of the token losses over the global count of labels the
+model scores. Each micro-batch contributes its token-loss sum divided by a constant ``norm``
+(the same on every rank); after backward, the gradients are multiplied by
+``norm x world / global count`` (the count rides in the step's all-reduce), so they do not
+depend on how the samples are split into ``batch_size``, ``grad_accum_steps`` and
+``num_workers``, and a short sample weighs no more than a long one. A model that takes
+``num_items_in_batch`` (Hugging Face causal LMs, the demo model) returns that sum divided by it
+itself, with no NaN on a micro-batch whose labels are all ignored; any other model (or a
+``loss_fn``) returns the mean over the micro-batch's targets, which is weighted by their count.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, random_split
+from torch.utils.data import Dataset
 
 from ray_trainer._config import TrainingArgs, is_builtin
 from ray_trainer._models import ModelSpec
@@ -28,34 +43,60 @@ class Workload:
     rank0_metrics: Callable[[nn.Module], dict[str, float]] | None = None
     tokenizer: Any = None  # saved into a Hugging Face export when it can save itself
     pad_id: int | None = None  # when batches have no attention mask: what padding is
+    sums_itself: bool = False  # the model takes num_items_in_batch (returns sum / it)
+    shifts_labels: bool = True  # a causal LM: labels[t + 1] is scored at position t
+    norm: float = 1.0  # each micro-batch's loss is its token-loss sum over this
+    chat_template: str | None = None  # the template the data was rendered with (for hf/)
+    end_of_turn_ids: list[int] | None = None  # the tokens that end an assistant turn (for hf/)
+
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
+        """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
+        count of labels the model scores in `batch`, known on the host."""
+        if self.sums_itself:
+            outputs = model(**batch, num_items_in_batch=self.norm)
+            return outputs, self.loss_fn(outputs, batch)
+        outputs = model(**batch)
+        return outputs, self.loss_fn(outputs, batch) * (targets / self.norm)
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
+        """The token-loss sum of a batch (validation): no gradient needed."""
+        if self.sums_itself:
+            return self.loss_fn(model(**batch, num_items_in_batch=1.0), batch)
+        return self.loss_fn(model(**batch), batch) * targets
 
 
-def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) -> Workload:
-    """The model, datasets and loss of this rank. ``shipped`` holds the content of data files
-    the driver sent through Ray's object store (by field: ``data``, ``val_data``)."""
+def build_workload(
+    args: TrainingArgs, caches: dict[str, str] | None = None, chat_template: str | None = None
+) -> Workload:
+    """The model, datasets and loss of this rank. ``caches`` names the token cache of each
+    data field the driver encoded (``data``, ``val_data``), rendered with ``chat_template``."""
     if is_builtin(args.model) and args.data is None:
         return _demo_workload(args)
     spec = ModelSpec.of(args)
     model = spec.build_model()
-    tokenizer = spec.build_tokenizer()
-    shipped = shipped or {}
-    train = _dataset(args.data, args, tokenizer, shipped.get("data"))
-    # A dataset that knows how to batch itself (JsonlTextDataset pads with its tokenizer's pad
-    # id) brings its collate; other datasets use torch's default.
+    tokenizer = spec.data_tokenizer()
+    pad_id = _pad_id(tokenizer)
+    caches = caches or {}
+    train = _dataset("data", args, caches, pad_id)
     collate = getattr(train, "collate", None)
-    val = (
-        _dataset(args.val_data, args, tokenizer, shipped.get("val_data"))
-        if args.val_data is not None
-        else None
-    )
+    val = _dataset("val_data", args, caches, pad_id) if args.val_data is not None else None
     if val is None and args.eval_every_steps:
-        # Hold out 5% of the training data, the same split on every rank.
-        n_val = max(1, len(train) // 20)
-        train, val = random_split(
-            train, [len(train) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed)
-        )
-    loss_fn = args.loss_fn or model_loss
-    return Workload(model, train, val, collate, loss_fn, tokenizer=tokenizer)
+        train, val = _hold_out(train, args.seed)
+    cached = "data" in caches
+    return Workload(
+        model,
+        train,
+        val,
+        collate,
+        args.loss_fn or model_loss,
+        tokenizer=tokenizer,
+        pad_id=pad_id,
+        sums_itself=args.loss_fn is None and takes_num_items(model),
+        shifts_labels=is_causal_lm(model),
+        norm=float(args.batch_size * args.grad_accum_steps * (args.max_length if cached else 1)),
+        chat_template=chat_template,
+        end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
+    )
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -69,16 +110,64 @@ def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return loss
 
 
-def _dataset(spec: Any, args: TrainingArgs, tokenizer: Any, content: bytes | None) -> Dataset:
-    if isinstance(spec, str):
-        from ray_trainer._data import JsonlTextDataset
+def takes_num_items(model: nn.Module) -> bool:
+    """Whether the model sums its loss over ``num_items_in_batch`` (as transformers' causal LMs
+    do; a model class says so with ``accepts_loss_kwargs``, as in transformers)."""
+    declared = getattr(model, "accepts_loss_kwargs", None)
+    if declared is not None:
+        return bool(declared)
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.name == "num_items_in_batch" for p in params):
+        return True
+    # A Hugging Face model passes **kwargs on to its loss function.
+    return hasattr(model, "loss_function") and any(p.kind is p.VAR_KEYWORD for p in params)
 
-        return JsonlTextDataset(
-            spec, tokenizer, args.max_length, text_field=args.text_field, content=content
-        )
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A model that predicts token t+1 at position t (its labels are shifted inside)."""
+    from ray_trainer._demo.model import TinyCausalLM
+
+    name = type(model).__name__
+    return isinstance(model, TinyCausalLM) or name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _end_of_turn(tokenizer: Any, chat_template: str | None) -> list[int] | None:
+    if chat_template is None:
+        return None
+    from ray_trainer._data.encode import end_of_turn_ids
+
+    return list(end_of_turn_ids(tokenizer, chat_template))
+
+
+def _pad_id(tokenizer: Any) -> int | None:
+    if tokenizer is None:
+        return None
+    from ray_trainer._data.text import _Encoder
+
+    return _Encoder(tokenizer).pad_id
+
+
+def _dataset(field: str, args: TrainingArgs, caches: dict[str, str], pad_id: Any) -> Dataset:
+    if field in caches:
+        from ray_trainer._worker.data import CachedDataset
+
+        return CachedDataset.open(caches[field], args.storage_filesystem, pad_id or 0)
+    spec = getattr(args, field)
     if isinstance(spec, type) or (callable(spec) and not hasattr(spec, "__getitem__")):
         spec = spec()
     return spec
+
+
+def _hold_out(train: Any, seed: int) -> tuple[Any, Any]:
+    """5% of the training data for validation, the same split on every rank."""
+    from torch.utils.data import random_split
+
+    n_val = max(1, len(train) // 20)
+    generator = torch.Generator().manual_seed(seed)
+    if hasattr(train, "subset"):  # a token cache keeps its lengths (for packing)
+        order = torch.randperm(len(train), generator=generator).tolist()
+        return train.subset(order[n_val:]), train.subset(order[:n_val])
+    return random_split(train, [len(train) - n_val, n_val], generator=generator)
 
 
 def _demo_workload(args: TrainingArgs) -> Workload:
@@ -93,4 +182,6 @@ def _demo_workload(args: TrainingArgs) -> Workload:
         loss_fn=args.loss_fn or model_loss,
         rank0_metrics=demo.eval_fn,
         pad_id=demo.tokenizer.pad_id,
+        sums_itself=args.loss_fn is None,
+        norm=float(args.batch_size * args.grad_accum_steps * 8),
     )

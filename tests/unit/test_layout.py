@@ -17,7 +17,10 @@ CALLBACKS = ROOT / "callbacks"
 MAX_LINES = 400
 MAX_TOP_MODULES = 8  # besides cli.py and __init__.py
 # The first line of every module's docstring names the process (or processes) that run it.
-PROCESS_WORDS = ("driver", "worker", "actor", "every process", "terminal", "eval task", "anywhere")
+PROCESS_WORDS = (
+    "driver", "worker", "actor", "every process", "terminal", "eval task", "anywhere",
+    "preparation task",
+)  # fmt: skip
 
 
 def _modules(folder: Path) -> list[Path]:
@@ -81,6 +84,14 @@ def test_shared_modules_import_no_process_package():
     assert found == []
     init = _imports(PACKAGE / "__init__.py")
     assert not [n for n in init if n.startswith("ray_trainer._worker")]
+
+
+def test_data_preparation_and_data_formats_import_no_process_room():
+    # The preparation tasks run on any node, beside the driver, workers and actor; the data
+    # formats are shared by all of them.
+    rooms = ("ray_trainer._driver", "ray_trainer._worker", "ray_trainer._actor")
+    assert _forbidden(PACKAGE / "_prep", rooms) == []
+    assert _forbidden(PACKAGE / "_data", (*rooms, "ray_trainer._prep")) == []
 
 
 def test_callbacks_import_nothing_of_ray_trainer():

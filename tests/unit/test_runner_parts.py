@@ -17,7 +17,6 @@ from ray_trainer._placement import (
     subscribed_events,
     unpack,
 )
-from ray_trainer._worker.sampler import ResumableDistributedSampler
 from ray_trainer._worker.setup import lr_lambda as _lr_lambda
 
 
@@ -124,21 +123,6 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     ckpt.set_rng_state(state)
     assert torch.equal(torch.rand(3), a)
-
-
-def test_sampler_resumes_mid_epoch_exactly():
-    data = list(range(40))
-    full = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
-    full.set_epoch(2)
-    order = list(full)
-    resumed = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
-    resumed.set_epoch(2)
-    resumed.set_start(8)
-    assert list(resumed) == order[8:]
-    assert len(resumed) == len(order) - 8
-    other = ResumableDistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
-    other.set_epoch(2)
-    assert not set(other) & set(order)  # ranks see disjoint shards
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ from pyarrow import fs as pafs
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer import load_model
-from ray_trainer._driver import nodes
 from ray_trainer._models import ModelSpec
 from ray_trainer._storage import local_copy, locate
 
@@ -76,44 +75,3 @@ def test_a_truncated_file_on_storage_makes_the_checkpoint_incomplete(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"model\.pt is missing or truncated"):
         ckpt.verify(str(tmp_path / "c"))
     assert ckpt.latest_checkpoint(str(tmp_path)) is None
-
-
-def _fake_cluster(monkeypatch, sizes_seen):
-    """Two nodes; the probe answers what each node sees (a stand-in for the Ray tasks)."""
-    cluster = [{"NodeID": "a" * 20, "NodeManagerAddress": "10.0.0.1"}]
-    cluster.append({"NodeID": "b" * 20, "NodeManagerAddress": "10.0.0.2"})
-    monkeypatch.setattr(
-        nodes, "_probe", lambda ns, path, size_only=False: list(zip(ns, sizes_seen, strict=True))
-    )
-    put = []
-    monkeypatch.setattr("ray.put", lambda data: put.append(data) or f"ref{len(put)}")
-    return cluster, put
-
-
-def test_small_local_data_travels_with_the_run_on_several_nodes(tmp_path, monkeypatch):
-    from ray_trainer import TrainingArgs
-
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"text": "x"}\n')
-    cluster, put = _fake_cluster(monkeypatch, [None, None])
-    args = TrainingArgs(data=str(data), val_data=str(data))
-    assert nodes.ship_data(args, cluster) == {"data": "ref1", "val_data": "ref2"}
-    assert put == [data.read_bytes()] * 2
-    assert nodes.ship_data(args, cluster[:1]) == {}  # one node: the workers read it in place
-    uri = TrainingArgs(data="s3://bucket/d.jsonl")
-    assert nodes.ship_data(uri, cluster) == {}  # a URI is read where it is needed
-
-
-def test_large_local_data_must_be_visible_on_every_node(tmp_path, monkeypatch):
-    from ray_trainer import TrainingArgs, TrainingArgsError
-
-    data = tmp_path / "big.jsonl"
-    data.write_text('{"text": "x"}\n' * 10)
-    monkeypatch.setattr(nodes, "SHIP_LIMIT_BYTES", 50)
-    size = data.stat().st_size
-    cluster, put = _fake_cluster(monkeypatch, [size, None])
-    with pytest.raises(TrainingArgsError) as info:
-        nodes.ship_data(TrainingArgs(data=str(data)), cluster)
-    assert "10.0.0.2" in str(info.value) and "s3://my-bucket/big.jsonl" in str(info.value)
-    cluster, put = _fake_cluster(monkeypatch, [size, size])
-    assert nodes.ship_data(TrainingArgs(data=str(data)), cluster) == {} and put == []

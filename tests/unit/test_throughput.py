@@ -110,9 +110,11 @@ def test_a_missing_compiler_is_named_with_the_fix(monkeypatch):
 
 def test_an_agreement_is_read_once_and_decodes_the_control():
     requested = TrainerControl(should_save=True)
-    agreement = Agreement(torch.tensor(1.5), torch.tensor(7), 9, requested, "cpu", world=1)
+    agreement = Agreement(torch.tensor(1.5), [5, 7, 9], requested, "cpu", world=1)
     agreed = agreement.result()
-    assert (agreed.loss_sum, agreed.tokens, agreed.positions) == (1.5, 7.0, 9.0)
+    assert (agreed.loss_sum, agreed.targets, agreed.tokens, agreed.positions) == (1.5, 5, 7, 9)
+    # The gradients' scale: norm x world / the step's targets, a tensor (no host sync).
+    assert float(agreement.scale(10.0)) == 2.0
     assert agreed.control == TrainerControl(should_save=True)
     assert agreement.result() is agreed  # read once, then kept
     assert agreement.requested is requested and not agreement.recorded

@@ -1,0 +1,89 @@
+"""Workers (and benchmarks): which samples each rank trains on at each step, packed or padded.
+
+Runs in every training worker, the same on every rank: each rank computes the whole plan of a
+step from the epoch's shuffled order and the samples' lengths (known to every rank from the
+token cache), so no rank waits for another to agree on it. A step takes the next
+``batch_size x grad_accum_steps x num_workers`` samples of the epoch, packed or not, so steps,
+epochs and schedules mean the same either way.
+
+* Padded (`round_robin`): rank r takes every W-th sample of the step, in micro-batches of
+  ``batch_size`` (what ``DistributedSampler`` and a ``DataLoader`` did).
+* Packed (`pack_step`): the step's samples are packed best-fit-decreasing into bins of at most
+  ``max_tokens`` tokens, and the bins are dealt to the ranks so that every rank gets the same
+  number of micro-batches (give or take one: `pack_step` tells how many each must take; a rank
+  short of one trains on a filler whose labels are all ignored) and about the same tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """The epoch's sample order: the permutation ``DistributedSampler`` uses (same seed and
+    epoch, same order), so resumed and earlier runs see the same samples."""
+    if not shuffle:
+        return np.arange(n)
+    import torch
+
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=generator).numpy()
+
+
+def steps_per_epoch(n: int, per_step: int) -> int:
+    """Whole steps in an epoch of n samples (the incomplete last step is dropped)."""
+    return n // per_step
+
+
+def round_robin(step: Sequence[int], world: int, rank: int, batch_size: int) -> list[list[int]]:
+    """This rank's micro-batches of a step, padded batching: every W-th sample from `rank`."""
+    mine = list(step[rank::world])
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+def pack(
+    ids: Sequence[int], lengths: Sequence[int] | np.ndarray, max_tokens: int
+) -> list[list[int]]:
+    """Best-fit-decreasing: the samples `ids` in bins of at most `max_tokens` tokens, each
+    sample into the fullest bin it still fits (ties broken by position, so every rank computes
+    the same bins). A sample longer than `max_tokens` gets a bin of its own."""
+    order = sorted(ids, key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (space left, bin number), sorted
+    for i in order:
+        size = int(lengths[i])
+        at = bisect.bisect_left(room, (size, -1))
+        if at < len(room):
+            left, b = room.pop(at)
+            bins[b].append(i)
+            bisect.insort(room, (left - size, b))
+        else:
+            bins.append([i])
+            bisect.insort(room, (max_tokens - size, len(bins) - 1))
+    return bins
+
+
+def pack_step(
+    step: Sequence[int], lengths: Sequence[int] | np.ndarray, world: int, max_tokens: int
+) -> list[list[list[int]]]:
+    """Every rank's packed micro-batches of a step: ``plan[rank]`` is a list of bins. Bins go,
+    largest first, to the rank with the fewest bins (then the fewest tokens), so the counts
+    differ by at most one and the tokens are balanced."""
+    bins = pack(step, lengths, max_tokens)
+    sized = sorted(((sum(int(lengths[i]) for i in b), b) for b in bins), key=lambda t: -t[0])
+    plan: list[list[list[int]]] = [[] for _ in range(world)]
+    tokens = [0] * world
+    for size, b in sized:
+        rank = min(range(world), key=lambda r: (len(plan[r]), tokens[r], r))
+        plan[rank].append(b)
+        tokens[rank] += size
+    return plan
+
+
+def micro_batches_per_rank(plan: list[list[list[int]]]) -> int:
+    """How many micro-batches every rank takes at this step (the most any rank has)."""
+    return max(len(bins) for bins in plan)

@@ -1,0 +1,220 @@
+"""Driver: every record of a source checked, and the source cut into pieces for preparation.
+
+:func:`scan` runs in the driver before Ray starts (skipped when the run's token cache already
+holds the source): it reads every record once, checks its shape for the source's format
+(:func:`check_record`: pure Python, no tokenizer), and cuts the source into :class:`Piece` s of at
+most ``PIECE_RECORDS`` records for the preparation tasks. The first bad record fails the run
+with its file and line (or row) and the fix, and how many other records are bad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ray_trainer._data.sources import (
+    _ACCEPTED,
+    _UTF8_BOM,
+    PIECE_BYTES,
+    PIECE_RECORDS,
+    DataFile,
+    Piece,
+    Source,
+    _parse_line,
+    read_piece,
+)
+from ray_trainer._data.text import DataFileError
+from ray_trainer._storage import locate
+
+_BLOCK = 8 * 2**20
+
+
+def check_record(record: Any, fmt: str, text_field: str = "text") -> None:
+    """Raise ``ValueError`` saying what is wrong with one record of format ``fmt`` (the caller
+    adds where it is)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {_kind(record)}; each record is {_ACCEPTED}")
+    found = ", ".join(repr(k) for k in record) or "none"
+    need = {
+        "messages": ("messages",),
+        "conversational": ("prompt", "completion"),
+        "prompt_completion": ("prompt", "completion"),
+        "text": (text_field,),
+    }[fmt]
+    missing = [k for k in need if k not in record]
+    if missing:
+        raise ValueError(
+            f"missing field {missing[0]!r} (found keys: {found}); this source's records are "
+            f"{fmt!r} records (detected from its first record), each needs {', '.join(map(repr, need))}"
+        )
+    if fmt == "messages":
+        _check_messages(record["messages"])
+    elif fmt == "conversational":
+        for key in need:
+            if not isinstance(record[key], list):
+                raise ValueError(
+                    f"field {key!r} must be a list of messages, got {_kind(record[key])}"
+                )
+            _check_messages(record[key], require_assistant=key == "completion")
+    else:
+        for key in need:
+            if not isinstance(record[key], str):
+                raise ValueError(f"field {key!r} must be a string, got {_kind(record[key])}")
+
+
+def _check_messages(messages: Any, require_assistant: bool = True) -> None:
+    from ray_trainer._data.encode import RecordError, check_messages
+
+    try:
+        check_messages(messages) if require_assistant else _check_prompt(messages)
+    except RecordError as e:
+        raise ValueError(str(e)) from None
+
+
+def _check_prompt(messages: Any) -> None:
+    """A conversational prompt: messages, with no assistant turn required."""
+    from ray_trainer._data.encode import RecordError
+
+    if not isinstance(messages, list) or not messages:
+        raise RecordError(f"'prompt' must be a non-empty list of messages, got {_kind(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+            raise RecordError(f"prompt message {i} needs a 'role' and a string 'content'")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else "a value")
+
+
+def scan(source: Source, text_field: str = "text") -> Source:
+    """Check every record of `source` and cut it into pieces; returns it with ``records`` and
+    ``pieces`` set. Raises :class:`DataFileError` naming the first bad record."""
+    errors: list[str] = []
+    pieces: list[Piece] = []
+    total = 0
+    some_text = False
+    for rows in _units(source):
+        for piece, records in rows:
+            for where, record in records:
+                try:
+                    if isinstance(record, _Bad):
+                        raise ValueError(record.why)
+                    check_record(record, source.fmt, text_field)
+                except ValueError as e:
+                    errors.append(f"{where}: {e}")
+                    continue
+                some_text = some_text or _has_text(record, source.fmt, text_field)
+            pieces.append(piece)
+            total += piece.records
+    if errors:
+        more = len(errors) - 1
+        tail = (
+            f" ({more} more bad record{'s' if more > 1 else ''}, e.g. {errors[1]})" if more else ""
+        )
+        raise DataFileError(errors[0] + tail)
+    if total == 0:
+        raise DataFileError(
+            f"{source.field}: {source.name} holds no records; write one JSON object per line, "
+            f"e.g. {_ACCEPTED}"
+        )
+    if not some_text:
+        fields = {"text": repr(text_field), "prompt_completion": "'prompt'/'completion'"}
+        raise DataFileError(
+            f"{source.name}: all {total} record(s) have empty text (nothing to train on); fill "
+            f"the {fields.get(source.fmt, 'message content')} fields"
+        )
+    source.records, source.pieces = total, pieces
+    return source
+
+
+def _has_text(record: dict[str, Any], fmt: str, text_field: str) -> bool:
+    if fmt == "text":
+        return bool(record[text_field])
+    if fmt == "prompt_completion":
+        return bool(record["prompt"] or record["completion"])
+    messages = record["messages"] if fmt == "messages" else record["completion"]
+    return any(m.get("content") for m in messages)
+
+
+def _units(source: Source) -> Iterator[Iterator[tuple[Piece, list]]]:
+    """Per file (or the in-memory table): its pieces, each with its (where, record) list."""
+    if source.table is not None:
+        yield _row_pieces(source, None, len(source.table))
+        return
+    for file in source.files:
+        if file.kind in ("parquet", "arrow"):
+            yield _row_pieces(source, file, _row_count(file))
+        else:
+            yield _line_pieces(source, file)
+
+
+def _row_pieces(source: Source, file: DataFile | None, rows: int) -> Iterator[tuple[Piece, list]]:
+    for start in range(0, rows, PIECE_RECORDS):
+        piece = Piece(file, start, min(rows, start + PIECE_RECORDS))
+        records = list(read_piece(source, piece))
+        yield Piece(file, piece.start, piece.end, records=len(records)), records
+
+
+def _row_count(file: DataFile) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    location = locate(file.name)
+    with location.fs.open_input_file(location.path) as f:
+        if file.kind == "parquet":
+            return pq.ParquetFile(f).metadata.num_rows
+        return pa.ipc.open_stream(f).read_all().num_rows
+
+
+def _line_pieces(source: Source, file: DataFile) -> Iterator[tuple[Piece, list]]:
+    """A JSONL (or JSON) file read in blocks, cut at line ends into pieces."""
+    location = locate(file.name)
+    with location.fs.open_input_stream(location.path) as f:
+        pending = f.read(_BLOCK)
+        if file.kind == "json" and pending.lstrip()[:1] == b"[":  # one JSON array: one piece
+            rows = list(read_piece(source, Piece(file, 0, file.size)))
+            yield Piece(file, 0, file.size, records=len(rows)), rows
+            return
+        skip = len(_UTF8_BOM) if pending.startswith(_UTF8_BOM) else 0
+        pending = pending[skip:]
+        start = offset = skip
+        first_line = lineno = 1
+        records: list[tuple[str, Any]] = []
+        while True:
+            more = f.read(_BLOCK)
+            lines = pending.split(b"\n")
+            pending = lines.pop() if more else b""  # an unfinished line waits for the next block
+            for raw in lines:
+                offset += len(raw) + 1
+                if raw.strip():
+                    records.append((f"{file.name}:{lineno}", _parsed(file, lineno, raw)))
+                lineno += 1
+                if len(records) >= PIECE_RECORDS or offset - start >= PIECE_BYTES:
+                    yield (
+                        Piece(file, start, min(offset, file.size), first_line, len(records)),
+                        records,
+                    )
+                    start, first_line, records = offset, lineno, []
+            if not more:
+                break
+            pending += more
+    if records:
+        yield Piece(file, start, min(offset, file.size), first_line, len(records)), records
+
+
+def _parsed(file: DataFile, lineno: int, raw: bytes) -> Any:
+    """The parsed line, or a `_Bad` that `scan` reports (so every bad line is counted)."""
+    try:
+        return _parse_line(file.name, lineno, raw)
+    except DataFileError as e:
+        return _Bad(str(e).split(": ", 1)[1])
+
+
+class _Bad:
+    """A line that did not parse, and why."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why

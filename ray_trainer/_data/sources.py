@@ -1,0 +1,309 @@
+"""Driver and data-preparation tasks: where a run's records come from, in which format.
+
+``data`` and ``val_data`` name a source: a JSONL, JSON or Parquet file, a glob of them, a folder of
+them, a folder written by ``datasets.Dataset.save_to_disk``, local or on a bucket (``s3://``,
+``gs://``: read through ``pyarrow.fs``, never assuming a shared disk), or an in-memory
+``datasets.Dataset``. :func:`resolve` (driver, before Ray starts) finds the files and detects the
+format from the columns; :func:`scan` (driver) checks every record and cuts the source into
+:class:`Piece` s; :func:`read_piece` (a preparation task, on any node) yields a piece's records.
+Every record comes with where it is (``file:line``, or ``file[row]``), so an error names it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_trainer._data.text import DataFileError
+from ray_trainer._storage import Location, is_uri, locate
+
+#: The record formats, in the order they are detected from the columns.
+FORMATS = ("messages", "conversational", "prompt_completion", "text")
+_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_GLOB = set("*?[")
+#: A piece holds at most this many records or bytes of a file (one preparation task each).
+PIECE_RECORDS = 4096
+PIECE_BYTES = 32 * 2**20
+_UTF8_BOM = b"\xef\xbb\xbf"
+_ACCEPTED = (
+    '{"messages": [{"role": ..., "content": ...}, ...]} (chat), {"prompt": ..., "completion": ...} '
+    '(strings, or lists of messages), or {"text": ...}'
+)
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One file of a source: its name as users see it (a path or URI), kind, size, mtime."""
+
+    name: str
+    kind: str  # "jsonl" | "json" | "parquet" | "arrow"
+    size: int
+    mtime: float | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A slice of one file (or of an in-memory table) that one preparation task encodes:
+    bytes ``[start, end)`` of a JSONL file, rows ``[start, end)`` otherwise."""
+
+    file: DataFile | None  # None: the source's in-memory table
+    start: int
+    end: int
+    first_line: int = 1  # JSONL: the line number at `start`
+    records: int = 0
+
+
+@dataclass
+class Source:
+    """A resolved ``data`` or ``val_data`` input (picklable: it travels to preparation tasks)."""
+
+    field: str
+    name: str
+    files: list[DataFile]
+    fmt: str
+    columns: list[str]
+    table: Any = None  # an in-memory dataset's pyarrow Table (or, in tasks, its ObjectRef)
+    fingerprint: str = ""  # what identifies the records: files' names, sizes and mtimes
+    records: int | None = None  # set by `scan`
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def is_hf_dataset(value: Any) -> bool:
+    """True for a ``datasets.Dataset`` (checked without importing datasets)."""
+    return type(value).__module__.startswith("datasets") and hasattr(value, "with_format")
+
+
+def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | None:
+    """The source of ``value`` (None for what ray-trainer does not tokenize: a torch
+    ``Dataset``, a callable, None). Reads one record (or the schema) to detect the format.
+
+    Raises:
+        DataFileError: a missing path, a glob that matches nothing, a folder without data files,
+            a ``DatasetDict``, or columns that fit no format (the message lists both).
+    """
+    if is_hf_dataset(value):
+        table = value.with_format("arrow")[:]  # the rows in their logical order
+        cols = list(table.column_names)
+        first = table.slice(0, 1).to_pylist()[0] if len(table) else {}
+        name = f"{field_name} (a datasets.Dataset)"
+        fmt = detect_format(name, cols, first, text_field)
+        fp = getattr(value, "_fingerprint", None) or _table_digest(table)
+        return Source(field_name, name, [], fmt, cols, table=table, fingerprint=f"dataset:{fp}")
+    if type(value).__name__ == "DatasetDict":
+        raise DataFileError(
+            f"{field_name}: got a datasets.DatasetDict of splits {list(value)}; pass one split, "
+            f"e.g. {field_name}=dataset['train']"
+        )
+    if not isinstance(value, str):
+        return None
+    files = _files(value, field_name)
+    cols, first = _first_record(files[0])
+    fmt = detect_format(files[0].name, cols, first, text_field)
+    parts = [f"{f.name}|{f.size}|{f.mtime}" for f in files]
+    return Source(field_name, value, files, fmt, cols, fingerprint=";".join(parts))
+
+
+def detect_format(name: str, columns: list[str], first: dict[str, Any], text_field: str) -> str:
+    """The record format from the columns: ``messages`` first, then ``prompt``/``completion``
+    (lists of messages: ``conversational``), then the text field."""
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "conversational" if isinstance(first.get("prompt"), list) else "prompt_completion"
+    if text_field in columns:
+        return "text"
+    found = ", ".join(repr(c) for c in columns) or "none"
+    hint = "" if text_field != "text" else "; set text_field to read another column as text"
+    raise DataFileError(
+        f"{name}: no known record format in its columns ({found}); ray-trainer reads {_ACCEPTED}"
+        + hint
+    )
+
+
+def _files(spec: str, field_name: str) -> list[DataFile]:
+    """The data files a string names: a file, a glob, a folder of files or a save_to_disk one."""
+    if _GLOB & set(os.path.basename(spec)):
+        parent, pattern = spec.rsplit("/", 1) if "/" in spec else (".", spec)
+        found = [f for f in _listing(locate(parent)) if fnmatch.fnmatch(_base(f.name), pattern)]
+        if not found:
+            raise DataFileError(f"{field_name}: {spec} matches no file; check the pattern")
+        return _supported(found, spec, field_name)
+    location = locate(spec)
+    info = location.fs.get_file_info(location.path)
+    if info.type.name == "NotFound":
+        where = "no such object" if is_uri(spec) else f"resolved to {location.path}"
+        raise DataFileError(
+            f"{field_name}: {spec} does not exist ({where}); check the path (a relative path "
+            "means the folder the driver runs in; a bucket needs this process's credentials)"
+        )
+    if info.type.name == "Directory":
+        state = location.child("state.json").read_text()
+        if state is not None:  # written by datasets' save_to_disk: its arrow files, in order
+            names = [f["filename"] for f in json.loads(state).get("_data_files", [])]
+            listed = {_base(f.name): f for f in _listing(location)}
+            return [listed[n] for n in names if n in listed]
+        return _supported(_listing(location), spec, field_name)
+    return _supported([_data_file(location, info)], spec, field_name)
+
+
+def _supported(files: list[DataFile], spec: str, field_name: str) -> list[DataFile]:
+    kept = [f for f in files if f.kind]
+    if not kept:
+        names = ", ".join(_base(f.name) for f in files[:5]) or "nothing"
+        raise DataFileError(
+            f"{field_name}: {spec} holds no data file ({names}); ray-trainer reads .jsonl, .json, "
+            ".parquet and the folders datasets' save_to_disk writes"
+        )
+    return sorted(kept, key=lambda f: f.name)
+
+
+def _listing(folder: Location) -> list[DataFile]:
+    import pyarrow.fs as pafs
+
+    selector = pafs.FileSelector(folder.path, allow_not_found=True, recursive=False)
+    infos = folder.fs.get_file_info(selector)
+    return [_data_file(folder.child(i.base_name), i) for i in infos if i.type == pafs.FileType.File]
+
+
+def _data_file(location: Location, info: Any) -> DataFile:
+    suffix = os.path.splitext(location.path)[1].lower()
+    mtime = info.mtime.timestamp() if info.mtime is not None else None
+    return DataFile(location.name, _SUFFIXES.get(suffix, ""), int(info.size or 0), mtime)
+
+
+def _base(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _table_digest(table: Any) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for batch in table.to_batches():
+        for buf in batch.buffers() if hasattr(batch, "buffers") else []:
+            if buf is not None:
+                digest.update(buf)
+    digest.update(str(table.schema).encode())
+    return digest.hexdigest()[:16]
+
+
+# ---- reading records -------------------------------------------------------------------------
+
+
+def _first_record(file: DataFile) -> tuple[list[str], dict[str, Any]]:
+    """The columns of a file and its first record (for the format)."""
+    if file.kind in ("parquet", "arrow"):
+        table = _read_table(file, 0, 1)
+        return list(table.column_names), (table.to_pylist() or [{}])[0]
+    for _, record in _records(file, Piece(file, 0, file.size)):
+        if isinstance(record, dict):
+            return list(record), record
+        break
+    return [], {}
+
+
+def read_piece(source: Source, piece: Piece) -> Iterator[tuple[str, Any]]:
+    """(where, record) for every record of a piece, in order; ``record`` is whatever the line
+    parsed to (checking its shape is `check_record`'s job). Runs in the driver and in
+    preparation tasks. A JSON line that does not parse raises :class:`RecordLineError`."""
+    if piece.file is None:
+        table = source.table
+        for offset, row in enumerate(table.slice(piece.start, piece.end - piece.start).to_pylist()):
+            yield f"{source.name}[{piece.start + offset}]", _drop_nulls(row)
+        return
+    yield from _records(piece.file, piece)
+
+
+class RecordLineError(DataFileError):
+    """A line that is not one JSON object (the message names file and line)."""
+
+
+def _records(file: DataFile, piece: Piece) -> Iterator[tuple[str, Any]]:
+    if file.kind in ("parquet", "arrow"):
+        for offset, row in enumerate(_read_table(file, piece.start, piece.end).to_pylist()):
+            yield f"{file.name}[{piece.start + offset}]", _drop_nulls(row)
+        return
+    data = _read_bytes(file, piece.start, piece.end)
+    if piece.start == 0 and data.startswith(_UTF8_BOM):  # as editors on Windows write it
+        data = data[len(_UTF8_BOM) :]
+    if file.kind == "json" and data.lstrip()[:1] == b"[":  # one JSON array of records
+        for i, record in enumerate(_json_array(file.name, data)):
+            yield f"{file.name}[{i}]", record
+        return
+    for lineno, raw in enumerate(data.split(b"\n"), start=piece.first_line):
+        if raw.strip():
+            yield f"{file.name}:{lineno}", _parse_line(file.name, lineno, raw)
+
+
+def _parse_line(name: str, lineno: int, raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RecordLineError(
+            f"{name}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start}); save it as UTF-8"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise RecordLineError(
+            f"{name}:{lineno}: invalid JSON ({e.msg}: column {e.colno}); each line must be one "
+            f"JSON object, e.g. {_ACCEPTED}"
+        ) from None
+
+
+def _json_array(name: str, data: bytes) -> list[Any]:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataFileError(f"{name}: not a valid JSON array of records ({e})") from None
+
+
+def _drop_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    """Arrow fills a field that another row has with None: drop those (recursively in
+    messages) so a chat template sees the record as it was written."""
+    out = {k: v for k, v in row.items() if v is not None}
+    for key in ("messages", "prompt", "completion"):
+        value = out.get(key)
+        if isinstance(value, list):
+            out[key] = [
+                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                for m in value
+            ]
+    return out
+
+
+def _read_bytes(file: DataFile, start: int, end: int) -> bytes:
+    location = locate(file.name)
+    if start == 0 and end >= file.size:
+        return location.read_bytes()
+    with location.fs.open_input_file(location.path) as f:
+        return f.read_at(end - start, start)
+
+
+def _read_table(file: DataFile, start: int, end: int) -> Any:
+    """Rows ``[start, end)`` of a Parquet file or an Arrow stream file (save_to_disk's)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    location = locate(file.name)
+    with location.fs.open_input_file(location.path) as f:
+        if file.kind == "parquet":
+            return _parquet_rows(pq.ParquetFile(f), start, end)
+        reader = pa.ipc.open_stream(f)
+        return reader.read_all().slice(start, max(0, end - start))
+
+
+def _parquet_rows(pf: Any, start: int, end: int) -> Any:
+    import pyarrow as pa
+
+    tables, seen = [], 0
+    for group in range(pf.num_row_groups):
+        rows = pf.metadata.row_group(group).num_rows
+        if seen + rows > start and seen < end:
+            table = pf.read_row_group(group)
+            lo, hi = max(start - seen, 0), min(end - seen, rows)
+            tables.append(table.slice(lo, hi - lo))
+        seen += rows
+    return pa.concat_tables(tables) if tables else pf.schema_arrow.empty_table()

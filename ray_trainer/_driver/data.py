@@ -1,0 +1,215 @@
+"""Driver: a run's data, checked before Ray starts and encoded once, in parallel, before training.
+
+Runs in the driver. :func:`plan_data` (before ``ray.init``) resolves ``data`` and ``val_data``
+(files, globs, folders, buckets, an in-memory ``datasets.Dataset``), detects their format, loads
+the tokenizer (a chat format needs a chat template: refused here without one), and computes the
+fingerprint of what the workers will train on: the records (files' names, sizes and mtimes, or a
+dataset's fingerprint), the tokenizer, the template and the encoding settings. When the token
+cache of that fingerprint is complete on storage, nothing is read again; otherwise every record
+is checked here (file and line of the first bad one). :func:`prepare_data` (after ``ray.init``,
+before any worker starts) launches one preparation task per piece, wherever the cluster has a
+free CPU, and completes the cache. Torch ``Dataset`` objects and callables pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
+from ray_trainer._data.records import scan
+from ray_trainer._data.sources import Source, resolve
+from ray_trainer._data.text import DataFileError
+from ray_trainer._models import ModelSpec
+from ray_trainer._prep.tasks import EncodeSettings, encode_piece
+
+logger = logging.getLogger("ray_trainer")
+_CHAT_FORMATS = ("messages", "conversational")
+
+
+@dataclass
+class DataPlan:
+    """One source's way to the workers: its token cache, and whether it must be built."""
+
+    source: Source
+    settings: EncodeSettings
+    fingerprint: str
+    cache_name: str  # the cache folder on the run's storage (a path or URI)
+    meta: dict[str, Any] | None  # the complete cache's meta (a hit), else None
+
+    @property
+    def samples(self) -> int | None:
+        """Samples the workers will train on (known once the cache is complete)."""
+        return None if self.meta is None else int(self.meta["samples"])
+
+
+def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
+    """The plans of ``data`` and ``val_data`` (those ray-trainer encodes), checked; no Ray."""
+    plans: dict[str, DataPlan] = {}
+    tokenizer = template = None
+    for field in ("data", "val_data"):
+        source = resolve(getattr(args, field), field, args.text_field)
+        if source is None:
+            continue
+        if tokenizer is None:
+            tokenizer = ModelSpec.of(args).data_tokenizer()
+        if source.fmt in _CHAT_FORMATS or args.chat_template is not None:
+            template = template or _chat_template(tokenizer, args)
+        settings = EncodeSettings(
+            model_spec=ModelSpec.of(args),
+            chat_template=template if source.fmt in _CHAT_FORMATS else None,
+            train_on=args.train_on,
+            max_length=args.max_length,
+            text_field=args.text_field,
+        )
+        fp = fingerprint(source, settings, tokenizer)
+        location = cache_location(args.storage_path, fp, args.storage_filesystem)
+        meta = read_meta(location)
+        if meta is None:
+            scan(source, args.text_field)  # every record, before Ray starts
+        plans[field] = DataPlan(source, settings, fp, location.name, meta)
+    return plans
+
+
+def _chat_template(tokenizer: Any, args: TrainingArgs) -> str:
+    from ray_trainer._data.encode import RecordError, resolve_chat_template
+
+    if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
+        raise TrainingArgsError(
+            "data: chat records (messages) need a Hugging Face tokenizer to render them: set "
+            "model (or tokenizer) to a Hugging Face model or tokenizer path"
+        )
+    try:
+        return resolve_chat_template(tokenizer, args.chat_template)
+    except RecordError as e:
+        raise TrainingArgsError(str(e)) from None
+
+
+def fingerprint(source: Source, settings: EncodeSettings, tokenizer: Any) -> str:
+    """What decides a source's samples, in 20 hex digits (the cache folder's name)."""
+    body = {
+        "records": source.fingerprint,
+        "format": source.fmt,
+        "tokenizer": tokenizer_identity(tokenizer),
+        "template": settings.chat_template,
+        "train_on": settings.train_on if source.fmt in _CHAT_FORMATS else None,
+        "max_length": settings.max_length,
+        "text_field": settings.text_field,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """A digest of everything about a tokenizer that changes its ids: the fast tokenizer's
+    whole serialisation (vocabulary, merges, normaliser), its special tokens and options."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else type(tokenizer).__qualname__
+    options = {
+        "class": type(tokenizer).__qualname__,
+        "special": getattr(tokenizer, "special_tokens_map", None),
+        "bos": getattr(tokenizer, "add_bos_token", None),
+        "eos": getattr(tokenizer, "add_eos_token", None),
+        "eos_id": getattr(tokenizer, "eos_token_id", getattr(tokenizer, "eos_id", None)),
+    }
+    text += json.dumps(options, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def prepare_data(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[str, str]:
+    """Encode every source whose cache is missing, in parallel Ray tasks, and complete its
+    cache; returns ``field -> cache folder`` for the workers. Ray is initialised; no worker
+    exists yet. Raises `DataFileError` for a record the template cannot render (where it is)
+    and when no record keeps a token to learn from."""
+    for field, plan in plans.items():
+        if plan.meta is None:
+            plan.meta = _build(plan, args)
+        _report_dropped(field, plan.meta, args)
+    return {field: plan.cache_name for field, plan in plans.items()}
+
+
+def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
+    import ray
+
+    started = time.perf_counter()
+    source = plan.source
+    table = source.table
+    options: dict[str, Any] = {"num_cpus": 1, "max_retries": 1}
+    if source.files and _local_files(source) and len(ray.nodes()) > 1:
+        # A local file may exist on the driver's node only: read it there.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = ray.get_runtime_context().get_node_id()
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    task = ray.remote(_encode_task).options(**options)
+    shipped = {**source.__dict__, "table": None}
+    table_ref = ray.put(table) if table is not None else None
+    fs, settings = args.storage_filesystem, plan.settings
+    refs = [
+        task.remote(Source(**shipped), i, piece, settings, plan.cache_name, fs, table_ref)
+        for i, piece in enumerate(source.pieces)
+    ]
+    results: list[PieceResult] = []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref))
+        except Exception as e:  # the task's DataFileError, wrapped by Ray
+            for other in refs:
+                ray.cancel(other, force=True)
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, DataFileError):
+                raise DataFileError(str(cause)) from None
+            raise
+    meta = {
+        "fingerprint": plan.fingerprint,
+        "source": source.name,
+        "format": source.fmt,
+        "records": sum(r.records for r in results),
+        "truncated": sum(r.truncated for r in results),
+        "dropped": sum(r.dropped for r in results),
+        "dropped_where": [w for r in results for w in r.dropped_where][:5],
+        "tokens": int(sum(int(r.lengths.sum()) for r in results)),
+        "cpu_s": round(sum(r.cpu_s for r in results), 3),
+        "wall_s": round(time.perf_counter() - started, 3),
+    }
+    write_meta(_location(plan, args), meta, results)
+    return read_meta(_location(plan, args)) or meta
+
+
+def _encode_task(source: Source, index: int, piece: Any, settings: Any, cache: str, fs: Any,
+                 table: Any) -> PieceResult:  # fmt: skip
+    """The body of a preparation task (on any node): one piece into the cache."""
+    if table is not None:
+        source.table = table
+    return encode_piece(source, index, piece, settings, cache, fs)
+
+
+def _local_files(source: Source) -> bool:
+    return any("://" not in f.name for f in source.files)
+
+
+def _location(plan: DataPlan, args: TrainingArgs) -> Any:
+    return cache_location(args.storage_path, plan.fingerprint, args.storage_filesystem)
+
+
+def _report_dropped(field: str, meta: dict[str, Any], args: TrainingArgs) -> None:
+    dropped, where = int(meta.get("dropped", 0)), meta.get("dropped_where", [])
+    if not dropped:
+        return
+    what = "an assistant token" if meta.get("format") in _CHAT_FORMATS else "a token to learn from"
+    shown = ", ".join(where) + (", ..." if dropped > len(where) else "")
+    if int(meta["samples"]) == 0:
+        raise DataFileError(
+            f"{field}: none of the {meta['records']} record(s) of {meta['source']} keeps {what} "
+            f"within max_length={args.max_length} (e.g. {shown}); raise max_length, or check "
+            "train_on and the data"
+        )
+    logger.warning(
+        "%s: %d of %d record(s) keep no %s within max_length=%d and are left out (%s); raise "
+        "max_length to keep them",
+        field, dropped, meta["records"], what.split(" ", 1)[1], args.max_length, shown,
+    )  # fmt: skip
