@@ -86,6 +86,14 @@ def _forever(loader):
         yield from loader
 
 
+def _runner_steps(loader):
+    """The runner's steps without end: epoch after epoch."""
+    epoch = 0
+    while True:
+        yield from loader.steps(epoch)
+        epoch += 1
+
+
 class BareLoop:
     """A plain accelerate training loop, one step per call."""
 
@@ -139,7 +147,7 @@ class RunnerLoop:
         self.s = setup.setup(spec)
         self.s.hooks.fire("on_init_end")
         self.s.hooks.fire("on_train_begin")
-        self.batches = _forever(self.s.loader)
+        self.steps = _runner_steps(self.s.loader)
         args = self.s.args
         self.schedule = Schedule(
             total_steps=self.s.total_steps,
@@ -148,8 +156,7 @@ class RunnerLoop:
         )
 
     def step(self) -> None:
-        micro = [next(self.batches) for _ in range(self.s.args.grad_accum_steps)]
-        control = self.loop.train_step(self.s, micro)
+        control = self.loop.train_step(self.s, next(self.steps))
         self.loop.after_boundary(self.s, control, self.schedule)
 
     def end(self) -> None:

@@ -184,7 +184,7 @@ def _step_and_save(
     ids = ids.to(accelerator.device)
     loss = parallel.model(input_ids=ids, labels=ids).loss
     loss.backward()
-    parallel.clip_grad_norm(args.max_grad_norm)  # a collective under FSDP
+    parallel.scale_and_clip(torch.tensor(1.0), args.max_grad_norm)  # a collective under FSDP
     parallel.optimizer.step()  # AdamW's state exists from here on
     counted = state_bytes(parallel.model, parallel.optimizer)
     peak_rss["stepped"] = _peak_rss()
