@@ -21,25 +21,26 @@ class PackingError(ValueError):
     """The model lets packed samples attend to each other (or cannot take packed rows)."""
 
 
-def check_packed_attention(model: torch.nn.Module, device: Any, autocast: Any, width: int) -> None:
-    """Raise `PackingError` unless the model keeps packed samples apart. `width` is the row
-    length to test with (the training rows' under ``compile=True``, so no new shape compiles)."""
+def check_packed_attention(
+    model: torch.nn.Module, device: Any, autocast: Any, pad_to: int = 1, layout: bool = False
+) -> None:
+    """Raise `PackingError` unless the model keeps packed samples apart, run on rows built as
+    the loader builds them (`pad_to`: the training rows' width under ``compile=True``, so no
+    new shape compiles; `layout`: the rows carry their `PackedLayout`)."""
+    from ray_trainer._worker.data import pack_row
+
     vocab = _vocab_size(model)
     first, second = 5, 7
-    width = max(width, first + second)
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (2, width), generator=generator)
-    tokens[1, first:] = tokens[0, first:]  # the rows differ in their first sample only
-    positions = torch.cat(
-        [torch.arange(first), torch.arange(second), torch.arange(width - first - second)]
-    )
+    samples = [torch.randint(0, vocab, (n,), generator=generator).numpy() for n in (5, 5, 7)]
+    rows = [  # the rows differ in their first sample only
+        pack_row([(a, a), (samples[2], samples[2])], 0, pad_to, layout)[0] for a in samples[:2]
+    ]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), autocast():
-            logits = [
-                _logits(model, row[None].to(device), positions[None].to(device)) for row in tokens
-            ]
+            logits = [_logits(model, row, device) for row in rows]
     except TypeError as e:
         raise PackingError(
             f"packing=True: {type(model).__name__}.forward does not take position_ids ({e}); "
@@ -48,7 +49,7 @@ def check_packed_attention(model: torch.nn.Module, device: Any, autocast: Any, w
         ) from None
     finally:
         model.train(was_training)
-    a, b = (x[0, first : first + second].float() for x in logits)
+    a, b = (x[0, first : first + second].float() for x in logits)  # the second sample
     moved = float((a - b).abs().max())
     scale = 1.0 + float(a.abs().max())
     tolerance = (
@@ -66,8 +67,9 @@ def check_packed_attention(model: torch.nn.Module, device: Any, autocast: Any, w
         )
 
 
-def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids, position_ids=positions)
+def _logits(model: torch.nn.Module, row: dict[str, Any], device: Any) -> torch.Tensor:
+    inputs = {k: v.to(device) for k, v in row.items() if k != "labels"}
+    out = model(**inputs)
     return out["logits"] if isinstance(out, dict) else out.logits
 
 

@@ -102,6 +102,7 @@ class StepLoader:
     max_tokens: int | None = None
     pad_to: int = 1
     prefetch: bool = False
+    layout: bool = False  # packed rows carry their `PackedLayout` (the model's attention uses it)
 
     @property
     def per_step(self) -> int:
@@ -155,37 +156,51 @@ class StepLoader:
 
     def _packed(self, ids: list[int]) -> MicroBatch:
         pairs = self.dataset.fetch(ids)
-        tokens = sum(len(a) for a, _ in pairs)
-        width = -(-tokens // self.pad_to) * self.pad_to
-        input_ids = np.full(width, self.pad_id, dtype=np.int64)
-        labels = np.full(width, IGNORE_INDEX, dtype=np.int64)
-        positions = np.zeros(width, dtype=np.int64)
-        at = 0
-        for a, b in pairs:
-            k = len(a)
-            input_ids[at : at + k] = a
-            labels[at + 1 : at + k] = b[1:]  # a sample's first token is never predicted
-            positions[at : at + k] = np.arange(k)
-            at += k
-        positions[at:] = np.arange(width - at)  # filler: a "sample" of its own, no loss
+        batch, tokens = pack_row(pairs, self.pad_id, self.pad_to, self.layout)
         targets = int(self.dataset.targets[ids].sum())
-        batch = {
-            "input_ids": torch.from_numpy(input_ids)[None],
-            "labels": torch.from_numpy(labels)[None],
-            "position_ids": torch.from_numpy(positions)[None],
-        }
-        return MicroBatch(batch, tokens, width, targets)
+        return MicroBatch(batch, tokens, batch["input_ids"].shape[1], targets)
 
     def _filler(self) -> MicroBatch:
         """For a rank with fewer micro-batches than another at this step: one that takes no
         loss (all labels ignored), so every rank runs the same collectives."""
-        width = max(2, self.pad_to)
-        batch = {
-            "input_ids": torch.full((1, width), self.pad_id, dtype=torch.long),
-            "labels": torch.full((1, width), IGNORE_INDEX, dtype=torch.long),
-            "position_ids": torch.arange(width)[None],
-        }
-        return MicroBatch(batch, 0, width, 0)
+        filler = np.full(max(2, self.pad_to), self.pad_id, dtype=np.int64)
+        batch, _ = pack_row([], self.pad_id, len(filler), self.layout)
+        return MicroBatch(batch, 0, len(filler), 0)
+
+
+def pack_row(
+    pairs: list[tuple[np.ndarray, np.ndarray]], pad_id: int, pad_to: int = 1, layout: bool = False
+) -> tuple[dict[str, Any], int]:
+    """One packed row of samples ``(input_ids, labels)``: ``position_ids`` restarting at each
+    sample, each sample's first label ignored (never predicted from the previous sample), the
+    row padded to a multiple of `pad_to` by a filler that is a sample of its own and takes no
+    loss; with `layout`, the row's `PackedLayout` under ``"packed"``. Returns (batch, tokens)."""
+    from ray_trainer._worker.packed_attention import layout as plan_layout
+
+    tokens = sum(len(a) for a, _ in pairs)
+    width = max(-(-tokens // pad_to) * pad_to, 1)
+    input_ids = np.full(width, pad_id, dtype=np.int64)
+    labels = np.full(width, IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros(width, dtype=np.int64)
+    lengths, at = [], 0
+    for a, b in pairs:
+        k = len(a)
+        input_ids[at : at + k] = a
+        labels[at + 1 : at + k] = b[1:]
+        positions[at : at + k] = np.arange(k)
+        lengths.append(k)
+        at += k
+    if at < width:  # the filler
+        positions[at:] = np.arange(width - at)
+        lengths.append(width - at)
+    batch: dict[str, Any] = {
+        "input_ids": torch.from_numpy(input_ids)[None],
+        "labels": torch.from_numpy(labels)[None],
+        "position_ids": torch.from_numpy(positions)[None],
+    }
+    if layout:
+        batch["packed"] = plan_layout(lengths)
+    return batch, tokens
 
 
 def count_targets(batch: dict[str, torch.Tensor], shifts_labels: bool) -> int:

@@ -101,8 +101,9 @@ def setup(spec: RunSpec) -> WorkerState:
     model, optimizer = parallel.model, parallel.optimizer
     if args.packing:  # on the real model, before any step: packed samples must stay apart
         check_packed_attention(
-            parallel.module(), accelerator.device, accelerator.autocast, loader.pad_to
-        )
+            parallel.module(), accelerator.device, accelerator.autocast, loader.pad_to,
+            loader.layout,
+        )  # fmt: skip
     # The scheduler is ours, not accelerate's: its wrapper steps once per process per call.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(args.lr_schedule, args.warmup_steps, total_steps)
@@ -171,6 +172,7 @@ def _loader(args: TrainingArgs, workload: Workload, world: int, rank: int) -> St
         # compile=True: one shape for every packed row, no recompilation per length.
         pad_to=max_tokens if (max_tokens and args.compile) else 1,
         prefetch=cache is not None and not cache.location.is_local,
+        layout=workload.packed_layout,
     )
 
 

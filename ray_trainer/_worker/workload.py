@@ -48,6 +48,7 @@ class Workload:
     norm: float = 1.0  # each micro-batch's loss is its token-loss sum over this
     chat_template: str | None = None  # the template the data was rendered with (for hf/)
     end_of_turn_ids: list[int] | None = None  # the tokens that end an assistant turn (for hf/)
+    packed_layout: bool = False  # packed rows carry their layout to our packed attention
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
@@ -74,6 +75,11 @@ def build_workload(
         return _demo_workload(args)
     spec = ModelSpec.of(args)
     model = spec.build_model()
+    packed_layout = False
+    if args.packing:  # each sample attends to itself alone, without a [T, T] mask
+        from ray_trainer._worker.packed_attention import use_packed_attention
+
+        packed_layout = use_packed_attention(model)
     tokenizer = spec.data_tokenizer()
     pad_id = _pad_id(tokenizer)
     caches = caches or {}
@@ -96,6 +102,7 @@ def build_workload(
         norm=float(args.batch_size * args.grad_accum_steps * (args.max_length if cached else 1)),
         chat_template=chat_template,
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
+        packed_layout=packed_layout,
     )
 
 

@@ -63,6 +63,7 @@ def _step(rank, world, batch, accum, packing, model_path, cache):
     from ray_trainer._worker.data import CachedDataset, StepLoader
     from ray_trainer._worker.hooks import Hooks
     from ray_trainer._worker.loop import train_step
+    from ray_trainer._worker.packed_attention import use_packed_attention
     from ray_trainer._worker.parallel import Replicated, prepare
     from ray_trainer._worker.setup import WorkerState
     from ray_trainer._worker.workload import Workload, model_loss
@@ -79,6 +80,7 @@ def _step(rank, world, batch, accum, packing, model_path, cache):
         max_tokens_per_batch=64 if packing else None,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_path)
+    layout = packing and use_packed_attention(model)  # as build_workload does
     acc = Accelerator(cpu=True)
 
     def make_optimizer(m):
@@ -93,7 +95,8 @@ def _step(rank, world, batch, accum, packing, model_path, cache):
     norm = float(batch * accum * MAX_LENGTH)
     workload = Workload(model, data, None, data.collate, model_loss, sums_itself=True, norm=norm)
     loader = StepLoader(data, world=world, rank=rank, batch_size=batch, grad_accum=accum,
-                        seed=0, pad_id=0, max_tokens=args.tokens_per_micro_batch)  # fmt: skip
+                        seed=0, pad_id=0, max_tokens=args.tokens_per_micro_batch,
+                        layout=layout)  # fmt: skip
     grads = Grads()
     manager = CallbackManager()
     manager.add(grads)
@@ -140,15 +143,23 @@ def test_the_worker_check_accepts_a_model_that_keeps_packed_samples_apart(setup)
     from transformers import AutoModelForCausalLM
 
     from ray_trainer._worker.attention import PackingError, check_packed_attention
+    from ray_trainer._worker.packed_attention import use_packed_attention
 
     model = AutoModelForCausalLM.from_pretrained(setup[0]).train()
     model.config.use_cache = False  # as training runs it
-    check_packed_attention(model, "cpu", nullcontext, width=16)
+    check_packed_attention(model, "cpu", nullcontext, pad_to=16)
     assert model.training  # its mode is given back
-    # With a KV cache transformers does not build the packed mask: the check sees the mixing.
+    # Through ray-trainer's packed attention (each sample on its own) too.
+    assert use_packed_attention(model)
+    check_packed_attention(model, "cpu", nullcontext, layout=True)
+    # Without the layout it would be plain causal attention: the check sees the mixing.
+    with pytest.raises(PackingError, match="lets a packed sample attend to the one before it"):
+        check_packed_attention(model, "cpu", nullcontext, layout=False)
+    model.set_attn_implementation("sdpa")
+    # With a KV cache transformers does not build the packed mask: the check sees that too.
     model.config.use_cache = True
     with pytest.raises(PackingError, match="lets a packed sample attend to the one before it"):
-        check_packed_attention(model, "cpu", nullcontext, width=16)
+        check_packed_attention(model, "cpu", nullcontext, pad_to=16)
 
 
 def test_the_worker_check_refuses_a_model_without_position_ids():
