@@ -2,11 +2,13 @@
 
 Run from the repository root (no Ray)::
 
-    python bench/bench_chat_encode.py [--n 10000] [--rounds 3] [--json OUT]
+    python bench/bench_chat_encode.py [--n 10000] [--rounds 3] [--max-exchanges 6] [--json OUT]
 
-Builds the tiny chat models of ``ray_trainer._demo.chat`` (ChatML and Llama-3 styles, with and
-without ``{% generation %}`` markers), generates ``--n`` conversations (an optional system
-message, 1 to 6 exchanges) and times, on one core, in interleaved rounds (median):
+Builds the tiny chat tokenizers of ``ray_trainer._demo.chat`` (ChatML and Llama-3 styles, with
+and without ``{% generation %}`` markers), generates ``--n`` conversations (an optional system
+message, 1 to ``--max-exchanges`` user/assistant exchanges) and times each case in interleaved
+rounds (median), as records per CPU-second of this one process (``time.process_time``: other
+jobs on a shared machine move it less than wall time):
 
 - ``encode``: ``Encoder(train_on="assistant").encode(record, "messages")``: render, tokenize,
   locate every assistant turn, labels;
@@ -22,66 +24,63 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from ray_trainer._data.encode import Encoder
-from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_model
+from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_tokenizer
 
 
 def _time(fn, items) -> float:
-    start = time.perf_counter()
+    """Records per CPU-second of this process: steadier than wall time on a shared machine
+    (everything timed runs on one thread)."""
+    start = time.process_time()
     for item in items:
         fn(item)
-    return len(items) / (time.perf_counter() - start)
+    return len(items) / (time.process_time() - start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-exchanges", type=int, default=6, help="user/assistant pairs")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
-    import transformers
-
-    conversations = chat_conversations(opts.n, seed=1, max_exchanges=6)
+    conversations = chat_conversations(opts.n, seed=1, max_exchanges=opts.max_exchanges)
     records = [{"messages": c} for c in conversations]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for style in ("chatml", "llama3"):
-            for markers in (False, True):
-                path = make_tiny_chat_model(Path(tmp) / f"{style}-{markers}", style, markers)
-                tok = transformers.AutoTokenizer.from_pretrained(path)
-                enc = Encoder(tok, train_on="assistant", max_length=4096)
-                tokens = sum(len(enc.encode(r, "messages").input_ids) for r in records[:1000])
-                cases = {
-                    "encode": lambda r, enc=enc: enc.encode(r, "messages"),
-                    "hf": lambda r, tok=tok: tok.apply_chat_template(
-                        r["messages"], return_dict=True
-                    ),
-                }
-                if markers:
-                    cases["hf+mask"] = lambda r, tok=tok: tok.apply_chat_template(
-                        r["messages"], return_dict=True, return_assistant_tokens_mask=True
-                    )
-                rates: dict[str, list[float]] = {k: [] for k in cases}
-                for _ in range(opts.rounds):
-                    for name, fn in cases.items():
-                        rates[name].append(_time(fn, records))
-                med = {k: statistics.median(v) for k, v in rates.items()}
-                rows.append(
-                    {
-                        "template": f"{style}{' + generation markers' if markers else ''}",
-                        "tokens_per_record": tokens / 1000,
-                        **{f"{k}_records_per_s": round(v) for k, v in med.items()},
-                        "ratio_to_hf": round(med["encode"] / med["hf"], 2),
-                    }
+    for style in ("chatml", "llama3"):
+        for markers in (False, True):
+            tok = make_tiny_chat_tokenizer(style, markers)
+            enc = Encoder(tok, train_on="assistant", max_length=4096)
+            sample = records[:1000]
+            tokens = sum(len(enc.encode(r, "messages").input_ids) for r in sample) / len(sample)
+            cases = {
+                "encode": lambda r, enc=enc: enc.encode(r, "messages"),
+                "hf": lambda r, tok=tok: tok.apply_chat_template(r["messages"], return_dict=True),
+            }
+            if markers:
+                cases["hf+mask"] = lambda r, tok=tok: tok.apply_chat_template(
+                    r["messages"], return_dict=True, return_assistant_tokens_mask=True
                 )
-    print(f"{opts.n} conversations, median of {opts.rounds} rounds, one process")
+            rates: dict[str, list[float]] = {k: [] for k in cases}
+            for _ in range(opts.rounds):
+                for name, fn in cases.items():
+                    rates[name].append(_time(fn, records))
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            rows.append(
+                {
+                    "template": f"{style}{' + generation markers' if markers else ''}",
+                    "tokens_per_record": tokens,
+                    **{f"{k}_records_per_s": round(v) for k, v in med.items()},
+                    "ratio_to_hf": round(med["encode"] / med["hf"], 2),
+                }
+            )
+    print(f"{opts.n} conversations, median of {opts.rounds} rounds, records per CPU-second")
     print(
         f"{'template':34} {'tok/rec':>8} {'encode/s':>9} {'hf/s':>7} {'hf+mask/s':>9} {'ratio':>6}"
     )

@@ -23,6 +23,7 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
+FORMATS = ("messages", "conversational", "prompt_completion", "text")
 
 
 class RecordError(ValueError):
@@ -88,6 +89,39 @@ def check_messages(
             "'tools' must be a list of JSON objects (the tools' JSON schemas), "
             f"got a JSON {json_type(tools)}"
         )
+
+
+def check_record(
+    record: Any, fmt: str, *, train_on: str = "assistant", text_field: str = "text"
+) -> None:
+    """Check one record of format ``fmt`` (one of :data:`FORMATS`); raise :class:`RecordError`
+    naming the field and the fix. Pure Python, no tokenizer: the driver-side validator calls it
+    for every record, and :meth:`~.encode.Encoder.encode` before encoding one.
+
+    ``"messages"``: ``{"messages": [...], "tools": [...] (optional)}``; ``"conversational"``:
+    ``{"prompt": [messages], "completion": [messages]}``, the completion holding the assistant's
+    turns; ``"prompt_completion"``: two strings; ``"text"``: a string under ``text_field``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown record format {fmt!r}; one of {', '.join(FORMATS)}")
+    if not isinstance(record, dict):
+        raise RecordError(f"a record must be a JSON object, got a JSON {json_type(record)}")
+    if fmt == "messages":
+        check_messages(record.get("messages"), train_on=train_on, tools=record.get("tools"))
+    elif fmt == "conversational":
+        check_messages(
+            record.get("prompt"), train_on="all", field="prompt", tools=record.get("tools")
+        )
+        check_messages(record.get("completion"), train_on=train_on, field="completion")
+    else:
+        for name in ("prompt", "completion") if fmt == "prompt_completion" else (text_field,):
+            if name not in record:
+                found = ", ".join(map(repr, record)) or "none"
+                raise RecordError(f"missing field {name!r} (found keys: {found})")
+            if not isinstance(record[name], str):
+                raise RecordError(
+                    f"field {name!r} must be a string, got a JSON {json_type(record[name])}"
+                )
 
 
 def json_type(value: Any) -> str:
@@ -163,7 +197,7 @@ def _locate_turns(
 
     A turn starts at the end of the first assistant header after the previous message (or at
     its content when the template has no header there) and ends after the first end-of-turn
-    token following its content, if that comes before the next message's content.
+    token following its content (unless another assistant header comes first).
     """
     turns: list[tuple[int, int, int]] = []
     cursor = 0
@@ -194,11 +228,9 @@ def _locate_turns(
             start = at
         content_end = at + len(needle)
         end = content_end
-        if eot:
-            e = text.find(eot, content_end)
-            bound = _next_content(text, messages, i + 1, content_end)
-            if e >= 0 and (bound < 0 or e < bound):
-                end = e + len(eot)
+        e = text.find(eot, content_end) if eot else -1
+        if e >= 0 and not (header and text.find(header, content_end, e) >= 0):  # this turn's
+            end = e + len(eot)
         turns.append((i, start, end))
         cursor = end
     return turns
@@ -219,30 +251,27 @@ def _find_content(text: str, content: str, begin: int) -> tuple[int, str]:
     return at, needle
 
 
-def _next_content(text: str, messages: Sequence[dict], i: int, cursor: int) -> int:
-    """Where the next message with content starts in ``text`` after ``cursor`` (-1: none)."""
-    for m in messages[i:]:
-        needle = (m.get("content") or "").strip()
-        if needle:
-            return text.find(needle, cursor)
-    return -1
-
-
 def _assign(
     generation: list[tuple[int, int]], turns: list[tuple[int, int, int]]
 ) -> list[tuple[int, tuple[int, int]]]:
     """Each ``{% generation %}`` span with the message index of the assistant turn it overlaps
-    most (a span overlapping none goes to the next turn after it)."""
+    most (a span overlapping none goes to the next turn after it, or the last). Turns are in
+    text order, so each span looks only at the turns around it (bisect), not at all of them."""
+    from bisect import bisect_right
+
+    ends = [t_end for _, _, t_end in turns]
     owned = []
     for start, end in generation:
+        k = bisect_right(ends, start)  # the first turn that ends after the span starts
         best, best_overlap = None, 0
-        for index, t_start, t_end in turns:
+        for index, t_start, t_end in turns[k:]:
+            if t_start >= end:
+                break
             overlap = min(end, t_end) - max(start, t_start)
             if overlap > best_overlap:
                 best, best_overlap = index, overlap
         if best is None:
-            later = [index for index, t_start, _ in turns if t_start >= start]
-            best = later[0] if later else turns[-1][0] if turns else -1
+            best = turns[min(k, len(turns) - 1)][0] if turns else -1
         owned.append((best, (start, end)))
     return owned
 

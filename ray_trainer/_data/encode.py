@@ -24,18 +24,35 @@ from functools import cached_property
 from typing import Any
 
 from ray_trainer._data.chat import (
+    FORMATS,
     TRAIN_ON,
     ChatTemplateError,
     RecordError,
     TemplateInfo,
     assistant_spans,
-    check_messages,
+    check_record,
 )
-from ray_trainer._data.template import probe_template, render, resolve_chat_template
+from ray_trainer._data.template import (
+    end_of_turn_ids,
+    probe_template,
+    render,
+    resolve_chat_template,
+)
+
+__all__ = [
+    "FORMATS",
+    "IGNORE_INDEX",
+    "TRAIN_ON",
+    "ChatTemplateError",
+    "Encoded",
+    "Encoder",
+    "RecordError",
+    "check_record",
+    "end_of_turn_ids",
+    "resolve_chat_template",
+]
 
 IGNORE_INDEX = -100
-FORMATS = ("messages", "conversational", "prompt_completion", "text")
-CHAT_FORMATS = ("messages", "conversational")
 
 
 @dataclass(frozen=True)
@@ -105,18 +122,29 @@ class Encoder:
     @cached_property
     def chat_template(self) -> str:
         """The Jinja text conversations are rendered with (see ``resolve_chat_template``)."""
-        return resolve_chat_template(self.tokenizer, self.chat_template_arg)
-
-    @cached_property
-    def template_info(self) -> TemplateInfo:
-        """The template's assistant header and end-of-turn text, probed once."""
         if self._backend is None:
             raise ChatTemplateError(
                 f"chat data needs a Hugging Face fast tokenizer (one with a backend_tokenizer), "
                 f"got {type(self.tokenizer).__name__}; name a Hugging Face model (or set "
                 "TrainingArgs.tokenizer) whose tokenizer has a tokenizer.json"
             )
+        return resolve_chat_template(self.tokenizer, self.chat_template_arg)
+
+    @cached_property
+    def template_info(self) -> TemplateInfo:
+        """The template's assistant header and end-of-turn text, probed once."""
         return probe_template(self.tokenizer, self.chat_template)
+
+    def check_template(self) -> None:
+        """Resolve the chat template now, and probe it unless ``train_on="all"`` (which needs
+        no assistant spans). Call it where a bad template must fail before training (the
+        driver); :meth:`encode` does it on its first chat record anyway.
+
+        Raises:
+            ChatTemplateError: no template, invalid Jinja, a slow tokenizer, or a template that
+                does not render a plain user/assistant conversation's contents in order.
+        """
+        _ = self.chat_template if self.train_on == "all" else self.template_info
 
     def encode(self, record: dict, fmt: str) -> Encoded:
         """The tokens and labels of one record of format ``fmt`` (one of :data:`FORMATS`).
@@ -126,49 +154,36 @@ class Encoder:
                 assistant message's content is not in the template's rendering. The message has
                 no location; prefix the file and line (or row).
         """
+        check_record(record, fmt, train_on=self.train_on, text_field=self.text_field)
         if fmt == "messages":
-            messages, tools = record.get("messages"), record.get("tools")
-            check_messages(messages, train_on=self.train_on, tools=tools)
-            return self._encode_chat(messages, tools, first=0)
+            return self._encode_chat(record["messages"], record.get("tools"), first=0)
         if fmt == "conversational":
-            prompt, completion = record.get("prompt"), record.get("completion")
-            tools = record.get("tools")
-            check_messages(prompt, train_on="all", field="prompt", tools=tools)
-            check_messages(completion, train_on=self.train_on, field="completion")
-            return self._encode_chat(prompt + completion, tools, first=len(prompt))
+            prompt = record["prompt"]
+            messages = prompt + record["completion"]
+            return self._encode_chat(messages, record.get("tools"), first=len(prompt))
         if fmt == "prompt_completion":
-            prompt, completion = record.get("prompt"), record.get("completion")
-            for name, value in (("prompt", prompt), ("completion", completion)):
-                if not isinstance(value, str):
-                    raise RecordError(
-                        f"field {name!r} must be a string, got {type(value).__name__}"
-                    )
-            head = self._tokens(prompt, first=True)
-            tail = [*self._tokens(completion, first=not head), *self._eos()]
+            head = self._tokens(record["prompt"], first=True)
+            tail = [*self._tokens(record["completion"], first=not head), *self._eos()]
             ids = head + tail
             if self.train_on == "all":
                 return self._finish(ids, ids)
             return self._finish(ids, [IGNORE_INDEX] * len(head) + tail)
-        if fmt == "text":
-            text = record.get(self.text_field)
-            if not isinstance(text, str):
-                raise RecordError(
-                    f"field {self.text_field!r} must be a string, got {type(text).__name__}"
-                )
-            ids = [*self._tokens(text, first=True), *self._eos()]
-            return self._finish(ids, ids)
-        raise ValueError(f"unknown record format {fmt!r}; one of {', '.join(FORMATS)}")
+        ids = [*self._tokens(record[self.text_field], first=True), *self._eos()]
+        return self._finish(ids, ids)
 
     # -- chat -------------------------------------------------------------------------------------
 
     def _encode_chat(self, messages: list[dict], tools: Any, first: int) -> Encoded:
+        if self.train_on == "all":
+            text, _ = render(self.tokenizer, self.chat_template, messages, tools)
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+            return self._finish(ids, ids)
         info = self.template_info
-        track = info.marks_generation and self.train_on != "all"
-        text, generation = render(self.tokenizer, info.text, messages, tools, track=track)
+        text, generation = render(
+            self.tokenizer, info.text, messages, tools, track=info.marks_generation
+        )
         enc = self._backend.encode(text, add_special_tokens=False)
         ids = enc.ids
-        if self.train_on == "all":
-            return self._finish(ids, ids)
         spans = assistant_spans(
             text,
             messages,

@@ -131,7 +131,10 @@ def render(
     import jinja2
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    chat = [
+        m if None not in m.values() else {k: v for k, v in m.items() if v is not None}
+        for m in messages
+    ]
     try:
         texts, spans = render_jinja_template(
             conversations=[chat],

@@ -141,7 +141,7 @@ def test_a_turn_of_tool_calls_is_trained_and_tool_results_are_not(tokenizers):
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "rain"},
+        {"role": "tool", "content": "Oslo"},  # also inside the call: must not end the turn early
         {"role": "assistant", "content": "It rains."},
     ]
     for markers in (False, True):

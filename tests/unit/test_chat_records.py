@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ray_trainer._data import ByteTokenizer, JsonlTextDataset
-from ray_trainer._data.chat import ChatTemplateError, RecordError, check_messages
+from ray_trainer._data.chat import ChatTemplateError, RecordError, check_messages, check_record
 from ray_trainer._data.encode import IGNORE_INDEX, Encoder
 from ray_trainer._data.template import resolve_chat_template
 from ray_trainer._demo.chat import chat_template, make_tiny_chat_tokenizer
@@ -31,6 +31,20 @@ def test_a_tokenizer_without_template_is_refused_naming_chat_template(tok):
     # Plain text needs no template.
     assert Encoder(bare).encode({"text": "the cat"}, "text").num_labels > 0
     assert resolve_chat_template(bare, tok.chat_template) == tok.chat_template
+
+
+def test_check_template_fails_early_and_all_needs_no_probe(tok):
+    bare = make_tiny_chat_tokenizer("chatml")
+    bare.chat_template = None
+    with pytest.raises(ChatTemplateError, match="chat_template"):
+        Encoder(bare).check_template()
+    counting = "{{ messages | length }} messages"  # renders no content: no span can be found
+    with pytest.raises(ChatTemplateError, match="in order"):
+        Encoder(tok, chat_template=counting).check_template()
+    every = Encoder(tok, chat_template=counting, train_on="all")
+    every.check_template()
+    out = every.encode({"messages": TURN}, "messages")
+    assert tok.decode(out.input_ids) == "2 messages" and out.labels == out.input_ids
 
 
 def test_a_template_is_read_from_a_file(tok, tmp_path):
@@ -121,12 +135,16 @@ def test_prompt_completion_and_text_as_today(tok, tmp_path, hf):
 def test_record_errors_of_plain_formats(tok):
     enc = Encoder(tok, text_field="body")
     assert enc.encode({"body": "the dog"}, "text").num_labels > 0
-    with pytest.raises(RecordError, match="'body' must be a string"):
+    with pytest.raises(RecordError, match=r"missing field 'body' \(found keys: 'text'\)"):
         enc.encode({"text": "the dog"}, "text")
-    with pytest.raises(RecordError, match="'completion' must be a string"):
+    with pytest.raises(RecordError, match="'completion' must be a string, got a JSON number"):
         enc.encode({"prompt": "a", "completion": 3}, "prompt_completion")
     with pytest.raises(RecordError, match="'completion' has no assistant message"):
         enc.encode({"prompt": TURN, "completion": [TURN[0]]}, "conversational")
+    with pytest.raises(RecordError, match=r"missing field 'completion' \(found keys: 'prompt'\)"):
+        check_record({"prompt": "a"}, "prompt_completion")
+    with pytest.raises(RecordError, match="must be a JSON object, got a JSON array"):
+        check_record([], "text")
     with pytest.raises(ValueError, match="unknown record format"):
         enc.encode({"text": "x"}, "markdown")
     with pytest.raises(ValueError, match="train_on"):
