@@ -133,8 +133,9 @@ def make_tiny_chat_model(
     seed: int = 0,
 ) -> Path:
     """Save a tiny randomly initialised chat model, its tokenizer and chat template to ``path``
-    (as ``save_pretrained`` writes them) and return ``path``. Nothing is downloaded; takes well
-    under a second or two. Deterministic for a given ``seed``.
+    (as ``save_pretrained`` writes them) and return ``path``. Nothing is downloaded; the tokenizer
+    trains in about 0.1 s and the whole takes well under a second once transformers is imported.
+    Deterministic for a given ``seed``: the same files byte for byte.
 
     ``style="chatml"``: a ``Qwen2ForCausalLM``; EOS is ``<|im_end|>`` (the end of a turn, as in
     Qwen's instruct models), pad ``<|endoftext|>``. ``style="llama3"``: a ``LlamaForCausalLM``;

@@ -7,6 +7,8 @@ a header, or that trains on nothing fails here.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ray_trainer._data.chat import ChatTemplateError, RecordError
@@ -226,3 +228,24 @@ def test_conversational_prompt_completion(tokenizers, train_on, markers):
         assert out.labels == out.input_ids
     else:
         assert trained_runs(tok, out) == ["The grass is green, mostly.<|eot_id|>"]
+
+
+@pytest.mark.parametrize(("style", "markers"), STYLES, ids=[f"{s}-{m}" for s, m in STYLES])
+def test_random_conversations(tokenizers, style, markers):
+    # Answers that repeat, that repeat the user, that are words of the template, with spaces
+    # around them and non-ASCII text: every assistant turn, and only them, take the loss.
+    rng = random.Random(f"{style}{markers}")
+    words = ["yes", "no", "assistant", "user", "system", "OK.", "ça va", "naïve", "42", "the sky"]
+    tok = tokenizers[style, markers]
+    enc = Encoder(tok, max_length=4096)
+    for _ in range(100):
+        messages = [SYSTEM] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 4)):
+            for role in ("user", "assistant"):
+                text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))
+                pad = rng.choice(["", " ", "  "])
+                messages.append({"role": role, "content": pad + text + rng.choice(["", " "])})
+        out = enc.encode({"messages": messages}, "messages")
+        shown = (lambda c: c) if style == "chatml" else str.strip  # Llama 3 trims contents
+        expected = [shown(m["content"]) + EOT[style] for m in messages if m["role"] == "assistant"]
+        assert trained_runs(tok, out) == expected, messages
