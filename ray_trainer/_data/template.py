@@ -187,6 +187,8 @@ def probe_template(tokenizer: Any, template: str) -> TemplateInfo:
         ),
         "",
     )
+    if not header.strip():  # whitespace alone would match anywhere: no header, content spans
+        header = ""
     after = text[at_a1 + len(a1) : at_u2]
     last_after = text[text.find(a2) + len(a2) :]
     end = _first_special(tokenizer, after) or _first_special(tokenizer, last_after)
