@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from ray_trainer._data.chat import json_type as _json_type
+
 IGNORE_INDEX = -100
 _UTF8_BOM = b"\xef\xbb\xbf"
 _EXAMPLE = '{"text": "..."}'
@@ -205,15 +207,6 @@ def _parse_line(raw: bytes, text_field: str) -> dict | None:
         if not isinstance(record[f], str):
             raise _LineError(f"field {f!r} must be a string, got a JSON {_json_type(record[f])}")
     return record
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    names = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
-    return names.get(type(value), type(value).__name__)
 
 
 class _Encoder:
