@@ -100,6 +100,17 @@ BENCHES: dict[str, Bench] = {
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
     ),
+    "packing": Bench(
+        "bench_packing.py",
+        "Chat data: packed against padded batches, tokens/s and data preparation",
+        "the same 2-worker `run_training` of a tiny chat model on the same conversations "
+        "(log-normal lengths, median ~200 tokens, longest 2,048) and samples per step, each "
+        "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
+        quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
+        target=1.5,
+        target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
+        "share of at most 0.05",
+    ),
     "memory": Bench(
         "bench_memory.py",
         "Models larger than one device: FSDP against DDP, state per rank and checkpoints",

@@ -2,7 +2,7 @@
 
 :func:`scan` runs in the driver before Ray starts (skipped when the run's token cache already
 holds the source): it reads every record once, checks its shape for the source's format
-(:func:`check_record`: pure Python, no tokenizer), and cuts the source into :class:`Piece` s of at
+(``chat.check_record``: pure Python, no tokenizer), and cuts the source into :class:`Piece` s of at
 most ``PIECE_RECORDS`` records for the preparation tasks. The first bad record fails the run
 with its file and line (or row) and the fix, and how many other records are bad.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ray_trainer._data.chat import RecordError, check_record
 from ray_trainer._data.sources import (
     _ACCEPTED,
     _UTF8_BOM,
@@ -29,67 +30,7 @@ from ray_trainer._storage import locate
 _BLOCK = 8 * 2**20
 
 
-def check_record(record: Any, fmt: str, text_field: str = "text") -> None:
-    """Raise ``ValueError`` saying what is wrong with one record of format ``fmt`` (the caller
-    adds where it is)."""
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {_kind(record)}; each record is {_ACCEPTED}")
-    found = ", ".join(repr(k) for k in record) or "none"
-    need = {
-        "messages": ("messages",),
-        "conversational": ("prompt", "completion"),
-        "prompt_completion": ("prompt", "completion"),
-        "text": (text_field,),
-    }[fmt]
-    missing = [k for k in need if k not in record]
-    if missing:
-        raise ValueError(
-            f"missing field {missing[0]!r} (found keys: {found}); this source's records are "
-            f"{fmt!r} records (detected from its first record), each needs {', '.join(map(repr, need))}"
-        )
-    if fmt == "messages":
-        _check_messages(record["messages"])
-    elif fmt == "conversational":
-        for key in need:
-            if not isinstance(record[key], list):
-                raise ValueError(
-                    f"field {key!r} must be a list of messages, got {_kind(record[key])}"
-                )
-            _check_messages(record[key], require_assistant=key == "completion")
-    else:
-        for key in need:
-            if not isinstance(record[key], str):
-                raise ValueError(f"field {key!r} must be a string, got {_kind(record[key])}")
-
-
-def _check_messages(messages: Any, require_assistant: bool = True) -> None:
-    from ray_trainer._data.encode import RecordError, check_messages
-
-    try:
-        check_messages(messages) if require_assistant else _check_prompt(messages)
-    except RecordError as e:
-        raise ValueError(str(e)) from None
-
-
-def _check_prompt(messages: Any) -> None:
-    """A conversational prompt: messages, with no assistant turn required."""
-    from ray_trainer._data.encode import RecordError
-
-    if not isinstance(messages, list) or not messages:
-        raise RecordError(f"'prompt' must be a non-empty list of messages, got {_kind(messages)}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-            raise RecordError(f"prompt message {i} needs a 'role' and a string 'content'")
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-    return names.get(type(value), "a number" if isinstance(value, (int, float)) else "a value")
-
-
-def scan(source: Source, text_field: str = "text") -> Source:
+def scan(source: Source, text_field: str = "text", train_on: str = "assistant") -> Source:
     """Check every record of `source` and cut it into pieces; returns it with ``records`` and
     ``pieces`` set. Raises :class:`DataFileError` naming the first bad record."""
     errors: list[str] = []
@@ -101,9 +42,9 @@ def scan(source: Source, text_field: str = "text") -> Source:
             for where, record in records:
                 try:
                     if isinstance(record, _Bad):
-                        raise ValueError(record.why)
-                    check_record(record, source.fmt, text_field)
-                except ValueError as e:
+                        raise RecordError(record.why)
+                    check_record(record, source.fmt, train_on=train_on, text_field=text_field)
+                except RecordError as e:
                     errors.append(f"{where}: {e}")
                     continue
                 some_text = some_text or _has_text(record, source.fmt, text_field)

@@ -85,6 +85,11 @@ def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | N
         DataFileError: a missing path, a glob that matches nothing, a folder without data files,
             a ``DatasetDict``, or columns that fit no format (the message lists both).
     """
+    if type(value).__name__ == "DatasetDict":
+        raise DataFileError(
+            f"{field_name}: got a datasets.DatasetDict of splits {list(value)}; pass one split, "
+            f"e.g. {field_name}=dataset['train']"
+        )
     if is_hf_dataset(value):
         table = value.with_format("arrow")[:]  # the rows in their logical order
         cols = list(table.column_names)
@@ -93,11 +98,6 @@ def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | N
         fmt = detect_format(name, cols, first, text_field)
         fp = getattr(value, "_fingerprint", None) or _table_digest(table)
         return Source(field_name, name, [], fmt, cols, table=table, fingerprint=f"dataset:{fp}")
-    if type(value).__name__ == "DatasetDict":
-        raise DataFileError(
-            f"{field_name}: got a datasets.DatasetDict of splits {list(value)}; pass one split, "
-            f"e.g. {field_name}=dataset['train']"
-        )
     if not isinstance(value, str):
         return None
     files = _files(value, field_name)

@@ -71,23 +71,25 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
         location = cache_location(args.storage_path, fp, args.storage_filesystem)
         meta = read_meta(location)
         if meta is None:
-            scan(source, args.text_field)  # every record, before Ray starts
+            scan(source, args.text_field, args.train_on)  # every record, before Ray starts
         plans[field] = DataPlan(source, settings, fp, location.name, meta)
     return plans
 
 
 def _chat_template(tokenizer: Any, args: TrainingArgs) -> str:
-    from ray_trainer._data.encode import RecordError, resolve_chat_template
+    """The chat template's text (``chat_template``, or the tokenizer's own), checked: it
+    renders a plain conversation's contents in order."""
+    from ray_trainer._data.encode import ChatTemplateError, Encoder
 
-    if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
-        raise TrainingArgsError(
-            "data: chat records (messages) need a Hugging Face tokenizer to render them: set "
-            "model (or tokenizer) to a Hugging Face model or tokenizer path"
-        )
+    encoder = Encoder(
+        tokenizer, chat_template=args.chat_template, train_on=args.train_on,
+        max_length=args.max_length, text_field=args.text_field,
+    )  # fmt: skip
     try:
-        return resolve_chat_template(tokenizer, args.chat_template)
-    except RecordError as e:
-        raise TrainingArgsError(str(e)) from None
+        encoder.check_template()
+    except ChatTemplateError as e:
+        raise TrainingArgsError(f"data: {e}") from None
+    return encoder.chat_template
 
 
 def fingerprint(source: Source, settings: EncodeSettings, tokenizer: Any) -> str:
@@ -164,6 +166,14 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
             if isinstance(cause, DataFileError):
                 raise DataFileError(str(cause)) from None
             raise
+    return finish_cache(plan, args, results, time.perf_counter() - started)
+
+
+def finish_cache(
+    plan: DataPlan, args: TrainingArgs, results: list[PieceResult], wall_s: float
+) -> dict[str, Any]:
+    """Complete a source's cache from its pieces' results (its meta last); returns the meta."""
+    source = plan.source
     meta = {
         "fingerprint": plan.fingerprint,
         "source": source.name,
@@ -174,10 +184,11 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
         "dropped_where": [w for r in results for w in r.dropped_where][:5],
         "tokens": int(sum(int(r.lengths.sum()) for r in results)),
         "cpu_s": round(sum(r.cpu_s for r in results), 3),
-        "wall_s": round(time.perf_counter() - started, 3),
+        "wall_s": round(wall_s, 3),
     }
-    write_meta(_location(plan, args), meta, results)
-    return read_meta(_location(plan, args)) or meta
+    location = cache_location(args.storage_path, plan.fingerprint, args.storage_filesystem)
+    write_meta(location, meta, results)
+    return read_meta(location) or meta
 
 
 def _encode_task(source: Source, index: int, piece: Any, settings: Any, cache: str, fs: Any,
@@ -190,10 +201,6 @@ def _encode_task(source: Source, index: int, piece: Any, settings: Any, cache: s
 
 def _local_files(source: Source) -> bool:
     return any("://" not in f.name for f in source.files)
-
-
-def _location(plan: DataPlan, args: TrainingArgs) -> Any:
-    return cache_location(args.storage_path, plan.fingerprint, args.storage_filesystem)
 
 
 def _report_dropped(field: str, meta: dict[str, Any], args: TrainingArgs) -> None:

@@ -101,7 +101,7 @@ def test_every_bad_record_is_counted_and_the_first_named_with_its_line(tmp_path)
         scan(resolve(str(path), "data"))
     msg = str(info.value)
     assert msg.startswith(f"{path}:2: invalid JSON") and "1 more bad record" in msg
-    assert f"{path}:3: missing field 'messages'" in msg
+    assert f"{path}:3: 'messages' must be a non-empty list" in msg
 
 
 def test_a_bad_row_of_a_parquet_file_is_named_by_its_index(tmp_path):
