@@ -9,12 +9,14 @@ append), so every file of the run ends up on the run's storage.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
-from ray_trainer._storage import locate
+from ray_trainer._storage import local_copy, locate
 
 
 class RunStorage:
@@ -22,6 +24,7 @@ class RunStorage:
 
     def __init__(self, run_dir: str, filesystem: Any = None) -> None:
         self.run = locate(run_dir, filesystem)
+        self.filesystem = filesystem
         self._work_dir: str | None = None
 
     def local_path(self, name: str) -> str:
@@ -45,6 +48,13 @@ class RunStorage:
         local = self.local_path(name)
         if os.path.exists(local):
             target.upload(local)
+
+    @contextlib.contextmanager
+    def local_copy(self, path: str) -> Iterator[str]:
+        """A local file or folder holding `path` (a path or URI on the run's storage, e.g. a
+        checkpoint's ``hf/``): itself on local storage, else a download removed afterwards."""
+        with local_copy(locate(path, self.filesystem)) as local:
+            yield local
 
     def close(self) -> None:
         """Remove the working copies (after the last sync)."""

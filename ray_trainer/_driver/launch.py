@@ -47,6 +47,7 @@ from ray_trainer._driver.console import (
 )
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage, ship_data
 from ray_trainer._driver.result import TrainingResult, build_result
+from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import run_with_graceful_signals
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
 from ray_trainer._storage import locate
@@ -139,6 +140,7 @@ def prepare_launch(
         end_timeout_s=args.callback_timeout_s,
         eval_timeout_s=args.eval_timeout_s,
         filesystem=args.storage_filesystem,
+        retention=retention_of(args),
     )
     # The args travel as a plain pydantic object; the callbacks only through `callbacks_ref`.
     worker_args = args.model_copy(
@@ -151,7 +153,10 @@ def prepare_launch(
         launch_id=secrets.token_hex(4),
         actor_name=actor_name(args.run_name),
         actor_namespace=NAMESPACE,
-        forward_events=forwarded_events(subscribed_events(lists, keep_for_actor)),
+        forward_events=forwarded_events(
+            subscribed_events(lists, keep_for_actor),
+            ranking=args.checkpoint_score_attribute is not None,
+        ),
         shipped_data=dict(shipped_data or {}),
     )
     return Launch(spec=spec, actor=actor, actor_ready=ready)
@@ -165,6 +170,7 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
     nodes = alive_nodes()
     check_shared_storage(args, nodes)
     launch = prepare_launch(args, lists, run_dir, ship_data(args, nodes))
+    forget_ray_checkpoint_list(run_dir, args.storage_filesystem)
     prepare_ray_train()
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -183,7 +189,8 @@ def _fit(args: TrainingArgs, lists: CallbackLists, run_dir: str) -> TrainingResu
             failure_config=FailureConfig(
                 max_failures=args.max_failures, controller_failure_limit=args.max_start_retries
             ),
-            checkpoint_config=CheckpointConfig(num_to_keep=args.num_checkpoints_to_keep),
+            # No num_to_keep: the callback actor ranks and deletes (_driver/retention.py).
+            checkpoint_config=CheckpointConfig(),
         ),
     )
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
