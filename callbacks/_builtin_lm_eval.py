@@ -109,10 +109,8 @@ class LmEval:
     def __call__(self, checkpoint_path: str, step: int) -> dict[str, float]:
         """Runs in the evaluation task: evaluate the checkpoint at `checkpoint_path` (local)."""
         import lm_eval
-        from lm_eval.tasks import TaskManager
 
         with self._include_folder() as include:
-            manager = TaskManager(include_path=include) if include else TaskManager()
             out = lm_eval.simple_evaluate(
                 model="hf",
                 model_args=self.model_arguments(checkpoint_path),
@@ -121,13 +119,25 @@ class LmEval:
                 limit=self.limit,
                 batch_size=self.batch_size,
                 device=self.device or _default_device(),
-                task_manager=manager,
+                task_manager=self._task_manager(include),
                 log_samples=False,
                 **self.evaluate_kwargs,
             )
         if not out or not out.get("results"):
             raise RuntimeError(f"LmEval: lm-eval returned no results for {self.tasks}")
         return flat_lm_eval_metrics(out["results"])
+
+    def _task_manager(self, include: str | None) -> Any:
+        """lm-eval's task index: only the include folder's tasks when it has every task asked
+        for (indexing lm-eval's own ~15,000 task files takes seconds)."""
+        from lm_eval.tasks import TaskManager
+
+        if include is None:
+            return TaskManager()
+        own = TaskManager(include_path=include, include_defaults=False)
+        if all(task in own.all_tasks for task in self.tasks):
+            return own
+        return TaskManager(include_path=include)
 
     def model_arguments(self, checkpoint_path: str) -> dict[str, Any]:
         """lm-eval's ``hf`` model arguments for the checkpoint: the export itself, or its base
