@@ -1,8 +1,9 @@
 """In the callback actor: where actor-side callbacks write the run's own files.
 
-Runs in the callback actor process. ``JsonlLogger`` and ``TensorBoardLogger`` write
-``metrics.jsonl`` and event files into the run folder; they get a ``RunStorage`` as
-``context.run_storage``. On local (or shared) storage a file is written in place; on a bucket
+Runs in the callback actor process. ``JsonlLogger``, ``TensorBoardLogger`` and ``WandbLogger``
+write ``metrics.jsonl``, event files and W&B's files into the run folder; they get a
+``RunStorage`` as ``context.run_storage`` (which also gives the trackers a local copy of a
+checkpoint's ``hf/`` to upload). On local (or shared) storage a file is written in place; on a bucket
 it is written to a local working copy that ``sync`` uploads whole (an object store cannot
 append), so every file of the run ends up on the run's storage.
 """

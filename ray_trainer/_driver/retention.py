@@ -5,6 +5,7 @@ Runs in the driver, before the workers start. The callback actor ranks and delet
 it is handed and never deletes one the actor still ranks or evaluates. Its own list of them
 (``RAY_CHECKPOINT_LIST``) is removed before a launch: the run resumes from its newest complete
 checkpoint on storage, and Ray Train refuses to start from a list that names a deleted one.
+``format_checkpoints`` turns the actor's ranking into ``ray-trainer status`` lines.
 """
 
 from __future__ import annotations

@@ -260,3 +260,66 @@ def test_outcomes_from_two_threads_are_recorded_once():
         t.join()
     assert sorted(calls) == sorted(f"/run/c{i}" for i in range(50))
     assert len(tracker.results) == 50
+
+
+# ---- the driver's side: args, Ray Train's list, status ---------------------------------------
+
+
+def test_args_check_the_ranking_fields():
+    from ray_trainer import TrainingArgs, TrainingArgsError
+
+    ok = TrainingArgs.coerce(
+        save_every_steps=10, num_checkpoints_to_keep=2, checkpoint_score_attribute="val_loss"
+    )
+    assert ok.checkpoint_score_order == "max"
+    with pytest.raises(TrainingArgsError, match="checkpoint_score_order"):
+        TrainingArgs.coerce(checkpoint_score_attribute="acc", checkpoint_score_order="best")
+    with pytest.raises(TrainingArgsError, match="saves none"):
+        TrainingArgs.coerce(checkpoint_score_attribute="acc", save_at_end=False)
+    with pytest.raises(TrainingArgsError, match="empty"):
+        TrainingArgs.coerce(checkpoint_score_attribute=" ")
+
+
+def test_the_actor_is_told_what_to_keep_and_ray_trains_list_is_forgotten(tmp_path):
+    from ray_trainer import TrainingArgs
+    from ray_trainer._contract import RAY_CHECKPOINT_LIST, forwarded_events
+    from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
+
+    assert retention_of(TrainingArgs()) is None  # nothing ranked, nothing deleted
+    assert retention_of(TrainingArgs(num_checkpoints_to_keep=3)) == Retention(3, None, "max")
+    args = TrainingArgs(checkpoint_score_attribute="loss", checkpoint_score_order="min")
+    assert retention_of(args) == Retention(None, "loss", "min")
+    assert {"on_log", "on_evaluate"} <= forwarded_events(frozenset(), ranking=True)
+    assert "on_log" not in forwarded_events(frozenset())
+    (tmp_path / RAY_CHECKPOINT_LIST).write_text("{}")
+    forget_ray_checkpoint_list(str(tmp_path))
+    forget_ray_checkpoint_list(str(tmp_path))  # nothing there: nothing to do
+    assert not (tmp_path / RAY_CHECKPOINT_LIST).exists()
+
+
+def test_status_lines_show_the_best_and_each_checkpoints_evaluations():
+    from ray_trainer._driver.retention import format_checkpoints
+
+    ranked = {
+        "ranked_by": "acc",
+        "order": "max",
+        "best_checkpoint": "/runs/r/checkpoint_00000004",
+        "best_metrics": {"acc": 0.9},
+        "num_checkpoints": 2,
+        "checkpoints": [
+            {"name": "checkpoint_00000004", "step": 4, "metrics": {"acc": 0.9, "f1": 0.5}},
+            {"name": "checkpoint_00000008", "step": 8, "metrics": {}, "evaluating": True},
+        ],
+    }
+    assert format_checkpoints(ranked) == [
+        "  best        /runs/r/checkpoint_00000004 (acc 0.9)",
+        "  checkpoints 2, best first by acc (max)",
+        "    checkpoint_00000004  step 4: acc 0.9, f1 0.5",
+        "    checkpoint_00000008  step 8 (evaluating): -",
+    ]
+    plain = {"checkpoints": [{"checkpoint_path": "/r/checkpoint_00000002", "step": 2,
+                              "metrics": {"x": 1}, "failures": 1}]}  # fmt: skip
+    assert format_checkpoints(plain) == [
+        "  checkpoints 1",
+        "    checkpoint_00000002  step 2 (1 failed): x 1",
+    ]
