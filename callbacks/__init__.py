@@ -7,9 +7,12 @@ modules starting with ``_`` are internal. See docs/callbacks.md.
 from callbacks._builtin_divergence import DivergenceDetector
 from callbacks._builtin_early_stopping import EarlyStopping
 from callbacks._builtin_jsonl import JsonlLogger
+from callbacks._builtin_lm_eval import LmEval
+from callbacks._builtin_mlflow import MLflowLogger
 from callbacks._builtin_progress import ProgressBar
 from callbacks._builtin_ray_metrics import RayMetrics
 from callbacks._builtin_tensorboard import TensorBoardLogger
+from callbacks._builtin_wandb import WandbLogger
 from callbacks._callback import TrainerCallback
 from callbacks._context import TrainingContext
 from callbacks._control import TrainerControl
@@ -39,12 +42,15 @@ __all__ = [
     "EvalOnSave",
     "GlobalCallbackHandle",
     "JsonlLogger",
+    "LmEval",
+    "MLflowLogger",
     "ProgressBar",
     "RayMetrics",
     "TensorBoardLogger",
     "TrainerCallback",
     "TrainerControl",
     "TrainingContext",
+    "WandbLogger",
     "dumps_callbacks",
     "global_callbacks",
     "loads_callbacks",

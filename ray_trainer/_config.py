@@ -107,6 +107,10 @@ class TrainingArgs(BaseModel):
     save_every_steps: int | None = Field(None, gt=0)
     save_at_end: bool = True
     num_checkpoints_to_keep: int | None = Field(None, gt=0)
+    # Rank checkpoints by this metric (from on_evaluate, else the logs), best first; with
+    # num_checkpoints_to_keep the N best are kept, plus the newest (docs/evaluation.md).
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: Literal["max", "min"] = "max"
     eval_every_steps: int | None = Field(None, gt=0)
     eval_max_batches: int | None = Field(None, gt=0)
     log_every_steps: int = Field(10, gt=0)
@@ -235,6 +239,7 @@ class TrainingArgs(BaseModel):
                 f"{self.max_length}: a sample of max_length tokens would not fit; raise it "
                 "(or lower max_length)"
             )
+        _check_ranking(self)
         return self
 
     @property
@@ -310,6 +315,23 @@ class TrainingArgs(BaseModel):
             else:
                 out[k] = repr(v)
         return out
+
+
+def _check_ranking(args: TrainingArgs) -> None:
+    """`checkpoint_score_attribute` ranks checkpoints: it needs a metric name and checkpoints."""
+    name = args.checkpoint_score_attribute
+    if name is None:
+        return
+    if not name.strip():
+        raise ValueError(
+            "checkpoint_score_attribute is empty; name a metric (e.g. 'val_loss' or an "
+            "EvalOnSave metric), or None to keep checkpoints by age"
+        )
+    if args.save_every_steps is None and not args.save_at_end:
+        raise ValueError(
+            f"checkpoint_score_attribute={name!r} ranks checkpoints, but this run saves none "
+            "(save_every_steps=None, save_at_end=False); set save_every_steps"
+        )
 
 
 def is_builtin(model: Any) -> bool:

@@ -63,9 +63,15 @@ LIVE_KWARGS: frozenset[str] = frozenset(
 )
 
 
-def forwarded_events(actor_subscribed: frozenset[str]) -> frozenset[str]:
-    """The events rank 0 sends to the actor: what its callbacks subscribe to, plus its own."""
-    return actor_subscribed | ACTOR_EVENTS
+#: Events the actor also needs when it ranks checkpoints by a metric (``Retention.attribute``):
+#: the metric comes from an evaluation or from the logs.
+RANKING_EVENTS: frozenset[str] = frozenset({"on_log", "on_evaluate"})
+
+
+def forwarded_events(actor_subscribed: frozenset[str], ranking: bool = False) -> frozenset[str]:
+    """The events rank 0 sends to the actor: what its callbacks subscribe to, plus its own
+    (and, with `ranking`, what the checkpoint ranking reads)."""
+    return actor_subscribed | ACTOR_EVENTS | (RANKING_EVENTS if ranking else frozenset())
 
 
 #: One event on the wire: (event name, ``TrainingContext.to_wire()``, plain keyword arguments).
@@ -140,13 +146,32 @@ class ActorSummary:
     duplicates: int = 0
     restarted: bool = False
     restored_from: str | None = None
+    best_checkpoint: str | None = None  # by Retention.attribute; None without one
+    best_metrics: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Retention:
+    """driver -> callback actor: which checkpoints the actor keeps (Ray Train keeps them all).
+
+    The N best by ``attribute`` (``order`` ``"max"`` or ``"min"``), or the N newest without
+    one, plus the newest; ``keep=None`` deletes nothing (the ranking still names the best)."""
+
+    keep: int | None
+    attribute: str | None
+    order: str = "max"
+
+
 CHECKPOINT_PREFIX = "checkpoint_"
 #: The actor-side callbacks' state, written by the actor into each checkpoint folder.
 ACTOR_STATE_FILE = "actor_state.pkl"
+#: The checkpoint ranking (scores, evaluations per checkpoint), in the run folder.
+RANKING_FILE = "ranking.json"
+#: Ray Train's own list of the checkpoints it was given, in the run folder: not used to resume.
+RAY_CHECKPOINT_LIST = "checkpoint_manager_snapshot.json"
 
 
 _CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"\d+")

@@ -23,6 +23,7 @@ import ray
 from callbacks import TrainerControl, TrainingContext
 from ray_trainer._actor.evaluation import EvalTracker
 from ray_trainer._actor.requests import OutsideRequests
+from ray_trainer._actor.retention import CheckpointKeeper
 from ray_trainer._actor.state import ActorStateWriter, restore
 from ray_trainer._actor.storage import RunStorage
 from ray_trainer._contract import (
@@ -31,6 +32,7 @@ from ray_trainer._contract import (
     ActorSummary,
     BatchReply,
     EventBatch,
+    Retention,
     WorkerSummary,
     actor_name,
 )
@@ -67,10 +69,14 @@ class CallbackActor:
         eval_timeout_s: float = 600.0,
         push_wait_s: float = 0.05,
         filesystem: Any = None,
+        retention: Retention | None = None,
     ) -> None:
         lists = unpack(packed)
         self.writer = ActorStateWriter(filesystem)
-        lists = {**lists, "global": [*lists["global"], self.writer]}
+        # The keeper goes last: it deletes checkpoints once every other callback saw the save.
+        self.keeper = CheckpointKeeper(retention, run_dir, filesystem) if retention else None
+        own = [self.writer, self.keeper] if self.keeper else [self.writer]
+        lists = {**lists, "global": [*lists["global"], *own]}
         self.manager = build_manager(
             lists,
             keep_for_actor,
@@ -87,6 +93,9 @@ class CallbackActor:
         self.push_wait_s = push_wait_s
         self.storage = RunStorage(run_dir, filesystem)
         self.evals = EvalTracker(self.manager, run_name, filesystem, self.storage)
+        if self.keeper is not None:
+            self.keeper.tracker = self.evals
+            self.evals.listener = self.keeper.record_evaluation
         self.received: collections.Counter[str] = collections.Counter()
         self.duplicates = 0
         self.ended = False
@@ -204,6 +213,7 @@ class CallbackActor:
             "evaluations": self.evals.sorted_results()[-5:],
             "num_evaluations": len(self.evals.results),
             "evaluations_in_flight": self.evals.in_flight(),
+            **self._checkpoints(limit=10),
             "callback_errors": [vars(e) for e in errors[-5:]],
             "num_callback_errors": sum(self.manager.error_counts.values()),
             "restarted": self.restarted,
@@ -222,6 +232,7 @@ class CallbackActor:
         """Everything `TrainingResult` takes, at the end of the run (the one way back)."""
         handled = self.handled()
         unhandled = {e: n - handled.get(e, 0) for e, n in self.received.items()}
+        best, best_metrics = self.keeper.best() if self.keeper else (None, {})
         return ActorSummary(
             worker=self.worker_summary,
             attempts=self.attempts,
@@ -237,6 +248,8 @@ class CallbackActor:
             duplicates=self.duplicates,
             restarted=self.restarted,
             restored_from=self.restored_from,
+            best_checkpoint=best,
+            best_metrics=best_metrics,
         )
 
     # ---- internals -------------------------------------------------------------------------
@@ -256,6 +269,8 @@ class CallbackActor:
         self.evals.wait_all(timeout=self.eval_timeout_s)
         self._drain("the evaluation results")  # the on_evaluate events just fired
         context = self._context(wire)
+        if self.keeper is not None:  # e.g. for trackers that upload the best model
+            context.best_checkpoint_path, context.best_metrics = self.keeper.best()
         self.manager.fire("on_train_end", context, **kwargs)  # waits, bounded by end_timeout
         self.ended = True
         self.storage.close()  # the callbacks synced their files in on_train_end
@@ -267,6 +282,30 @@ class CallbackActor:
         context.eval_launcher = self.evals
         context.run_storage = self.storage
         return context
+
+    def _checkpoints(self, limit: int) -> dict[str, Any]:
+        """For ``status``: the best checkpoint and the checkpoints with their evaluations (the
+        ranking when there is one, else the newest evaluated checkpoints)."""
+        if self.keeper is not None:
+            rows = self.keeper.rows()
+            best, metrics = self.keeper.best()
+            retention = self.keeper.retention
+            return {
+                "best_checkpoint": best,
+                "best_metrics": metrics,
+                "ranked_by": retention.attribute,
+                "order": retention.order,
+                "checkpoints": rows[:limit],
+                "num_checkpoints": len(rows),
+            }
+        rows: dict[str, dict[str, Any]] = {}
+        for r in self.evals.sorted_results():
+            path = r["checkpoint_path"]
+            row = rows.setdefault(path, {"checkpoint_path": path, "step": r["step"], "metrics": {}})
+            row["metrics"].update(r.get("metrics") or {})
+            row["failures"] = row.get("failures", 0) + ("error" in r)
+        newest = sorted(rows.values(), key=lambda r: -r["step"])
+        return {"checkpoints": newest[:limit], "num_checkpoints": len(newest)}
 
     def _drain(self, what: str) -> None:
         if self.manager.flush(timeout=0.5):

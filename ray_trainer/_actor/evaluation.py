@@ -4,7 +4,8 @@ Runs inside the callback actor process. `EvalOnSave.on_save` (on the actor's dis
 calls `EvalTracker.launch`, which starts ``eval_fn(checkpoint_path, step)`` as a Ray task with
 the requested resources and returns at once. A watcher thread collects finished tasks, cancels
 the ones past their timeout, records every outcome, and fires ``on_evaluate`` on the actor-side
-callbacks for each success.
+callbacks for each success. Each outcome reaches the `listener` (the checkpoint ranking)
+before the evaluation stops counting as in flight (`pending_paths`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ class _Pending:
     checkpoint_path: str
     source: str
     deadline: float | None
+    closing: bool = False  # its outcome is being recorded (by the watcher or by wait_all)
 
 
 class EvalTracker:
@@ -54,6 +57,8 @@ class EvalTracker:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self.last_wire: dict[str, Any] = {}
+        # Told every outcome: (checkpoint path, metrics or None when it failed).
+        self.listener: Callable[[str, dict[str, Any] | None], None] | None = None
 
     def launch(
         self,
@@ -96,22 +101,21 @@ class EvalTracker:
         with self._cond:
             return len(self._in_flight)
 
+    def pending_paths(self) -> set[str]:
+        """The checkpoints with an evaluation still running (or waiting for its slot)."""
+        with self._cond:
+            return {p.checkpoint_path for p in self._in_flight.values()}
+
     def wait_all(self, timeout: float) -> None:
         """Wait for every in-flight evaluation, up to `timeout`; cancel and record the rest."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._in_flight and time.monotonic() < deadline:
                 self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
-            left = dict(self._in_flight)
-            self._in_flight.clear()
-        for ref, p in left.items():
+            left = list(self._in_flight)
+        for ref in left:
             ray.cancel(ref, force=True)
-            self._record(
-                p.step,
-                p.checkpoint_path,
-                p.source,
-                error=f"not finished {timeout:g} s after training ended; cancelled",
-            )
+            self._close(ref, error=f"not finished {timeout:g} s after training ended; cancelled")
 
     def sorted_results(self) -> list[dict[str, Any]]:
         return sorted(self.results, key=lambda r: r["step"])
@@ -136,26 +140,19 @@ class EvalTracker:
                     if p.deadline is not None and now > p.deadline
                 ]
             for ref in expired:
-                with self._cond:
-                    p = self._in_flight.pop(ref, None)
-                    self._cond.notify_all()
-                if p is not None:
-                    ray.cancel(ref, force=True)
-                    self._record(p.step, p.checkpoint_path, p.source, error="timed out; cancelled")
+                ray.cancel(ref, force=True)
+                self._close(ref, error="timed out; cancelled")
 
     def _finish(self, ref: Any) -> None:
-        with self._cond:
-            p = self._in_flight.pop(ref, None)
-            self._cond.notify_all()
-        if p is None:
-            return
         try:
-            value = ray.get(ref)
+            value = ray.get(ref)  # ready: does not wait
         except Exception as e:  # the eval task raised or died: record it, never raise
-            self._record(p.step, p.checkpoint_path, p.source, error=_short(e))
+            self._close(ref, error=_short(e))
             return
         metrics = dict(value) if isinstance(value, dict) else {"value": value}
-        self._record(p.step, p.checkpoint_path, p.source, metrics=metrics)
+        p = self._close(ref, metrics=metrics)
+        if p is None:
+            return
         # The latest rank-0 fields (args, run_name, ...), with the checkpoint's step and path.
         context = TrainingContext.from_wire(
             {
@@ -171,9 +168,27 @@ class EvalTracker:
         self.fired += 1
         self.manager.fire("on_evaluate", context, eval_step=p.step, source=p.source)
 
+    def _close(self, ref: Any, **outcome: Any) -> _Pending | None:
+        """Record an in-flight evaluation's outcome (once), then stop counting it in flight."""
+        with self._cond:
+            p = self._in_flight.get(ref)
+            if p is None or p.closing:
+                return None
+            p.closing = True
+        self._record(p.step, p.checkpoint_path, p.source, **outcome)
+        with self._cond:
+            self._in_flight.pop(ref, None)
+            self._cond.notify_all()
+        return p
+
     def _record(self, step: int, path: str, source: str, **outcome: Any) -> None:
         if "error" in outcome:
             logger.warning("evaluation of step %d (%s) failed: %s", step, path, outcome["error"])
+        if self.listener is not None:
+            try:
+                self.listener(path, outcome.get("metrics"))
+            except Exception:  # the ranking must not lose the evaluation's own record
+                logger.exception("recording the evaluation of %s in the ranking failed", path)
         entry = {"step": step, "checkpoint_path": path, "source": source, **outcome}
         with self._cond:
             if len(self.results) >= self.max_results:

@@ -49,6 +49,7 @@ from ray_trainer._driver.console import (
 from ray_trainer._driver.data import DataPlan, prepare_data
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
 from ray_trainer._driver.result import TrainingResult, build_result
+from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import run_with_graceful_signals
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
 from ray_trainer._storage import locate
@@ -145,6 +146,7 @@ def prepare_launch(
         end_timeout_s=args.callback_timeout_s,
         eval_timeout_s=args.eval_timeout_s,
         filesystem=args.storage_filesystem,
+        retention=retention_of(args),
     )
     # The args travel as a plain pydantic object; the callbacks only through `callbacks_ref`.
     worker_args = args.model_copy(
@@ -157,7 +159,10 @@ def prepare_launch(
         launch_id=secrets.token_hex(4),
         actor_name=actor_name(args.run_name),
         actor_namespace=NAMESPACE,
-        forward_events=forwarded_events(subscribed_events(lists, keep_for_actor)),
+        forward_events=forwarded_events(
+            subscribed_events(lists, keep_for_actor),
+            ranking=args.checkpoint_score_attribute is not None,
+        ),
         data_caches=caches,
         chat_template=next((p.settings.chat_template for p in plans.values()), None),
     )
@@ -174,6 +179,7 @@ def _fit(
     nodes = alive_nodes()
     check_shared_storage(args, nodes)
     launch = prepare_launch(args, lists, run_dir, plans)
+    forget_ray_checkpoint_list(run_dir, args.storage_filesystem)
     prepare_ray_train()
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -192,7 +198,8 @@ def _fit(
             failure_config=FailureConfig(
                 max_failures=args.max_failures, controller_failure_limit=args.max_start_retries
             ),
-            checkpoint_config=CheckpointConfig(num_to_keep=args.num_checkpoints_to_keep),
+            # No num_to_keep: the callback actor ranks and deletes (_driver/retention.py).
+            checkpoint_config=CheckpointConfig(),
         ),
     )
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).

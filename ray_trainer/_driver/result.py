@@ -30,6 +30,10 @@ class TrainingResult:
         unhandled_events: rank-0 events the actor received but did not handle, by event (a
             hung or slow actor-side callback held them past its timeouts, or its queue was full).
         attempts: how many times the worker group started (1 without a restart).
+        best_checkpoint_path: the best checkpoint by ``checkpoint_score_attribute`` (None
+            without one, or when no checkpoint has a score).
+        best_metrics: that checkpoint's metrics: its evaluations' metrics and the ranking
+            metric's value (its evaluation's, else the value logged at or before its save).
     """
 
     global_step: int
@@ -45,6 +49,8 @@ class TrainingResult:
     run_dir: str = ""
     undelivered_events: int = 0
     unhandled_events: dict[str, int] = field(default_factory=dict)
+    best_checkpoint_path: str | None = None
+    best_metrics: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         """A few human-readable lines, as the CLI prints them."""
@@ -53,6 +59,8 @@ class TrainingResult:
             "metrics: " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(self.metrics.items())),
             f"checkpoint: {self.checkpoint_path}",
         ]
+        if self.best_checkpoint_path:
+            lines.append(f"best checkpoint: {self.best_checkpoint_path}")
         if self.stopped_early:
             lines.append(f"stopped early by: {self.stop_reason}")
         if self.evaluations:
@@ -81,6 +89,8 @@ def build_result(run_name: str, run_dir: str, actor: ActorSummary) -> TrainingRe
             run_name=run_name,
             run_dir=run_dir,
             unhandled_events=actor.unhandled_events,
+            best_checkpoint_path=actor.best_checkpoint,
+            best_metrics=dict(actor.best_metrics),
         )
     metrics = {
         "loss": worker.loss,
@@ -102,6 +112,8 @@ def build_result(run_name: str, run_dir: str, actor: ActorSummary) -> TrainingRe
         run_dir=run_dir,
         undelivered_events=worker.undelivered_events,
         unhandled_events=actor.unhandled_events,
+        best_checkpoint_path=actor.best_checkpoint,
+        best_metrics=dict(actor.best_metrics),
     )
 
 

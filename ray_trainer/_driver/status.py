@@ -48,6 +48,7 @@ from ray_trainer._driver.dashboard import (
     parse_headers,
     parse_verify,
 )
+from ray_trainer._driver.retention import format_checkpoints
 
 #: How long the actor may take to answer (capped by what is left of ``--timeout``).
 ACTOR_ANSWER_S = 10.0
@@ -321,6 +322,7 @@ def format_status(status: dict[str, Any]) -> str:
             )
             line += f"; last at step {last.get('step')}: {metrics or '(no metrics)'}"
     lines.append(line)
+    lines += format_checkpoints(status)
     request = status.get("last_request")
     if request:
         lines.append("  last request " + format_request(request))

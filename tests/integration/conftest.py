@@ -36,3 +36,14 @@ def ray_session():
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server on 127.0.0.1 (~15 s to start: once per session)."""
+    from tracker_support import MlflowServer
+
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")))
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,184 @@
+"""In the callback actor: ranking the run's checkpoints and deleting those not kept.
+
+Runs in the callback actor process. `CheckpointKeeper` is the actor's last callback (after the
+state writer), so every other callback has handled a save (``EvalOnSave`` has launched its
+evaluation) before the keeper looks at which checkpoints may go. It learns:
+
+* the ranking metric's value from ``on_log`` and rank 0's in-loop ``on_evaluate`` (the last
+  value at or before each save), and each save from ``on_save``, on the dispatcher thread;
+* each evaluation's outcome from the ``EvalTracker`` (``record_evaluation``, on its watcher
+  thread), before the tracker stops counting that evaluation as in flight: a checkpoint is
+  always either still being evaluated or already scored, never deleted in between.
+
+The ranking lives in ``RANKING_FILE`` in the run folder, written whole after every change and
+before any deletion; a restarted actor, a new driver continuing the run and ``status`` read it.
+Ray Train's own ``num_to_keep`` stays unset: it cannot rank by results that arrive after its
+``report``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+from ray_trainer._actor.ranking import Ranking, as_score
+from ray_trainer._checkpoint import CheckpointError, verify
+from ray_trainer._contract import RANKING_FILE, Retention, checkpoint_names
+from ray_trainer._storage import Location, locate
+
+logger = logging.getLogger("ray_trainer")
+
+#: Context fields a ranking metric may name besides ``batch_metrics`` keys (the logs).
+_LOGGED_FIELDS = ("loss", "learning_rate", "grad_norm", "throughput")
+
+
+class CheckpointKeeper:
+    """Ranks the run's checkpoints by `retention.attribute` and deletes what is not kept."""
+
+    runs_on = "actor"
+
+    def __init__(self, retention: Retention, run_dir: str, filesystem: Any = None) -> None:
+        self.retention = retention
+        self.ranking = Ranking(retention.attribute, retention.order, retention.keep)
+        self.run = locate(run_dir, filesystem)
+        self.filesystem = filesystem
+        self.tracker: Any = None  # the actor's EvalTracker: which evaluations are in flight
+        self._lock = threading.Lock()  # the ranking and its file: dispatcher + watcher threads
+        self._logged: tuple[int, float] | None = None  # (step, value) of the metric, last seen
+        self._in_loop: tuple[int, dict[str, Any]] | None = None  # rank 0's last validation
+        self._load()
+
+    # ---- hooks (the actor's dispatcher thread) ---------------------------------------------
+
+    def on_log(self, context: Any, **kwargs: Any) -> None:
+        name = self.retention.attribute
+        if name is None:
+            return
+        value = (context.batch_metrics or {}).get(name)
+        if value is None and name in _LOGGED_FIELDS:
+            value = getattr(context, name, None)
+        if as_score(value) is not None:
+            self._logged = (int(context.global_step), float(value))
+
+    def on_evaluate(self, context: Any, **kwargs: Any) -> None:
+        if "source" in kwargs:  # an EvalOnSave result: recorded by record_evaluation already
+            self._prune()
+            return
+        metrics = dict(context.val_metrics or {})  # rank 0's in-loop validation
+        step = int(kwargs.get("eval_step", context.global_step))
+        self._in_loop = (step, metrics)
+        value = metrics.get(self.retention.attribute) if self.retention.attribute else None
+        if as_score(value) is not None:
+            self._logged = (step, float(value))
+
+    def on_save(self, context: Any, **kwargs: Any) -> None:
+        path = context.checkpoint_path
+        if not path:
+            return
+        step = int(context.global_step)
+        logged = self._logged[1] if self._logged and self._logged[0] <= step else None
+        metrics = self._in_loop[1] if self._in_loop and self._in_loop[0] == step else None
+        with self._lock:
+            self.ranking.saved(_name(path), step, logged, metrics)
+            self._write()
+        self._prune()
+
+    def on_train_end(self, context: Any, **kwargs: Any) -> None:
+        self._prune()
+
+    # ---- from the evaluation tracker (its watcher thread) ----------------------------------
+
+    def record_evaluation(self, checkpoint_path: str, metrics: dict[str, Any] | None) -> None:
+        """An evaluation of `checkpoint_path` ended: its metrics, or None when it failed."""
+        with self._lock:
+            if self.ranking.evaluated(_name(checkpoint_path), metrics):
+                self._write()
+
+    # ---- for the actor ---------------------------------------------------------------------
+
+    def best(self) -> tuple[str | None, dict[str, Any]]:
+        """The best checkpoint's path and metrics (the ranking metric's value included)."""
+        with self._lock:
+            entry = self.ranking.best()
+            if entry is None:
+                return None, {}
+            metrics = {**entry.logged, **entry.metrics}
+            metrics[self.ranking.attribute] = self.ranking.score(entry)
+            return self.run.child(entry.name).name, metrics
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The ranking, best first, each row with the checkpoint's path and evaluations."""
+        pending = self._pending()
+        with self._lock:
+            rows = self.ranking.rows(pending)
+        for row in rows:
+            row["checkpoint_path"] = self.run.child(row["name"]).name
+        return rows
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _pending(self) -> set[str]:
+        tracker = self.tracker
+        return {_name(p) for p in tracker.pending_paths()} if tracker is not None else set()
+
+    def _prune(self) -> None:
+        """Delete the checkpoints not kept: the ranking file is written first, so a crash in
+        between leaves a folder that the next start adopts as unscored, never a dangling entry."""
+        if self.ranking.keep is None:
+            return
+        pending = self._pending()
+        with self._lock:
+            gone = self.ranking.to_delete(pending)
+            if not gone:
+                return
+            for entry in gone:
+                self.ranking.forget(entry.name)
+            self._write()
+        for entry in gone:
+            folder = self.run.child(entry.name)
+            try:
+                folder.delete()
+            except OSError as e:  # a later start adopts it again and retries
+                logger.warning("could not delete %s: %s", folder.name, e)
+
+    def _write(self) -> None:
+        """The ranking file, whole (the caller holds the lock)."""
+        data = json.dumps(self.ranking.to_dict(), indent=1, default=str)
+        try:
+            self.run.child(RANKING_FILE).write_text(data)
+        except OSError as e:
+            logger.warning("could not write %s: %s", self.run.child(RANKING_FILE).name, e)
+
+    def _load(self) -> None:
+        """The saved ranking, matched with the checkpoint folders on storage: entries whose
+        folder is gone are dropped; complete folders it does not know join it unscored."""
+        text = self.run.child(RANKING_FILE).read_text()
+        if text:
+            try:
+                self.ranking.load(json.loads(text))
+            except (ValueError, KeyError, TypeError) as e:
+                logger.warning("ignoring %s: %s", self.run.child(RANKING_FILE).name, e)
+        on_storage = set(checkpoint_names(self.run.listdir()))
+        for name in list(self.ranking.entries):
+            if name not in on_storage:
+                self.ranking.forget(name)
+        for name in sorted(on_storage - set(self.ranking.entries)):
+            if _complete(self.run.child(name), self.filesystem):
+                self.ranking.saved(name, int(name.rsplit("_", 1)[-1]))
+        if text or self.ranking.entries:
+            self._write()
+
+
+def _name(path: str) -> str:
+    """A checkpoint's folder name, from its path or URI."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _complete(folder: Location, filesystem: Any) -> bool:
+    try:
+        verify(folder.name, filesystem)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return True
