@@ -137,7 +137,9 @@ def main() -> dict:
     with open(data, "w") as f:
         for messages in convs:
             f.write(json.dumps({"messages": messages}) + "\n")
-    lengths = [len(tokenizer.apply_chat_template(m)) for m in convs]
+    lengths = [
+        len(tokenizer(tokenizer.apply_chat_template(m, tokenize=False))["input_ids"]) for m in convs
+    ]
     max_tokens = max(MAX_LENGTH, round(padded_positions(lengths)))
     common = dict(
         model=model, data=data, max_length=MAX_LENGTH, batch_size=BATCH, num_workers=WORKERS,
