@@ -4,10 +4,12 @@
 (an evaluation task, an example) rebuild the same model and data:
 ``build_demo().model_factory()``. ``make_tiny_causal_lm(path)`` writes a tiny random Hugging
 Face GPT-2 and its tokenizer on the spot (needs ``ray-trainer[hf]``), for examples and tests
-that must not download anything.
+that must not download anything; ``make_tiny_chat_model(path)`` a tiny chat model (a real
+tokenizer and chat template) and ``chat_conversations(n)`` conversations it learns.
 """
 
 from ray_trainer._demo import DEMO_DEFAULTS, AdditionDataset, TinyCausalLM, build_demo, exact_match
+from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_model
 from ray_trainer._models import TINY_WORDS, make_tiny_causal_lm
 
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "AdditionDataset",
     "TinyCausalLM",
     "build_demo",
+    "chat_conversations",
     "exact_match",
     "make_tiny_causal_lm",
+    "make_tiny_chat_model",
 ]
