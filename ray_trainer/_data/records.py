@@ -23,6 +23,7 @@ from ray_trainer._data.sources import (
     Source,
     _parse_line,
     read_piece,
+    record_format,
 )
 from ray_trainer._data.text import DataFileError
 from ray_trainer._storage import locate
@@ -43,11 +44,12 @@ def scan(source: Source, text_field: str = "text", train_on: str = "assistant") 
                 try:
                     if isinstance(record, _Bad):
                         raise RecordError(record.why)
-                    check_record(record, source.fmt, train_on=train_on, text_field=text_field)
+                    fmt = record_format(record, source.fmt, text_field)
+                    check_record(record, fmt, train_on=train_on, text_field=text_field)
                 except RecordError as e:
                     errors.append(f"{where}: {e}")
                     continue
-                some_text = some_text or _has_text(record, source.fmt, text_field)
+                some_text = some_text or _has_text(record, fmt, text_field)
             pieces.append(piece)
             total += piece.records
     if errors:

@@ -124,6 +124,17 @@ def detect_format(name: str, columns: list[str], first: dict[str, Any], text_fie
     )
 
 
+def record_format(record: Any, source_fmt: str, text_field: str = "text") -> str:
+    """The format of one record: its source's, except that the plain formats mix (a JSONL file
+    may hold both ``{"text"}`` and ``{"prompt", "completion"}`` lines, as it always could)."""
+    if source_fmt in ("text", "prompt_completion") and isinstance(record, dict):
+        if text_field in record:
+            return "text"
+        if "prompt" in record or "completion" in record:
+            return "prompt_completion"
+    return source_fmt
+
+
 def _files(spec: str, field_name: str) -> list[DataFile]:
     """The data files a string names: a file, a glob, a folder of files or a save_to_disk one."""
     if _GLOB & set(os.path.basename(spec)):

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ray_trainer._data.cache import PieceResult, write_piece
-from ray_trainer._data.sources import Piece, Source, read_piece
+from ray_trainer._data.sources import Piece, Source, read_piece, record_format
 from ray_trainer._data.text import IGNORE_INDEX, DataFileError
 from ray_trainer._storage import locate
 
@@ -59,7 +59,7 @@ def encode_piece(
     for where, record in read_piece(source, piece):
         records += 1
         try:
-            encoded = encoder.encode(record, source.fmt)
+            encoded = encoder.encode(record, record_format(record, source.fmt, settings.text_field))
         except RecordError as e:
             raise DataFileError(f"{where}: {e}") from None
         truncated += bool(encoded.truncated)

@@ -127,3 +127,9 @@ def test_pieces_cover_every_line_once_with_their_line_numbers(tmp_path, monkeypa
     wheres = [w for p in source.pieces for w, _ in read_piece(source, p)]
     assert wheres[:6] == [f"{path}:{n}" for n in range(1, 7)] and wheres[6] == f"{path}:8"
     assert _all(source) == records
+
+
+def test_text_and_prompt_completion_lines_mix_as_they_always_could(tmp_path):
+    rows = [{"text": "a b"}, {"prompt": "q", "completion": "a"}, {"text": "c"}]
+    source = scan(resolve(str(_jsonl(tmp_path / "d.jsonl", rows)), "data"))
+    assert source.fmt == "text" and source.records == 3
