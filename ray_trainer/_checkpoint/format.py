@@ -57,6 +57,39 @@ class TrainerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: ``TrainerState.extra`` key: a sharded checkpoint's tied weights, each stored once under the
+#: first of its names; the other names map to it ({"lm_head.weight": "transformer.wte.weight"}).
+TIED_WEIGHTS = "tied_weights"
+
+
+def tied_aliases(named: Any) -> dict[str, str]:
+    """The tied names among ``(name, tensor)`` pairs (``module.named_parameters(
+    remove_duplicate=False)``): each name of a tensor seen before, mapped to its first name."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in named:
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
+def shared_storage_aliases(state: dict[str, Any]) -> dict[str, str]:
+    """The tied names of a state dict of whole tensors: a tensor sharing another's storage."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        if not hasattr(t, "data_ptr") or t.numel() == 0:
+            continue
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.dtype)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 def rng_state() -> dict[str, Any]:
     import torch
 

@@ -77,21 +77,32 @@ def _write_shards(s: WorkerState, folder: str) -> list[str]:
     """This rank's DCP shards of model and optimizer in ``<folder>/shards/`` (rank 0 also
     writes the ``.metadata`` of all of them); the files, relative to `folder`."""
     import torch.distributed.checkpoint as dcp
+
+    target = os.path.join(folder, ckpt.SHARDS_DIR)
+    state = sharded_state(s)
+    # No fsync per file: the folder is a local staging copy that Ray Train uploads next (about
+    # half the save time on CPU, bench_memory's probe); a crash before the upload loses it anyway.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=False))
+    return [os.path.join(ckpt.SHARDS_DIR, name) for name in sorted(os.listdir(target))]
+
+
+def sharded_state(s: WorkerState) -> dict:
+    """What DCP saves and loads under FSDP: this rank's shards of the model, each tied weight
+    once (under its first name: the others are recorded in the trainer state), and of the
+    optimizer (creating its state when it has none yet)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    target = os.path.join(folder, ckpt.SHARDS_DIR)
     model, optimizer = s.parallel.model, s.optimizer
-    state = {
-        "model": get_model_state_dict(model),
+    aliases = ckpt.tied_aliases(model.named_parameters(remove_duplicate=False))
+    s.progress.extra[ckpt.TIED_WEIGHTS] = aliases
+    weights = get_model_state_dict(model)
+    return {
+        "model": {k: v for k, v in weights.items() if k not in aliases},
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    # No fsync per file: the folder is a local staging copy that Ray Train uploads next (about
-    # half the save time on CPU, bench_memory's probe); a crash before the upload loses it anyway.
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=False))
-    return [os.path.join(ckpt.SHARDS_DIR, name) for name in sorted(os.listdir(target))]
 
 
 def load_shards(s: WorkerState, shards_dir: str) -> None:
@@ -99,19 +110,16 @@ def load_shards(s: WorkerState, shards_dir: str) -> None:
     checkpoint was written by another number of workers). A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     model, optimizer = s.parallel.model, s.optimizer
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),  # creates the state to fill
-    }
+    state = sharded_state(s)
     dcp.load(state, storage_reader=dcp.FileSystemReader(shards_dir))
-    set_model_state_dict(model, state["model"])
+    # A tied weight's other names fill themselves: they are the same parameter.
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 

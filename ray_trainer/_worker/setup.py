@@ -108,7 +108,9 @@ def setup(spec: RunSpec) -> WorkerState:
     def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
         return _optimizer(model, args, accelerator.device)
 
-    parallel = prepare(workload.model, args, accelerator, make_optimizer, precision)
+    parallel = prepare(
+        workload.model, args, accelerator, make_optimizer, precision, workload.materialize
+    )
     model, optimizer = parallel.model, parallel.optimizer
     # The scheduler is ours, not accelerate's: its wrapper steps once per process per call.
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, random_split
 
 from ray_trainer._config import TrainingArgs, is_builtin
 from ray_trainer._models import ModelSpec
+from ray_trainer._worker.loading import Materialize, build_model
 
 
 @dataclass
@@ -28,6 +29,8 @@ class Workload:
     rank0_metrics: Callable[[nn.Module], dict[str, float]] | None = None
     tokenizer: Any = None  # saved into a Hugging Face export when it can save itself
     pad_id: int | None = None  # when batches have no attention mask: what padding is
+    # A pretrained model built on the meta device: fills it once placed (loading.py).
+    materialize: Materialize | None = None
 
 
 def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) -> Workload:
@@ -36,7 +39,7 @@ def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) 
     if is_builtin(args.model) and args.data is None:
         return _demo_workload(args)
     spec = ModelSpec.of(args)
-    model = spec.build_model()
+    model, materialize = build_model(spec)  # a pretrained model: on the meta device, unfilled
     tokenizer = spec.build_tokenizer()
     shipped = shipped or {}
     train = _dataset(args.data, args, tokenizer, shipped.get("data"))
@@ -55,7 +58,9 @@ def build_workload(args: TrainingArgs, shipped: dict[str, bytes] | None = None) 
             train, [len(train) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed)
         )
     loss_fn = args.loss_fn or model_loss
-    return Workload(model, train, val, collate, loss_fn, tokenizer=tokenizer)
+    return Workload(
+        model, train, val, collate, loss_fn, tokenizer=tokenizer, materialize=materialize
+    )
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
