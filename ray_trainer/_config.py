@@ -96,6 +96,9 @@ class TrainingArgs(BaseModel):
     # Checkpoints, evaluation, logging.
     save_every_steps: int | None = Field(None, gt=0)
     save_at_end: bool = True
+    # Write checkpoints in the background: training pauses only to copy the state to host
+    # memory (docs/large-models.md, "Asynchronous checkpoints").
+    async_checkpoint: bool = False
     num_checkpoints_to_keep: int | None = Field(None, gt=0)
     eval_every_steps: int | None = Field(None, gt=0)
     eval_max_batches: int | None = Field(None, gt=0)

@@ -121,10 +121,15 @@ def write_rank_part(
     trainer_state: TrainerState | None = None,
     model_spec: Any = None,
     extra_files: list[str] = (),
-) -> None:
-    """Write this rank's files into `folder`, the completion manifest last. `extra_files` are
-    paths relative to `folder` that this rank already wrote there (DCP shards, the HF export):
-    they go into its manifest too."""
+    save_id: str | None = None,
+    complete: bool = True,
+) -> dict[str, int]:
+    """Write this rank's files into `folder`, the completion manifest last (unless `complete`
+    is False: the caller writes it, with `manifest`, once its other files are written too).
+    `extra_files` are paths relative to `folder` that this rank already wrote there (DCP
+    shards, the HF export): they go into its manifest too. `save_id` names this save: a
+    checkpoint whose ranks' manifests name different saves is incomplete. Returns the files
+    (relative name -> size)."""
     import torch
 
     files = {name: os.path.getsize(os.path.join(folder, name)) for name in extra_files}
@@ -159,13 +164,28 @@ def write_rank_part(
             "user_state": cloudpickle.dumps(user_state),
         },
     )
-    manifest = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files}
+    if not complete:
+        return files
     tmp = os.path.join(folder, f".rank{rank}.complete.tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
+    with open(tmp, "wb") as f:
+        f.write(manifest(rank, world_size, files, save_id))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, f"rank{rank}.complete"))
+    os.replace(tmp, os.path.join(folder, manifest_name(rank)))
+    return files
+
+
+def manifest_name(rank: int) -> str:
+    """The file whose presence says that `rank`'s part of a checkpoint is written."""
+    return f"rank{rank}.complete"
+
+
+def manifest(rank: int, world_size: int, files: dict[str, int], save_id: str | None) -> bytes:
+    """The content of `rank`'s completion manifest: its files and their sizes."""
+    content = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files}
+    if save_id is not None:
+        content["save"] = save_id
+    return json.dumps(content).encode()
 
 
 def verify(path: str, filesystem: Any = None) -> TrainerState:
@@ -180,6 +200,11 @@ def _verify(location: Location) -> TrainerState:
     manifest0 = _read_manifest(location, 0)
     for rank in range(manifest0["world_size"]):
         manifest = manifest0 if rank == 0 else _read_manifest(location, rank)
+        if manifest.get("save") != manifest0.get("save"):  # a rank's part of another save
+            raise CheckpointError(
+                f"{location.name}: incomplete checkpoint: rank{rank}.complete belongs to "
+                "another save of this step; resume from an earlier checkpoint"
+            )
         for name, size in manifest["files"].items():
             if location.child(name).size() != size:
                 raise CheckpointError(
@@ -204,7 +229,7 @@ def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:
 
 
 def _read_manifest(location: Location, rank: int) -> dict[str, Any]:
-    file = location.child(f"rank{rank}.complete")
+    file = location.child(manifest_name(rank))
     text = file.read_text()
     if text is None:
         raise CheckpointError(

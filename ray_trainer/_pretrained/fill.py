@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_trainer._checkpoint.format import tied_aliases
 from ray_trainer._pretrained.safetensors import SafetensorsFiles
 
 
@@ -43,7 +44,8 @@ def empty_model(config: Any) -> nn.Module:
 def materialize(module: nn.Module, files: SafetensorsFiles, device: torch.device) -> None:
     """Give `module`'s meta parameters memory on `device` (only this rank's shards when it
     is sharded), keep its buffers' values, then fill it from `files`. Tied weights stay tied
-    (``to_empty`` keeps a shared parameter shared)."""
+    (FSDP2's ``to_empty`` keeps a shared parameter shared; on a whole module they are tied
+    again)."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     on_meta = [name for name, b in buffers.items() if b.device.type == "meta"]
     if on_meta:
@@ -51,7 +53,13 @@ def materialize(module: nn.Module, files: SafetensorsFiles, device: torch.device
             f"buffer {on_meta[0]} was computed on the meta device when the model was built, so "
             "its value is unknown; build this model without meta-device loading"
         )
+    ties = tied_aliases(module.named_parameters(remove_duplicate=False))
     module.to_empty(device=device)
+    for alias, kept in ties.items():  # to_empty gives an unsharded module's copies their own
+        weight = module.get_parameter(kept)
+        if module.get_parameter(alias) is not weight:
+            owner, _, leaf = alias.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, weight)
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])

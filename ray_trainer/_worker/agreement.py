@@ -52,11 +52,14 @@ class Agreed:
     tokens: float  # tokens that are not padding
     positions: float  # every position of every batch, padding included
     control: TrainerControl
+    extra: tuple[float, ...] = ()  # numbers of the loop's own, summed (async_save.py's)
 
 
 class Agreement:
-    """The step's all-reduce of ``[loss, tokens, positions, *flags]``, in flight; and this
-    rank's own requests that went into it. Read once with `result`."""
+    """The step's all-reduce of ``[loss, tokens, positions, *flags, *extra]``, in flight; and
+    this rank's own requests that went into it. Read once with `result`. `extra` are numbers
+    of the loop's own that every rank must agree on too (asynchronous checkpoints: which save
+    each rank has written), summed like the rest."""
 
     def __init__(
         self,
@@ -67,11 +70,12 @@ class Agreement:
         device: Any,
         world: int,
         copy_stream: Any = None,
+        extra: tuple[float, ...] = (),
     ) -> None:
         self.requested = requested
         flags = encode(requested)
         values = torch.tensor(
-            [0.0, 0.0, float(positions), *flags], dtype=torch.float64, device=device
+            [0.0, 0.0, float(positions), *flags, *extra], dtype=torch.float64, device=device
         )
         values[_LOSS] = loss_sum
         values[_TOKENS] = tokens
@@ -109,7 +113,12 @@ class Agreement:
                 if self.work is not None:
                     self.work.wait()
                 values = self.values.tolist()
+            end = _FIRST_FLAG + len(FLAGS)
             self._agreed = Agreed(
-                values[_LOSS], values[_TOKENS], values[_POSITIONS], decode(values[_FIRST_FLAG:])
+                values[_LOSS],
+                values[_TOKENS],
+                values[_POSITIONS],
+                decode(values[_FIRST_FLAG:end]),
+                tuple(values[end:]),
             )
         return self._agreed

@@ -26,16 +26,20 @@ if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
 
 
-def save(s: WorkerState) -> None:
-    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`.
+def save(s: WorkerState, final: bool = False) -> None:
+    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`;
+    with ``async_checkpoint``, stage it and write it in the background (`async_save.py`;
+    `final`: the run's last save, which waits for its write).
 
     Under DDP rank 0 writes the whole model and optimizer; under FSDP every rank writes its own
     shards with torch.distributed.checkpoint, in parallel, and nothing whole is gathered for the
     resumable state. The ``hf/`` export of a Hugging Face model is in place before `on_save`
     fires, so an evaluation task launched from it can load it.
     """
+    if s.saves is not None:
+        s.saves.save(s, final)
+        return
     p = s.progress
-    manager = s.hooks.manager
     with tempfile.TemporaryDirectory(prefix="ray_trainer_ckpt_") as folder:
         part: dict = {}
         extra: list[str] = []
@@ -45,22 +49,7 @@ def save(s: WorkerState) -> None:
             part.update(model=s.parallel.module().state_dict(), optimizer=s.optimizer.state_dict())
         if exports(s):
             extra += export_hf(s, folder)  # under FSDP a collective too
-        if s.rank == 0:
-            p.strategy = s.args.strategy
-            part.update(
-                scheduler=s.scheduler.state_dict(),
-                trainer_state=p,
-                model_spec=ModelSpec.of(s.args),
-            )
-        ckpt.write_rank_part(
-            folder,
-            rank=s.rank,
-            world_size=s.world_size,
-            callback_state=manager.state_dict(),
-            user_state=dict(manager.user_state),
-            extra_files=extra,
-            **part,
-        )
+        ckpt.write_rank_part(folder, extra_files=extra, **part, **rank_part(s))
         metrics = {"global_step": p.global_step, "epoch": p.epoch, "loss": s.ctx.loss}
         ray.train.report(
             metrics,
@@ -71,6 +60,27 @@ def save(s: WorkerState) -> None:
     path = checkpoint_location(s, p.global_step)
     s.ctx.checkpoint_path = path
     s.hooks.fire("on_save", checkpoint_path=path)
+
+
+def rank_part(s: WorkerState) -> dict:
+    """This rank's small part of a checkpoint (`write_rank_part`'s arguments): its callbacks'
+    state, and on rank 0 the trainer state, the scheduler and how to build the model."""
+    manager = s.hooks.manager
+    part = {
+        "rank": s.rank,
+        "world_size": s.world_size,
+        "callback_state": manager.state_dict(),
+        "user_state": dict(manager.user_state),
+        "save_id": f"{s.spec.launch_id}.{s.ctx.attempt}",  # this attempt's save of the step
+    }
+    if s.rank == 0:
+        s.progress.strategy = s.args.strategy
+        part.update(
+            scheduler=s.scheduler.state_dict(),
+            trainer_state=s.progress,
+            model_spec=ModelSpec.of(s.args),
+        )
+    return part
 
 
 def _write_shards(s: WorkerState, folder: str) -> list[str]:

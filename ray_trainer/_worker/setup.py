@@ -59,6 +59,7 @@ class WorkerState:
     model_shape: ModelShape = field(default_factory=lambda: ModelShape(0))
     peak_flops: float | None = None  # of one device, for MFU
     copy_stream: Any = None  # on a GPU: the side stream that copies agreements to the host
+    saves: Any = None  # with async_checkpoint: the AsyncSaves (async_save.py)
 
 
 def setup(spec: RunSpec) -> WorkerState:
@@ -136,6 +137,13 @@ def setup(spec: RunSpec) -> WorkerState:
         samples_seen=0,
         tokens_seen=0,
     )
+    saves = None
+    notice = preemption_notice() if rank == 0 else None
+    if args.async_checkpoint:
+        from ray_trainer._worker.async_save import AsyncSaves
+
+        saves = AsyncSaves()
+        notice = saves.watch(notice)  # a preemption save waits for its write
     return WorkerState(
         spec=spec,
         args=args,
@@ -149,7 +157,7 @@ def setup(spec: RunSpec) -> WorkerState:
         workload=workload,
         loader=loader,
         sampler=sampler,
-        hooks=Hooks(manager, ctx, forwarder, preemption_notice() if rank == 0 else None),
+        hooks=Hooks(manager, ctx, forwarder, notice),
         ctx=ctx,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
@@ -159,6 +167,7 @@ def setup(spec: RunSpec) -> WorkerState:
         copy_stream=torch.cuda.Stream(accelerator.device)
         if accelerator.device.type == "cuda"
         else None,
+        saves=saves,
     )
 
 

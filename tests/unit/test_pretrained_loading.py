@@ -117,12 +117,16 @@ def test_fsdp_on_two_ranks_loads_what_from_pretrained_loads(gpt2, llama):
     assert buffers == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 
 
-def test_ddp_loads_the_whole_model_in_one_process(llama):
+def test_ddp_loads_the_whole_model_in_one_process(gpt2, llama):
     from ray_trainer._models import ModelSpec
 
-    model = ModelSpec(model=llama).build_model()  # the same fill, unsharded, on the CPU
-    got = {"tensors": {**model.state_dict(), **dict(model.named_buffers())}}
-    _assert_equal_to_from_pretrained(llama, got)
+    for path in (gpt2, llama):
+        model = ModelSpec(model=path).build_model()  # the same fill, unsharded, on the CPU
+        got = {"tensors": {**model.state_dict(), **dict(model.named_buffers())}}
+        _assert_equal_to_from_pretrained(path, got)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # Llama: untied
+    gpt = ModelSpec(model=gpt2).build_model()
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight  # still one parameter
 
 
 def test_a_parameter_the_files_lack_is_refused_by_name(tmp_path):
