@@ -146,7 +146,12 @@ def rank_main(rank: int, world: int, strategy: str, opts: dict[str, Any], out: s
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     try:
-        report = _step_and_save(rank, world, strategy, opts, gpu)
+        if "how" in opts:  # the load phase (_memory_load.py)
+            from _memory_load import load_and_step
+
+            report = load_and_step(rank, world, strategy, opts)
+        else:
+            report = _step_and_save(rank, world, strategy, opts, gpu)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -364,10 +369,20 @@ def main() -> dict:
     parser.add_argument(
         "--rounds", type=int, default=2, help="process groups per configuration, in ABBA order"
     )
+    parser.add_argument("--phases", default="state,load", help="state (and checkpoints), load")
     parser.add_argument("--json", default=None)
     cli = parser.parse_args()
+    phases = cli.phases.split(",")
     model = dict(QUICK_MODEL) if cli.quick else {**FULL_MODEL, "n_layer": cli.n_layer}
     opts = {"model": model, "batch": 2, "seq": 128, "saves": cli.saves, "rounds": cli.rounds}
+    loading = None
+    if "load" in phases:  # the load phase: _memory_load.py
+        from _memory_load import run_load_phase
+
+        workers = [int(w) for w in cli.workers.split(",")]
+        loading = run_load_phase(run_configuration, workers, cli.quick)
+    if "state" not in phases:
+        return emit({"machine": machine(), **loading}, cli.json)
     runs: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
     for world in (int(w) for w in cli.workers.split(",")):
         for r in range(cli.rounds):  # DDP, FSDP, then FSDP, DDP: drift hits both alike
@@ -379,6 +394,10 @@ def main() -> dict:
     results = {key: summarise(value) for key, value in runs.items()}
     raw = {f"{strategy}_x{world}": value for (strategy, world), value in runs.items()}
     report = {"machine": machine(), **build_report(results, opts), "ranks": raw, "opts": opts}
+    if loading is not None:
+        report["table"] += "\n\n" + loading["table"]
+        report["ratios"].update(loading["ratios"])
+        report["load"] = loading
     return emit(report, cli.json)
 
 

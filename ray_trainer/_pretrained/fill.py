@@ -22,6 +22,9 @@ from torch import nn
 from ray_trainer._checkpoint.format import tied_aliases
 from ray_trainer._pretrained.safetensors import SafetensorsFiles
 
+#: The most a fill holds of a file at once (a tensor's rows read, then converted or moved).
+CHUNK_BYTES = 16 * 2**20
+
 
 class WeightsError(ValueError):
     """Weights that cannot be loaded into the model; the message names the parameter."""
@@ -143,21 +146,28 @@ def _copy_in(name: str, tensor: torch.Tensor, files: SafetensorsFiles, source: s
     local = _local(tensor)
     if local.device.type == "meta":
         raise WeightsError(f"{name} is on the meta device: call materialize() (or to_empty) first")
-    start, stop = _rows(name, tensor)
+    start = _first_row(name, tensor)
     if local.numel() == 0:
         return
     if local.device.type == "cpu" and local.dtype == entry.dtype and local.is_contiguous():
-        files.read_into(local, entry.start + (start or 0) * entry.row_bytes, entry.file)  # no copy
+        files.read_into(local, entry.start + start * entry.row_bytes, entry.file)  # no copy
         return
-    local.copy_(files.read(source, start, stop).view(local.shape))  # converts, moves
+    if local.ndim == 0:
+        local.copy_(files.read(source).view(()))
+        return
+    # Another dtype or device: through a buffer of at most CHUNK_BYTES of the file's rows.
+    step = max(1, CHUNK_BYTES // max(entry.row_bytes, 1))
+    for first in range(0, local.shape[0], step):
+        last = min(local.shape[0], first + step)
+        local[first:last].copy_(files.read(source, start + first, start + last))
 
 
-def _rows(name: str, tensor: torch.Tensor) -> tuple[int | None, int | None]:
-    """Which rows of the whole tensor this rank holds: all of them unless it is a DTensor
-    sharded along dim 0."""
+def _first_row(name: str, tensor: torch.Tensor) -> int:
+    """The first row (along dim 0) of the whole tensor that this rank holds: 0 unless it is a
+    DTensor sharded along dim 0 (this rank holds its local shape's rows from there)."""
     placements = getattr(tensor, "placements", None)
     if placements is None or all(p.is_replicate() for p in placements) or tensor.ndim == 0:
-        return None, None
+        return 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offset = compute_local_shape_and_global_offset(
@@ -168,4 +178,4 @@ def _rows(name: str, tensor: torch.Tensor) -> tuple[int | None, int | None]:
             f"{name}: sharded as {placements}; loading reads rows of dim 0 only (FSDP's "
             "default Shard(0))"
         )
-    return offset[0], offset[0] + local_shape[0]
+    return offset[0]

@@ -117,8 +117,11 @@ def test_fsdp_on_two_ranks_loads_what_from_pretrained_loads(gpt2, llama):
     assert buffers == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 
 
-def test_ddp_loads_the_whole_model_in_one_process(gpt2, llama):
+def test_ddp_loads_the_whole_model_in_one_process(gpt2, llama, monkeypatch):
     from ray_trainer._models import ModelSpec
+    from ray_trainer._pretrained import fill
+
+    monkeypatch.setattr(fill, "CHUNK_BYTES", 100)  # bf16 -> fp32 through many small reads
 
     for path in (gpt2, llama):
         model = ModelSpec(model=path).build_model()  # the same fill, unsharded, on the CPU
