@@ -27,8 +27,13 @@ backward, clip, AdamW step). Then:
   every runner worker builds it before sharding; prepared; stepped; saved), and on GPUs peak
   `torch.cuda.max_memory_allocated` per rank (skipped without a GPU for every rank: said so).
 
+* **the load phase** (``--phases load``; `_memory_load.py`): each worker's peak anonymous
+  memory while it loads a pretrained 254M-parameter Llama saved with ``save_pretrained``, on
+  the meta device (the runner) against ``from_pretrained`` whole in every worker, FSDP on each
+  worker count and DDP on 2; and the time to the first step.
+
 Usage: python bench/bench_memory.py [--quick] [--workers 2,4] [--n-layer 8] [--saves 3]
-       [--rounds 2] [--json OUT]
+       [--rounds 2] [--phases state,load] [--json OUT]
 """
 
 from __future__ import annotations
