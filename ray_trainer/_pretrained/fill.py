@@ -155,11 +155,11 @@ def _copy_in(name: str, tensor: torch.Tensor, files: SafetensorsFiles, source: s
     if local.ndim == 0:
         local.copy_(files.read(source).view(()))
         return
-    # Another dtype or device: through a buffer of at most CHUNK_BYTES of the file's rows.
+    # Another dtype or device: through one buffer of at most CHUNK_BYTES of the file's rows.
     step = max(1, CHUNK_BYTES // max(entry.row_bytes, 1))
     for first in range(0, local.shape[0], step):
         last = min(local.shape[0], first + step)
-        local[first:last].copy_(files.read(source, start + first, start + last))
+        local[first:last].copy_(files.read_rows(source, start + first, start + last))
 
 
 def _first_row(name: str, tensor: torch.Tensor) -> int:

@@ -81,6 +81,7 @@ class SafetensorsFiles:
     def __init__(self, folder: Location) -> None:
         self.folder = folder
         self._open: dict[str, Any] = {}
+        self._scratch: torch.Tensor | None = None  # `read_rows`'s buffer
         self.entries: dict[str, Entry] = {}
         names = weight_files(folder)
         if not names:
@@ -98,6 +99,7 @@ class SafetensorsFiles:
         for handle in self._open.values():
             handle.close()
         self._open.clear()
+        self._scratch = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -140,6 +142,19 @@ class SafetensorsFiles:
         shape = (stop - start, *entry.shape[1:]) if entry.shape else ()
         out = torch.empty(shape, dtype=entry.dtype)
         nbytes = (stop - start) * entry.row_bytes
+        if nbytes:
+            self.read_into(out, entry.start + start * entry.row_bytes, entry.file)
+        return out
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of `name`, like `read`, but in a buffer that this object
+        reuses from call to call (valid until the next call): reading a model chunk by chunk
+        allocates once, and leaves no freed chunks behind in the allocator."""
+        entry = self.entries[name]
+        nbytes = (stop - start) * entry.row_bytes
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        out = self._scratch[:nbytes].view(entry.dtype).view(stop - start, *entry.shape[1:])
         if nbytes:
             self.read_into(out, entry.start + start * entry.row_bytes, entry.file)
         return out
