@@ -253,11 +253,15 @@ def _timed_save(parallel: Any, rank: int) -> tuple[float, int, int]:
 
 
 class _Saver:
-    """What `saving._write_shards` reads of a worker's state: the sharded model, the optimizer."""
+    """What `saving._write_shards` reads of a worker's state: the sharded model, the optimizer,
+    the progress."""
 
     def __init__(self, parallel: Any) -> None:
+        from ray_trainer import _checkpoint as ckpt
+
         self.parallel = parallel
         self.optimizer = parallel.optimizer
+        self.progress = ckpt.TrainerState()  # where the tied weights' names are recorded
 
 
 # ---- the driver -------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ class TrainingArgs(BaseModel):
 
     Args:
         model: ``None`` or ``"tiny-lm"`` for the built-in demo transformer; a callable returning
-            an ``nn.Module``; or a Hugging Face causal LM name or local path (``ray-trainer[hf]``).
+            an ``nn.Module``; or a Hugging Face causal LM name, local path or bucket URI
+            (``ray-trainer[hf]``).
         data: ``None`` for the built-in addition task; a JSONL file of text; a torch ``Dataset``;
             or a callable returning one.
         max_steps: optimizer steps to train for (``None``: ``num_epochs`` passes over the data).

@@ -5,7 +5,10 @@ each training worker, and in ``load_model`` (a notebook, an evaluation task), fr
 checkpoint records. Hugging Face models need the optional extra ``ray-trainer[hf]``
 (transformers). :func:`check_model_ref` runs in the driver before Ray starts, so that a wrong
 model name fails at once. Nothing is ever downloaded unless ``allow_download=True``: a name must
-be a local directory or a model already in the Hugging Face cache.
+be a local directory, a bucket URI (``s3://...``: config and tokenizer are read from it, the
+safetensors weights in place, see ``_pretrained/``) or a model already in the Hugging Face cache.
+Training workers build a pretrained model with safetensors weights on the meta device and fill
+it once sharded (``_worker/loading.py``); its weights are fp32 whatever the files hold.
 """
 
 from __future__ import annotations

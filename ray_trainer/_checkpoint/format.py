@@ -5,10 +5,13 @@ stateful callbacks, and under ``strategy="fsdp"`` its shards of the model and op
 (``shards/``, written with torch.distributed.checkpoint); rank 0 also writes the trainer state,
 the scheduler, how to build the model (``model_spec.pkl``), under DDP the whole model and
 optimizer (``model.pt``, ``optimizer.pt``), and for a Hugging Face model the ``hf/`` export.
-Ray Train uploads the folders of all ranks into one checkpoint on the run's storage. Each rank
-writes ``rank<r>.complete`` last: a JSON manifest of its files and their sizes. A checkpoint is
-trusted only when rank 0's manifest is there, names the world size, and the manifest of every
-rank matches the files in storage; anything else is incomplete. Reads go through the storage
+Ray Train uploads the folders of all ranks into one checkpoint on the run's storage (with
+``async_checkpoint`` each rank writes its files there itself, in the background). Each rank
+writes ``rank<r>.complete`` last: a JSON manifest of its files and their sizes, and of the save
+it belongs to (the run's launch and attempt). A checkpoint is trusted only when rank 0's manifest
+is there, names the world size, and the manifest of every rank names the same save and matches
+the files in storage; anything else is incomplete. A sharded checkpoint holds a tied weight
+once; ``TrainerState.extra["tied_weights"]`` names its other names. Reads go through the storage
 layer (``_storage.py``): a checkpoint path may be a local path or a URI.
 """
 

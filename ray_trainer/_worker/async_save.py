@@ -32,6 +32,7 @@ resumes from the previous one.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from ray_trainer._worker.boundary import Decision
     from ray_trainer._worker.setup import WorkerState
 
+logger = logging.getLogger("ray_trainer")
+
 #: The fields of the context that `on_save` reports as they were when the state was staged.
 _SNAPSHOT = ("global_step", "epoch", "samples_seen", "tokens_seen", "loss")
 
@@ -66,6 +69,7 @@ class Pending:
     location: Location  # the checkpoint folder in the run's storage
     context: dict[str, Any]  # `_SNAPSHOT` of the context at the save
     staged_s: float  # how long staging paused training
+    written_s: float = 0.0  # how long this rank's background write took
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     thread: threading.Thread | None = None
@@ -85,7 +89,6 @@ class AsyncSaves:
         self.pending: Pending | None = None
         self.urgent = False  # a preemption notice asked for a save since the last step
         self.wait_next = False  # the save at this boundary was asked for by one: it waits
-        self.pauses: list[float] = []  # seconds each save paused training (staging)
         self._stager: Any = None
         self._group: Any = None
 
@@ -159,7 +162,6 @@ class AsyncSaves:
         files = ckpt.write_rank_part(folder, **part, complete=False)
         context = {k: getattr(s.ctx, k) for k in _SNAPSHOT}
         pending = Pending(p.global_step, location, context, time.perf_counter() - started)
-        self.pauses.append(pending.staged_s)
         s.last_saved_step = p.global_step
         pending.thread = threading.Thread(
             target=self._write,
@@ -205,6 +207,7 @@ class AsyncSaves:
         save_id: str,
     ) -> None:
         """The background thread: this rank's big files, the upload, the manifest last."""
+        started = time.perf_counter()
         try:
             remote = not p.location.is_local
             if remote:
@@ -235,6 +238,7 @@ class AsyncSaves:
         finally:
             if not p.location.is_local:
                 shutil.rmtree(folder, ignore_errors=True)
+            p.written_s = time.perf_counter() - started
             p.done.set()
 
     def _write_shards(self, staged: dict[str, Any], folder: str, rank: int) -> list[str]:
@@ -299,6 +303,11 @@ def _publish(s: WorkerState, p: Pending) -> None:
         checkpoint_dir_name=p.location.basename,
         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
     )
+    if s.rank == 0:
+        logger.info(
+            "%s: training paused %.2f s to stage it; rank 0 wrote it in %.1f s, in the background",
+            p.location.name, p.staged_s, p.written_s,
+        )  # fmt: skip
     ctx = s.ctx
     now = {k: getattr(ctx, k) for k in _SNAPSHOT}
     for k, v in p.context.items():

@@ -7,7 +7,9 @@ config, safetensors weights and, when the run has one, the tokenizer. Under DDP 
 the whole model and calls ``save_pretrained``. Under FSDP no rank holds it: the weights are
 gathered one tensor at a time (a collective every rank joins, in the same order) and rank 0
 streams each into a safetensors file whose header it wrote from the tensors' shapes, so the
-most any rank holds at once is its shards plus one whole tensor.
+most any rank holds at once is its shards plus one whole tensor. Asynchronous checkpoints
+(``async_save.py``) use the same writer (`write_weights`) from their background thread, on the
+staged tensors, gathered over the checkpoint's own process group.
 """
 
 from __future__ import annotations
