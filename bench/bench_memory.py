@@ -27,8 +27,13 @@ backward, clip, AdamW step). Then:
   every runner worker builds it before sharding; prepared; stepped; saved), and on GPUs peak
   `torch.cuda.max_memory_allocated` per rank (skipped without a GPU for every rank: said so).
 
+* **the load phase** (``--phases load``; `_memory_load.py`): each worker's peak anonymous
+  memory while it loads a pretrained 254M-parameter Llama saved with ``save_pretrained``, on
+  the meta device (the runner) against ``from_pretrained`` whole in every worker, FSDP on each
+  worker count and DDP on 2; and the time to the first step.
+
 Usage: python bench/bench_memory.py [--quick] [--workers 2,4] [--n-layer 8] [--saves 3]
-       [--rounds 2] [--json OUT]
+       [--rounds 2] [--phases state,load] [--json OUT]
 """
 
 from __future__ import annotations
@@ -146,7 +151,12 @@ def rank_main(rank: int, world: int, strategy: str, opts: dict[str, Any], out: s
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     try:
-        report = _step_and_save(rank, world, strategy, opts, gpu)
+        if "how" in opts:  # the load phase (_memory_load.py)
+            from _memory_load import load_and_step
+
+            report = load_and_step(rank, world, strategy, opts)
+        else:
+            report = _step_and_save(rank, world, strategy, opts, gpu)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -243,11 +253,15 @@ def _timed_save(parallel: Any, rank: int) -> tuple[float, int, int]:
 
 
 class _Saver:
-    """What `saving._write_shards` reads of a worker's state: the sharded model, the optimizer."""
+    """What `saving._write_shards` reads of a worker's state: the sharded model, the optimizer,
+    the progress."""
 
     def __init__(self, parallel: Any) -> None:
+        from ray_trainer import _checkpoint as ckpt
+
         self.parallel = parallel
         self.optimizer = parallel.optimizer
+        self.progress = ckpt.TrainerState()  # where the tied weights' names are recorded
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -364,10 +378,20 @@ def main() -> dict:
     parser.add_argument(
         "--rounds", type=int, default=2, help="process groups per configuration, in ABBA order"
     )
+    parser.add_argument("--phases", default="state,load", help="state (and checkpoints), load")
     parser.add_argument("--json", default=None)
     cli = parser.parse_args()
+    phases = cli.phases.split(",")
     model = dict(QUICK_MODEL) if cli.quick else {**FULL_MODEL, "n_layer": cli.n_layer}
     opts = {"model": model, "batch": 2, "seq": 128, "saves": cli.saves, "rounds": cli.rounds}
+    loading = None
+    if "load" in phases:  # the load phase: _memory_load.py
+        from _memory_load import run_load_phase
+
+        workers = [int(w) for w in cli.workers.split(",")]
+        loading = run_load_phase(run_configuration, workers, cli.quick)
+    if "state" not in phases:
+        return emit({"machine": machine(), **loading}, cli.json)
     runs: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
     for world in (int(w) for w in cli.workers.split(",")):
         for r in range(cli.rounds):  # DDP, FSDP, then FSDP, DDP: drift hits both alike
@@ -379,6 +403,10 @@ def main() -> dict:
     results = {key: summarise(value) for key, value in runs.items()}
     raw = {f"{strategy}_x{world}": value for (strategy, world), value in runs.items()}
     report = {"machine": machine(), **build_report(results, opts), "ranks": raw, "opts": opts}
+    if loading is not None:
+        report["table"] += "\n\n" + loading["table"]
+        report["ratios"].update(loading["ratios"])
+        report["load"] = loading
     return emit(report, cli.json)
 
 

@@ -32,7 +32,8 @@ class TrainingArgs(BaseModel):
 
     Args:
         model: ``None`` or ``"tiny-lm"`` for the built-in demo transformer; a callable returning
-            an ``nn.Module``; or a Hugging Face causal LM name or local path (``ray-trainer[hf]``).
+            an ``nn.Module``; or a Hugging Face causal LM name, local path or bucket URI
+            (``ray-trainer[hf]``).
         data: ``None`` for the built-in addition task; a JSONL file of text; a torch ``Dataset``;
             or a callable returning one.
         max_steps: optimizer steps to train for (``None``: ``num_epochs`` passes over the data).
@@ -106,6 +107,9 @@ class TrainingArgs(BaseModel):
     # Checkpoints, evaluation, logging.
     save_every_steps: int | None = Field(None, gt=0)
     save_at_end: bool = True
+    # Write checkpoints in the background: training pauses only to copy the state to host
+    # memory (docs/large-models.md, "Asynchronous checkpoints").
+    async_checkpoint: bool = False
     num_checkpoints_to_keep: int | None = Field(None, gt=0)
     # Rank checkpoints by this metric (from on_evaluate, else the logs), best first; with
     # num_checkpoints_to_keep the N best are kept, plus the newest (docs/evaluation.md).

@@ -5,7 +5,10 @@ each training worker, and in ``load_model`` (a notebook, an evaluation task), fr
 checkpoint records. Hugging Face models need the optional extra ``ray-trainer[hf]``
 (transformers). :func:`check_model_ref` runs in the driver before Ray starts, so that a wrong
 model name fails at once. Nothing is ever downloaded unless ``allow_download=True``: a name must
-be a local directory or a model already in the Hugging Face cache.
+be a local directory, a bucket URI (``s3://...``: config and tokenizer are read from it, the
+safetensors weights in place, see ``_pretrained/``) or a model already in the Hugging Face cache.
+Training workers build a pretrained model with safetensors weights on the meta device and fill
+it once sharded (``_worker/loading.py``); its weights are fp32 whatever the files hold.
 """
 
 from __future__ import annotations
@@ -68,7 +71,17 @@ class ModelSpec:
             overrides.setdefault("max_len", self.max_length)
             return TinyCausalLM(TinyLMConfig(vocab_size=ByteTokenizer.vocab_size, **overrides))
         if isinstance(self.model, str):
-            return load_hf_causal_lm(self.model, allow_download=self.allow_download)
+            import torch
+
+            folder = self.pretrained_folder()
+            if folder is None:  # not safetensors: from_pretrained, in the dtype training keeps
+                return load_hf_causal_lm(self.model, self.allow_download, dtype=torch.float32)
+            from ray_trainer._pretrained import SafetensorsFiles, empty_model, materialize
+
+            model = empty_model(self.hf_config())
+            with SafetensorsFiles(folder) as files:
+                materialize(model, files, torch.device("cpu"))
+            return model
         model = self.model()
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -84,12 +97,28 @@ class ModelSpec:
         with torch.device("meta"):
             if isinstance(self.model, str) and not self.is_demo:
                 transformers = _transformers(self.model)
-                name = _check_name(self.model, "model")
-                config = transformers.AutoConfig.from_pretrained(
-                    name, local_files_only=not self.allow_download
-                )
-                return transformers.AutoModelForCausalLM.from_config(config)
+                return transformers.AutoModelForCausalLM.from_config(self.hf_config())
             return self.build_model()
+
+    def hf_config(self) -> Any:
+        """The Hugging Face config of the model (read from the bucket for a URI)."""
+        from ray_trainer._pretrained import config_source
+
+        transformers = _transformers(self.model)
+        name = _check_name(self.model, "model")
+        return transformers.AutoConfig.from_pretrained(
+            config_source(name), local_files_only=not self.allow_download
+        )
+
+    def pretrained_folder(self) -> Any:
+        """The folder (a `_storage.Location`) of a pretrained Hugging Face model whose weights
+        are safetensors files, which workers load on the meta device and fill in place; None
+        for any other model."""
+        if not isinstance(self.model, str) or self.is_demo:
+            return None
+        from ray_trainer._pretrained import pretrained_folder
+
+        return pretrained_folder(_check_name(self.model, "model"))
 
     def build_tokenizer(self) -> Any:
         """The tokenizer for JSONL text: the byte tokenizer for the built-in model, the Hugging
@@ -257,10 +286,29 @@ def check_model_ref(name_or_path: str, allow_download: bool = False) -> None:
         return
     name = _check_name(name_or_path, "model")
     transformers = _transformers(name)
+    if "://" in name:
+        _check_bucket_model(name)
+        return
     try:
         transformers.AutoConfig.from_pretrained(name, local_files_only=not allow_download)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(_not_found("model", name, e, allow_download)) from e
+
+
+def _check_bucket_model(uri: str) -> None:
+    """A model on a bucket needs its config and safetensors weights there (read in place)."""
+    from ray_trainer._pretrained import local_files, weight_files
+    from ray_trainer._storage import locate
+
+    try:
+        local_files(uri.rstrip("/"))
+        if not weight_files(locate(uri)):
+            raise ValueError(
+                "no *.safetensors weights in it; a model on a bucket is read in "
+                "place: save it with save_pretrained(safe_serialization=True)"
+            )
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {uri!r}: {_short(e)}") from e
 
 
 def load_hf_causal_lm(name_or_path: str, allow_download: bool = False, **kwargs: Any) -> Any:
@@ -283,11 +331,13 @@ def load_hf_tokenizer(name_or_path: str, allow_download: bool = False, **kwargs:
 
     Runs in the process that calls it. Extra keyword arguments go to ``from_pretrained``.
     """
+    from ray_trainer._pretrained import config_source
+
     name = _check_name(name_or_path, "tokenizer")
     transformers = _transformers(name)
     kwargs.setdefault("local_files_only", not allow_download)
     try:
-        return transformers.AutoTokenizer.from_pretrained(name, **kwargs)
+        return transformers.AutoTokenizer.from_pretrained(config_source(name), **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(_not_found("tokenizer", name, e, allow_download)) from e
 

@@ -5,10 +5,13 @@ stateful callbacks, and under ``strategy="fsdp"`` its shards of the model and op
 (``shards/``, written with torch.distributed.checkpoint); rank 0 also writes the trainer state,
 the scheduler, how to build the model (``model_spec.pkl``), under DDP the whole model and
 optimizer (``model.pt``, ``optimizer.pt``), and for a Hugging Face model the ``hf/`` export.
-Ray Train uploads the folders of all ranks into one checkpoint on the run's storage. Each rank
-writes ``rank<r>.complete`` last: a JSON manifest of its files and their sizes. A checkpoint is
-trusted only when rank 0's manifest is there, names the world size, and the manifest of every
-rank matches the files in storage; anything else is incomplete. Reads go through the storage
+Ray Train uploads the folders of all ranks into one checkpoint on the run's storage (with
+``async_checkpoint`` each rank writes its files there itself, in the background). Each rank
+writes ``rank<r>.complete`` last: a JSON manifest of its files and their sizes, and of the save
+it belongs to (the run's launch and attempt). A checkpoint is trusted only when rank 0's manifest
+is there, names the world size, and the manifest of every rank names the same save and matches
+the files in storage; anything else is incomplete. A sharded checkpoint holds a tied weight
+once; ``TrainerState.extra["tied_weights"]`` names its other names. Reads go through the storage
 layer (``_storage.py``): a checkpoint path may be a local path or a URI.
 """
 
@@ -57,6 +60,39 @@ class TrainerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: ``TrainerState.extra`` key: a sharded checkpoint's tied weights, each stored once under the
+#: first of its names; the other names map to it ({"lm_head.weight": "transformer.wte.weight"}).
+TIED_WEIGHTS = "tied_weights"
+
+
+def tied_aliases(named: Any) -> dict[str, str]:
+    """The tied names among ``(name, tensor)`` pairs (``module.named_parameters(
+    remove_duplicate=False)``): each name of a tensor seen before, mapped to its first name."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in named:
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+    return aliases
+
+
+def shared_storage_aliases(state: dict[str, Any]) -> dict[str, str]:
+    """The tied names of a state dict of whole tensors: a tensor sharing another's storage."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        if not hasattr(t, "data_ptr") or t.numel() == 0:
+            continue
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.dtype)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 def rng_state() -> dict[str, Any]:
     import torch
 
@@ -88,10 +124,15 @@ def write_rank_part(
     trainer_state: TrainerState | None = None,
     model_spec: Any = None,
     extra_files: list[str] = (),
-) -> None:
-    """Write this rank's files into `folder`, the completion manifest last. `extra_files` are
-    paths relative to `folder` that this rank already wrote there (DCP shards, the HF export):
-    they go into its manifest too."""
+    save_id: str | None = None,
+    complete: bool = True,
+) -> dict[str, int]:
+    """Write this rank's files into `folder`, the completion manifest last (unless `complete`
+    is False: the caller writes it, with `manifest`, once its other files are written too).
+    `extra_files` are paths relative to `folder` that this rank already wrote there (DCP
+    shards, the HF export): they go into its manifest too. `save_id` names this save: a
+    checkpoint whose ranks' manifests name different saves is incomplete. Returns the files
+    (relative name -> size)."""
     import torch
 
     files = {name: os.path.getsize(os.path.join(folder, name)) for name in extra_files}
@@ -126,13 +167,28 @@ def write_rank_part(
             "user_state": cloudpickle.dumps(user_state),
         },
     )
-    manifest = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files}
+    if not complete:
+        return files
     tmp = os.path.join(folder, f".rank{rank}.complete.tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
+    with open(tmp, "wb") as f:
+        f.write(manifest(rank, world_size, files, save_id))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, f"rank{rank}.complete"))
+    os.replace(tmp, os.path.join(folder, manifest_name(rank)))
+    return files
+
+
+def manifest_name(rank: int) -> str:
+    """The file whose presence says that `rank`'s part of a checkpoint is written."""
+    return f"rank{rank}.complete"
+
+
+def manifest(rank: int, world_size: int, files: dict[str, int], save_id: str | None) -> bytes:
+    """The content of `rank`'s completion manifest: its files and their sizes."""
+    content = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files}
+    if save_id is not None:
+        content["save"] = save_id
+    return json.dumps(content).encode()
 
 
 def verify(path: str, filesystem: Any = None) -> TrainerState:
@@ -147,6 +203,11 @@ def _verify(location: Location) -> TrainerState:
     manifest0 = _read_manifest(location, 0)
     for rank in range(manifest0["world_size"]):
         manifest = manifest0 if rank == 0 else _read_manifest(location, rank)
+        if manifest.get("save") != manifest0.get("save"):  # a rank's part of another save
+            raise CheckpointError(
+                f"{location.name}: incomplete checkpoint: rank{rank}.complete belongs to "
+                "another save of this step; resume from an earlier checkpoint"
+            )
         for name, size in manifest["files"].items():
             if location.child(name).size() != size:
                 raise CheckpointError(
@@ -171,7 +232,7 @@ def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:
 
 
 def _read_manifest(location: Location, rank: int) -> dict[str, Any]:
-    file = location.child(f"rank{rank}.complete")
+    file = location.child(manifest_name(rank))
     text = file.read_text()
     if text is None:
         raise CheckpointError(

@@ -24,9 +24,11 @@ from ray_trainer._checkpoint.format import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
     SHARDS_DIR,
+    TIED_WEIGHTS,
     CheckpointError,
     TrainerState,
     _verify,
+    shared_storage_aliases,
 )
 from ray_trainer._storage import local_copy, locate
 
@@ -94,17 +96,23 @@ class LocalCheckpoint:
         import torch.distributed.checkpoint as dcp
 
         if template is not None:  # one process, no process group: DCP reads every shard
-            state = {"model": template}
+            aliases = shared_storage_aliases(template)  # a tied weight is stored once
+            state = {"model": {k: v for k, v in template.items() if k not in aliases}}
             dcp.load(state, storage_reader=dcp.FileSystemReader(self.shards_dir))
-            return state["model"]
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            weights = state["model"]
+        else:
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        with tempfile.TemporaryDirectory(prefix="ray_trainer_dcp_") as tmp:
-            whole = os.path.join(tmp, "whole.pt")
-            dcp_to_torch_save(self.shards_dir, whole)
-            import torch
+            with tempfile.TemporaryDirectory(prefix="ray_trainer_dcp_") as tmp:
+                whole = os.path.join(tmp, "whole.pt")
+                dcp_to_torch_save(self.shards_dir, whole)
+                import torch
 
-            return torch.load(whole, map_location="cpu", weights_only=False)["model"]
+                weights = torch.load(whole, map_location="cpu", weights_only=False)["model"]
+            aliases = self.state.extra.get(TIED_WEIGHTS, {})
+        for alias, kept in aliases.items():
+            weights[alias] = weights[kept]
+        return weights
 
 
 @dataclass

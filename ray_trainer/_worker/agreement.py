@@ -53,12 +53,15 @@ class Agreed:
     tokens: float  # sample tokens: not padding, not filler
     positions: float  # every position of every batch, padding included
     control: TrainerControl
+    extra: tuple[float, ...] = ()  # numbers of the loop's own, summed (async_save.py's)
 
 
 class Agreement:
-    """The step's all-reduce of ``[loss, targets, tokens, positions, *flags]``, in flight; and
-    this rank's own requests that went into it. Read once with `result`; the gradients' scale
-    (`scale`) is read from it on the device, before the optimizer step."""
+    """The step's all-reduce of ``[loss, targets, tokens, positions, *flags, *extra]``, in
+    flight; and this rank's own requests that went into it. Read once with `result`; the
+    gradients' scale (`scale`) is read from it on the device, before the optimizer step.
+    `extra` are numbers of the loop's own that every rank must agree on too (asynchronous
+    checkpoints: which save each rank has written), summed like the rest."""
 
     def __init__(
         self,
@@ -68,12 +71,13 @@ class Agreement:
         device: Any,
         world: int,
         copy_stream: Any = None,
+        extra: tuple[float, ...] = (),
     ) -> None:
         self.requested = requested
         self.world = world
         flags = encode(requested)
         values = torch.tensor(
-            [0.0, *map(float, counts), *flags], dtype=torch.float64, device=device
+            [0.0, *map(float, counts), *flags, *extra], dtype=torch.float64, device=device
         )
         values[_LOSS] = loss_sum  # a device tensor: no sync
         self.values = values
@@ -119,8 +123,9 @@ class Agreement:
                 if self.work is not None:
                     self.work.wait()
                 values = self.values.tolist()
+            end = _FIRST_FLAG + len(FLAGS)
             self._agreed = Agreed(
                 values[_LOSS], values[_TARGETS], values[_TOKENS], values[_POSITIONS],
-                decode(values[_FIRST_FLAG:]),
+                decode(values[_FIRST_FLAG:end]), tuple(values[end:]),
             )  # fmt: skip
         return self._agreed

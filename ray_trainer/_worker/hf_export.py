@@ -7,7 +7,9 @@ config, safetensors weights and, when the run has one, the tokenizer. Under DDP 
 the whole model and calls ``save_pretrained``. Under FSDP no rank holds it: the weights are
 gathered one tensor at a time (a collective every rank joins, in the same order) and rank 0
 streams each into a safetensors file whose header it wrote from the tensors' shapes, so the
-most any rank holds at once is its shards plus one whole tensor.
+most any rank holds at once is its shards plus one whole tensor. Asynchronous checkpoints
+(``async_save.py``) use the same writer (`write_weights`) from their background thread, on the
+staged tensors, gathered over the checkpoint's own process group.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import copy
 import json
 import os
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ray_trainer._checkpoint import HF_DIR
+from ray_trainer._checkpoint import HF_DIR, tied_aliases
 
 if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
@@ -52,11 +55,29 @@ def export_hf(s: WorkerState, folder: str) -> list[str]:
     module = s.parallel.module()
     target = os.path.join(folder, HF_DIR)
     if s.parallel.sharded:
-        _write_gathered(module, target, s.rank)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(module)  # this rank's shards, under the model's own names
+        write_weights(target, untied(module, state), _full, s.rank == 0)
     elif s.rank == 0:
         module.save_pretrained(target, safe_serialization=True)
     if s.rank != 0:
         return []
+    write_hf_files(s, target)
+    return hf_files(folder)
+
+
+def untied(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without a tied weight's second name (lm_head = wte: once; HF ties them back)."""
+    aliases = tied_aliases(module.named_parameters(remove_duplicate=False))
+    return {name: value for name, value in state.items() if name not in aliases}
+
+
+def write_hf_files(s: WorkerState, target: str) -> None:
+    """Rank 0: the export's config (with what training switched off put back), generation
+    config and tokenizer, into `target`."""
+    module = s.parallel.module()
+    os.makedirs(target, exist_ok=True)
     config = copy.deepcopy(module.config)
     for key, value in s.parallel.config_for_export.items():  # what training switched off
         setattr(config, key, value)
@@ -69,9 +90,13 @@ def export_hf(s: WorkerState, folder: str) -> list[str]:
         if s.workload.chat_template is not None:  # the template the data was rendered with
             tokenizer.chat_template = s.workload.chat_template
         tokenizer.save_pretrained(target)
+
+
+def hf_files(folder: str) -> list[str]:
+    """The files of ``<folder>/hf/``, relative to `folder`."""
     return sorted(
         os.path.relpath(os.path.join(root, name), folder)
-        for root, _, names in os.walk(target)
+        for root, _, names in os.walk(os.path.join(folder, HF_DIR))
         for name in names
     )
 
@@ -92,40 +117,39 @@ def _generation_config(module: torch.nn.Module, end_of_turn: list[int] | None) -
     return config
 
 
-def _write_gathered(module: torch.nn.Module, target: str, rank: int) -> None:
-    """Gather each weight in turn (every rank) and stream it into safetensors (rank 0)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def _full(tensor: Any) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
-    state = get_model_state_dict(module)  # this rank's shards, under the model's own names
-    names, seen = [], set()
-    for name, tensor in state.items():  # tied weights (lm_head = wte): once; HF ties them back
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        key = (local.data_ptr(), tuple(tensor.shape), tensor.dtype)
-        if key not in seen:
-            seen.add(key)
-            names.append(name)
-    files = _plan(names, state)
-    if rank == 0:
+
+def write_weights(
+    target: str, tensors: dict[str, Any], whole: Callable[[Any], Any], writes: bool
+) -> None:
+    """Stream `tensors` into safetensors files in `target`, one whole tensor at a time, the
+    headers written from the shapes first. ``whole(tensor)`` gives a tensor's whole value; under
+    FSDP it is a collective that every rank calls for every tensor, in the same order, and only
+    the rank that `writes` (rank 0) holds the result and writes it."""
+    names = list(tensors)
+    files = _plan(names, tensors)
+    if writes:
         os.makedirs(target, exist_ok=True)
     for file_names, file in zip(files, _file_names(len(files)), strict=True):
-        out = open(os.path.join(target, file), "wb") if rank == 0 else None  # noqa: SIM115
+        out = open(os.path.join(target, file), "wb") if writes else None  # noqa: SIM115
         try:
             if out is not None:
-                out.write(_header(file_names, state))
+                out.write(_header(file_names, tensors))
             for name in file_names:
-                tensor = state[name]
-                whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                value = whole(tensors[name])
                 if out is not None:
-                    out.write(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-                del whole
+                    out.write(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                del value
         finally:
             if out is not None:
                 out.close()
-    if rank == 0 and len(files) > 1:
+    if writes and len(files) > 1:
         weight_map = {
             n: f for ns, f in zip(files, _file_names(len(files)), strict=True) for n in ns
         }
-        total = sum(_nbytes(state[n]) for n in names)
+        total = sum(_nbytes(tensors[n]) for n in names)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)

@@ -121,6 +121,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
                 agreement = Agreement(
                     loss_sum, [targets, tokens, positions], hooks.take_pending(), acc.device,
                     s.world_size, s.copy_stream,
+                    s.saves.numbers() if s.saves is not None else (),
                 )  # fmt: skip
             acc.backward(loss)
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
@@ -156,8 +157,10 @@ def after_boundary(s: WorkerState, agreement: Agreement, schedule: Schedule) -> 
         s.hooks.fire("on_log")
     if decision.evaluate:
         evaluate(s)
+    if s.saves is not None:  # an asynchronous save written by every rank: published now
+        s.saves.settle(s, previous, decision)
     if decision.save:
-        save(s)
+        save(s, final=decision.stop)
     if decision.stop and agreed.stops:
         s.progress.stop_reason = s.stop_reason
     return decision.stop

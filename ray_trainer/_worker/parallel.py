@@ -109,10 +109,13 @@ def prepare(
     accelerator: Any,
     make_optimizer: Any,
     mixed_precision: str,
+    materialize: Any = None,
 ) -> Replicated | Sharded:
     """Spread `model` over the ranks as `args.strategy` says and build its optimizer
     (`make_optimizer(model)`) on the result. Every rank calls it: FSDP's sharding and DDP's
-    broadcast of the initial weights are collectives."""
+    broadcast of the initial weights are collectives. A model on the meta device comes with
+    `materialize(model, device)` (``loading.py``), called once it is placed: under FSDP after
+    sharding (each rank fills its shards), under DDP before wrapping; then the optimizer."""
     restore: dict[str, Any] = {}
     # Training never needs a Hugging Face model's KV cache: it costs memory, a recomputed block
     # would append to it again, and with one transformers would not keep packed samples apart.
@@ -129,9 +132,13 @@ def prepare(
     if args.compile:
         _compile(model, args)
     if args.strategy == "ddp":
+        if materialize is not None:  # straight to the device: no host copy of the model
+            materialize(model, accelerator.device)
         prepared, optimizer = accelerator.prepare(model, make_optimizer(model))
         return Replicated(accelerator, prepared, optimizer, restore)
     _shard(model, args, accelerator.device, mixed_precision)
+    if materialize is not None:  # this rank's shards only
+        materialize(model, accelerator.device)
     return Sharded(model, make_optimizer(model), restore)
 
 

@@ -27,16 +27,20 @@ if TYPE_CHECKING:
     from ray_trainer._worker.setup import WorkerState
 
 
-def save(s: WorkerState) -> None:
-    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`.
+def save(s: WorkerState, final: bool = False) -> None:
+    """Write a checkpoint through `ray.train.report` (a barrier across ranks), then `on_save`;
+    with ``async_checkpoint``, stage it and write it in the background (`async_save.py`;
+    `final`: the run's last save, which waits for its write).
 
     Under DDP rank 0 writes the whole model and optimizer; under FSDP every rank writes its own
     shards with torch.distributed.checkpoint, in parallel, and nothing whole is gathered for the
     resumable state. The ``hf/`` export of a Hugging Face model is in place before `on_save`
     fires, so an evaluation task launched from it can load it.
     """
+    if s.saves is not None:
+        s.saves.save(s, final)
+        return
     p = s.progress
-    manager = s.hooks.manager
     with tempfile.TemporaryDirectory(prefix="ray_trainer_ckpt_") as folder:
         part: dict = {}
         extra: list[str] = []
@@ -46,22 +50,7 @@ def save(s: WorkerState) -> None:
             part.update(model=s.parallel.module().state_dict(), optimizer=s.optimizer.state_dict())
         if exports(s):
             extra += export_hf(s, folder)  # under FSDP a collective too
-        if s.rank == 0:
-            p.strategy = s.args.strategy
-            part.update(
-                scheduler=s.scheduler.state_dict(),
-                trainer_state=p,
-                model_spec=ModelSpec.of(s.args),
-            )
-        ckpt.write_rank_part(
-            folder,
-            rank=s.rank,
-            world_size=s.world_size,
-            callback_state=manager.state_dict(),
-            user_state=dict(manager.user_state),
-            extra_files=extra,
-            **part,
-        )
+        ckpt.write_rank_part(folder, extra_files=extra, **part, **rank_part(s))
         metrics = {"global_step": p.global_step, "epoch": p.epoch, "loss": s.ctx.loss}
         ray.train.report(
             metrics,
@@ -74,25 +63,57 @@ def save(s: WorkerState) -> None:
     s.hooks.fire("on_save", checkpoint_path=path)
 
 
+def rank_part(s: WorkerState) -> dict:
+    """This rank's small part of a checkpoint (`write_rank_part`'s arguments): its callbacks'
+    state, and on rank 0 the trainer state, the scheduler and how to build the model."""
+    manager = s.hooks.manager
+    part = {
+        "rank": s.rank,
+        "world_size": s.world_size,
+        "callback_state": manager.state_dict(),
+        "user_state": dict(manager.user_state),
+        "save_id": f"{s.spec.launch_id}.{s.ctx.attempt}",  # this attempt's save of the step
+    }
+    if s.rank == 0:
+        s.progress.strategy = s.args.strategy
+        part.update(
+            scheduler=s.scheduler.state_dict(),
+            trainer_state=s.progress,
+            model_spec=ModelSpec.of(s.args),
+        )
+    return part
+
+
 def _write_shards(s: WorkerState, folder: str) -> list[str]:
     """This rank's DCP shards of model and optimizer in ``<folder>/shards/`` (rank 0 also
     writes the ``.metadata`` of all of them); the files, relative to `folder`."""
     import torch.distributed.checkpoint as dcp
+
+    target = os.path.join(folder, ckpt.SHARDS_DIR)
+    state = sharded_state(s)
+    # No fsync per file: the folder is a local staging copy that Ray Train uploads next (about
+    # half the save time on CPU, bench_memory's probe); a crash before the upload loses it anyway.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=False))
+    return [os.path.join(ckpt.SHARDS_DIR, name) for name in sorted(os.listdir(target))]
+
+
+def sharded_state(s: WorkerState) -> dict:
+    """What DCP saves and loads under FSDP: this rank's shards of the model, each tied weight
+    once (under its first name: the others are recorded in the trainer state), and of the
+    optimizer (creating its state when it has none yet)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    target = os.path.join(folder, ckpt.SHARDS_DIR)
     model, optimizer = s.parallel.model, s.optimizer
-    state = {
-        "model": get_model_state_dict(model),
+    aliases = ckpt.tied_aliases(model.named_parameters(remove_duplicate=False))
+    s.progress.extra[ckpt.TIED_WEIGHTS] = aliases
+    weights = get_model_state_dict(model)
+    return {
+        "model": {k: v for k, v in weights.items() if k not in aliases},
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    # No fsync per file: the folder is a local staging copy that Ray Train uploads next (about
-    # half the save time on CPU, bench_memory's probe); a crash before the upload loses it anyway.
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=False))
-    return [os.path.join(ckpt.SHARDS_DIR, name) for name in sorted(os.listdir(target))]
 
 
 def load_shards(s: WorkerState, shards_dir: str) -> None:
@@ -100,19 +121,16 @@ def load_shards(s: WorkerState, shards_dir: str) -> None:
     checkpoint was written by another number of workers). A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     model, optimizer = s.parallel.model, s.optimizer
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),  # creates the state to fill
-    }
+    state = sharded_state(s)
     dcp.load(state, storage_reader=dcp.FileSystemReader(shards_dir))
-    set_model_state_dict(model, state["model"])
+    # A tied weight's other names fill themselves: they are the same parameter.
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 

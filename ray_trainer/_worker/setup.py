@@ -58,6 +58,7 @@ class WorkerState:
     model_shape: ModelShape = field(default_factory=lambda: ModelShape(0))
     peak_flops: float | None = None  # of one device, for MFU
     copy_stream: Any = None  # on a GPU: the side stream that copies agreements to the host
+    saves: Any = None  # with async_checkpoint: the AsyncSaves (async_save.py)
 
 
 def setup(spec: RunSpec) -> WorkerState:
@@ -97,7 +98,9 @@ def setup(spec: RunSpec) -> WorkerState:
     def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
         return _optimizer(model, args, accelerator.device)
 
-    parallel = prepare(workload.model, args, accelerator, make_optimizer, precision)
+    parallel = prepare(
+        workload.model, args, accelerator, make_optimizer, precision, workload.materialize
+    )
     model, optimizer = parallel.model, parallel.optimizer
     if args.packing:  # on the real model, before any step: packed samples must stay apart
         check_packed_attention(
@@ -128,6 +131,13 @@ def setup(spec: RunSpec) -> WorkerState:
         samples_seen=0,
         tokens_seen=0,
     )
+    saves = None
+    notice = preemption_notice() if rank == 0 else None
+    if args.async_checkpoint:
+        from ray_trainer._worker.async_save import AsyncSaves
+
+        saves = AsyncSaves()
+        notice = saves.watch(notice)  # a preemption save waits for its write
     return WorkerState(
         spec=spec,
         args=args,
@@ -140,7 +150,7 @@ def setup(spec: RunSpec) -> WorkerState:
         scheduler=scheduler,
         workload=workload,
         loader=loader,
-        hooks=Hooks(manager, ctx, forwarder, preemption_notice() if rank == 0 else None),
+        hooks=Hooks(manager, ctx, forwarder, notice),
         ctx=ctx,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
@@ -150,6 +160,7 @@ def setup(spec: RunSpec) -> WorkerState:
         copy_stream=torch.cuda.Stream(accelerator.device)
         if accelerator.device.type == "cuda"
         else None,
+        saves=saves,
     )
 
 

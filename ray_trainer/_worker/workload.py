@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from ray_trainer._config import TrainingArgs, is_builtin
 from ray_trainer._models import ModelSpec
+from ray_trainer._worker.loading import Materialize, build_model
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Workload:
     chat_template: str | None = None  # the template the data was rendered with (for hf/)
     end_of_turn_ids: list[int] | None = None  # the tokens that end an assistant turn (for hf/)
     packed_layout: bool = False  # packed rows carry their layout to our packed attention
+    # A pretrained model built on the meta device: fills it once placed (loading.py).
+    materialize: Materialize | None = None
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
@@ -74,7 +77,7 @@ def build_workload(
     if is_builtin(args.model) and args.data is None:
         return _demo_workload(args)
     spec = ModelSpec.of(args)
-    model = spec.build_model()
+    model, materialize = build_model(spec)  # a pretrained model: on the meta device, unfilled
     packed_layout = False
     if args.packing:  # each sample attends to itself alone, without a [T, T] mask
         from ray_trainer._worker.packed_attention import use_packed_attention
@@ -103,6 +106,7 @@ def build_workload(
         chat_template=chat_template,
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
         packed_layout=packed_layout,
+        materialize=materialize,
     )
 
 

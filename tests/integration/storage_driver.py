@@ -19,7 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> None:
     address, scenario = sys.argv[1], json.loads(sys.argv[2])
-    env = {"PYTHONPATH": HERE, **scenario.get("env", {})}
+    # The workers import this checkout's ray_trainer when the caller's PYTHONPATH names one.
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, **scenario.get("env", {})}
     ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     sys.path.insert(0, HERE)
     import rt_support

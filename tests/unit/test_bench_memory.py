@@ -88,3 +88,44 @@ def test_compare_gives_ratios_to_ddp_and_whether_the_target_is_met():
     assert met["save_s"] == pytest.approx(1.5) and met["disk_bytes"] == pytest.approx(490 / 400)
     missed = compare(ddp, summarise([[_rank(56, [1.0], 1), _rank(50, [1.0], 1)]]), 2)
     assert missed["state"] == pytest.approx(0.56) and not missed["met"]
+
+
+def test_the_load_target_is_a_share_of_the_fp32_model_and_one_tensor():
+    from _memory_load import load_target, summarise_load
+
+    model = {"fp32_bytes": 1000, "largest_bytes": 100}
+    assert load_target(model, 2, "fsdp") == 650  # 500 x 1.1 + 100
+    assert load_target(model, 4, "fsdp") == 375
+    assert load_target(model, 2, "ddp") == 1200  # every DDP worker holds the whole model
+    ranks = [
+        {
+            "added": 5,
+            "after_load": 4,
+            "hwm": 9,
+            "load_s": 1.0,
+            "first_step_s": 2.0,
+            "param_bytes": 3,
+        },
+        {
+            "added": 7,
+            "after_load": 3,
+            "hwm": 8,
+            "load_s": 1.5,
+            "first_step_s": 1.0,
+            "param_bytes": 3,
+        },
+    ]
+    assert summarise_load(ranks) == {
+        "added": 7, "after_load": 4, "hwm": 9, "load_s": 1.5, "first_step_s": 2.0, "param_bytes": 3,
+    }  # fmt: skip
+
+
+def test_a_save_pause_is_the_boundaries_excess_over_a_run_without_saves():
+    from bench_save import boundary_gaps, pause_per_save
+
+    clock = {"begins": [0.0, 1.1, 2.2, 4.0, 5.1], "ends": [1.0, 2.1, 3.0, 5.0, 6.0]}
+    gaps = boundary_gaps(clock)
+    assert gaps == pytest.approx([0.1, 0.1, 1.0, 0.1])
+    # A save every 3 steps: boundary 3 took 0.9 s more than usual; nothing was published later.
+    assert pause_per_save(gaps, 0.1, 3) == pytest.approx((0.9, 0.0))
+    assert pause_per_save([0.1, 0.5, 0.1, 0.1], 0.1, 3) == pytest.approx((0.0, 0.4))

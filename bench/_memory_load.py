@@ -1,0 +1,262 @@
+"""The load phase of bench_memory.py: each worker's host memory while it loads a pretrained model.
+
+A Llama-shaped model (253M parameters with the defaults: 16 layers, width 1024, MLP 2816, 16
+heads of which 8 key/value, vocabulary 32000, untied head) is saved once with
+``save_pretrained`` in bf16 (as checkpoints usually are), over several safetensors files. Then
+each configuration is N spawned processes in a gloo group (no Ray) that load it as a runner
+worker does and take one training step:
+
+* **meta** (the runner now): ``loading.build_model`` builds it on the meta device and
+  ``parallel.prepare`` shards it (FSDP) and fills each rank's shards from the files, each rank
+  reading only its rows; under DDP the whole model is filled in place;
+* **whole** (before): ``from_pretrained(dtype=float32)`` in every worker (the whole model, in
+  the dtype training keeps), then ``parallel.prepare``.
+
+Memory is the process's anonymous memory (``RssAnon``: what the process allocated, not the
+file pages it maps, which ``from_pretrained``'s memory-mapped safetensors add to RSS and to
+``VmHWM`` though the kernel can drop them), sampled every millisecond by a thread during the
+load; "added" is its peak above the process's own before the load (libraries imported, process
+group up). ``VmHWM`` (peak RSS, file pages included) is reported beside it. Time: the load, and
+the load plus the first step (forward, backward, AdamW step on 1 x 64 tokens), from the same
+start. Target, FSDP: added <= (model bytes / N) x 1.1 + the largest tensor, model bytes in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+LLAMA = {
+    "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+QUICK_LLAMA = {**LLAMA, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+MiB = 2**20
+
+
+def save_model(folder: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Save a randomly initialised Llama of `config` in bf16 into `folder` (in a child process,
+    so that this process never holds it); its size figures."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=_save, args=(folder, config))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"saving the benchmark model failed ({process.exitcode})")
+    from safetensors import safe_open
+
+    numel, largest = 0, 0
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                for key in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                    shape = f.get_slice(key).get_shape()
+                    count = 1
+                    for size in shape:
+                        count *= size
+                    numel, largest = numel + count, max(largest, count)
+    files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in files)
+    return {"numel": numel, "fp32_bytes": 4 * numel, "largest_bytes": 4 * largest,
+            "file_bytes": on_disk, "files": len(files)}  # fmt: skip
+
+
+def _save(folder: str, config: dict[str, Any]) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="200MB")
+
+
+def anon_bytes() -> int:
+    """This process's anonymous resident memory now (``RssAnon``), in bytes."""
+    return _status_kib("RssAnon:") * 1024
+
+
+def hwm_bytes() -> int:
+    """This process's peak resident memory (``VmHWM``: file pages included), in bytes."""
+    return _status_kib("VmHWM:") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+class AnonPeak(threading.Thread):
+    """Samples `anon_bytes` every `interval_s` in the background; `peak` is the largest."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        super().__init__(daemon=True)
+        self.interval_s = interval_s
+        self.peak = anon_bytes()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.peak = max(self.peak, anon_bytes())
+            time.sleep(self.interval_s)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, anon_bytes())
+        return self.peak
+
+
+def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank: load the saved model as `opts["how"]` says, prepare it, take one step; its
+    memory and times. A collective: every rank of the configuration calls it."""
+    import torch
+    import transformers
+    from accelerate import Accelerator
+
+    from ray_trainer._config import TrainingArgs
+    from ray_trainer._models import ModelSpec
+    from ray_trainer._worker.loading import build_model
+    from ray_trainer._worker.parallel import prepare
+    from ray_trainer._worker.setup import _optimizer
+
+    path = opts["path"]
+    args = TrainingArgs(model=path, strategy=strategy, num_workers=world, mixed_precision="no")
+    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    with torch.device("meta"):  # import the model's code now: it is not part of the load
+        config = transformers.AutoConfig.from_pretrained(path)
+        transformers.AutoModelForCausalLM.from_config(config)
+    import safetensors.torch  # noqa: F401  (what from_pretrained reads with)
+
+    torch.distributed.barrier()  # every rank starts together, libraries imported
+    baseline = anon_bytes()
+    sampler = AnonPeak()
+    sampler.start()
+    started = time.perf_counter()
+    if opts["how"] == "meta":
+        model, materialize = build_model(ModelSpec.of(args))
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        materialize = None
+    parallel = prepare(
+        model, args, accelerator, lambda m: _optimizer(m, args, accelerator.device), "no",
+        materialize,
+    )  # fmt: skip
+    del model
+    loaded = time.perf_counter()
+    load_peak = sampler.stop()
+    after_load = anon_bytes()
+    ids = torch.randint(opts["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(rank))
+    loss = parallel.model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    parallel.optimizer.step()
+    stepped = time.perf_counter()
+    local = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+        for p in parallel.model.parameters()
+    )
+    return {
+        "rank": rank,
+        "baseline": baseline,
+        "load_peak": load_peak,
+        "added": load_peak - baseline,
+        "after_load": after_load - baseline,
+        "hwm": hwm_bytes(),
+        "load_s": loaded - started,
+        "first_step_s": stepped - started,
+        "param_bytes": local,
+        "loss": float(loss.detach()),
+    }
+
+
+def summarise_load(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's figures: the largest rank's memory, the slowest rank's times."""
+    return {
+        "added": max(r["added"] for r in ranks),
+        "after_load": max(r["after_load"] for r in ranks),
+        "hwm": max(r["hwm"] for r in ranks),
+        "load_s": max(r["load_s"] for r in ranks),
+        "first_step_s": max(r["first_step_s"] for r in ranks),
+        "param_bytes": max(r["param_bytes"] for r in ranks),
+    }
+
+
+def load_target(model: dict[str, Any], world: int, strategy: str) -> int:
+    """The most a load may add: this rank's share of the fp32 model (+10%) and one tensor."""
+    share = model["fp32_bytes"] / (world if strategy == "fsdp" else 1)
+    return int(share * 1.1 + model["largest_bytes"])
+
+
+def load_rows(results: dict[tuple, dict[str, Any]], model: dict[str, Any]) -> tuple[list, dict]:
+    """Table rows and ratios: each configuration, its peak added memory against the target,
+    the model's size and the whole load of the same configuration."""
+    rows, ratios = [], {}
+    for (strategy, world, how), r in sorted(
+        results.items(), key=lambda kv: (kv[0][0] == "fsdp", kv[0][1], kv[0][2] != "whole")
+    ):
+        whole = results.get((strategy, world, "whole"))
+        target = load_target(model, world, strategy) if strategy == "fsdp" else None
+        label = f"{strategy.upper()}, {world} workers, " + (
+            "meta device + own rows (now)" if how == "meta" else "from_pretrained whole (before)"
+        )
+        rows.append({
+            "configuration": label,
+            "added at peak (MiB)": f"{r['added'] / MiB:,.0f}",
+            "vs model (fp32)": f"{r['added'] / model['fp32_bytes']:.2f}",
+            "vs whole load": f"{r['added'] / whole['added']:.2f}" if whole else "",
+            "target (MiB)": f"{target / MiB:,.0f}" if target else "",
+            "met": ("yes" if r["added"] <= target else "NO") if target else "",
+            "after load (MiB)": f"{r['after_load'] / MiB:,.0f}",
+            "VmHWM (MiB)": f"{r['hwm'] / MiB:,.0f}",
+            "load (s)": f"{r['load_s']:.1f}",
+            "to first step (s)": f"{r['first_step_s']:.1f}",
+        })  # fmt: skip
+        if how == "meta" and whole:
+            ratios[f"{strategy} {world} workers: load memory vs whole"] = (
+                r["added"] / whole["added"]
+            )
+            ratios[f"{strategy} {world} workers: time to first step vs whole"] = (
+                r["first_step_s"] / whole["first_step_s"]
+            )
+    return rows, ratios
+
+
+def run_load_phase(run_configuration: Any, workers: list[int], quick: bool) -> dict[str, Any]:
+    """The load phase: the model saved once, then DDP on 2 workers and FSDP on each of
+    `workers`, each loaded whole and on the meta device (in ABBA order), each configuration a
+    process group of its own (`run_configuration(strategy, world, opts)`, bench_memory's)."""
+    from _support import table
+
+    config = QUICK_LLAMA if quick else LLAMA
+    folder = tempfile.mkdtemp(prefix="bench_memory_model_")
+    try:
+        model = save_model(folder, config)
+        opts = {"path": folder, "vocab_size": config["vocab_size"]}
+        plan = [("ddp", 2)] + [("fsdp", w) for w in workers]
+        results = {}
+        for i, (strategy, world) in enumerate(plan):
+            for how in ("whole", "meta") if i % 2 == 0 else ("meta", "whole"):
+                ranks = run_configuration(strategy, world, {**opts, "how": how})
+                results[(strategy, world, how)] = summarise_load(ranks)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    rows, ratios = load_rows(results, model)
+    head = (
+        f"Loading a pretrained Llama-shaped model: {model['numel'] / 1e6:.0f}M parameters, "
+        f"saved in bf16 ({model['file_bytes'] / MiB:,.0f} MiB in {model['files']} safetensors "
+        f"files), trained in fp32 ({model['fp32_bytes'] / MiB:,.0f} MiB; largest tensor "
+        f"{model['largest_bytes'] / MiB:,.0f} MiB). Peak anonymous memory each worker added "
+        "while loading (largest rank), against the model, the whole load and the target "
+        "(FSDP: model / N x 1.1 + the largest tensor):"
+    )
+    return {"table": head + "\n\n" + table(rows), "ratios": ratios, "model": model,
+            "results": {"_".join(map(str, k)): v for k, v in results.items()}}  # fmt: skip
