@@ -93,6 +93,14 @@ BENCHES: dict[str, Bench] = {
         target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
         goals=startup_goals,
     ),
+    "first_step": Bench(
+        "bench_first_step.py",
+        "Time to the first step: `make demo` against torchrun",
+        "the demo's first step written by hand for `torchrun --nproc_per_node 2` (DDP over "
+        "gloo, the same model, data and AdamW); each side a fresh process tree, from its launch "
+        "to the first step's begin, alternating",
+        quick=["--rounds", "1"],
+    ),
     "loop": Bench(
         "bench_loop.py",
         "Training step time (demo model, 2 workers)",

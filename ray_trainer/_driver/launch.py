@@ -7,10 +7,12 @@ needs the cluster's size is checked before a worker starts (``checks.py``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -83,13 +85,24 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
 
     import ray
 
+    # Ray Train's import (~1 s of CPU) runs while ray.init waits for Ray's processes to start.
+    train_import = threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True)
+    train_import.start()
     started_ray = _init_ray(args)
+    train_import.join()
     try:
         check_resources(args)
         return _fit(args, lists, run_dir, plans)
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _import_ray_train() -> None:
+    """Import what `_fit` needs of Ray Train (in a thread, beside `ray.init`). An import that
+    fails here fails again, with its traceback, where `_fit` imports it."""
+    with contextlib.suppress(Exception):
+        import ray.train.torch  # noqa: F401
 
 
 def _init_ray(args: TrainingArgs) -> bool:
