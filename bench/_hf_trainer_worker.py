@@ -111,6 +111,7 @@ def main() -> None:
                     "last_loss": keeper.last,
                     "world_size": args.world_size,
                     "torch_threads": torch.get_num_threads(),
+                    "interop_threads": torch.get_num_interop_threads(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                 },
                 f,

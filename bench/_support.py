@@ -16,7 +16,8 @@ from callbacks import TrainerCallback
 
 
 class StepTimer(TrainerCallback):
-    """Rank 0, in the training process: the time of each step begin, written at the end."""
+    """Rank 0, in the training process: the time of each step begin, written at the end with
+    the process's torch thread counts."""
 
     runs_on = "rank0"
 
@@ -28,8 +29,18 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter())
 
     def on_train_end(self, context, **kwargs):
-        with open(self.path, "w") as f:
-            json.dump(self.times, f)
+        import torch
+
+        with open(self.path, "w") as f:  # with what the process computes with
+            json.dump(
+                {
+                    "times": self.times,
+                    "torch_threads": torch.get_num_threads(),
+                    "interop_threads": torch.get_num_interop_threads(),
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                },
+                f,
+            )
 
 
 class GradNormWatcher(TrainerCallback):

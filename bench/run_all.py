@@ -21,10 +21,12 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -46,6 +48,24 @@ class Bench:
     quick: list[str] = field(default_factory=list)  # extra arguments for --quick
     target: float | None = None
     target_note: str = ""
+    # The figures held against their targets: report -> [(what, figure, target, met)]; printed
+    # in the run's summary and in results.md, where a miss shows as "MISSED".
+    goals: Callable[[dict[str, Any]], list[tuple[str, str, str, bool]]] | None = None
+
+
+def hf_trainer_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """run_training's tokens/s (the defaults: the embedded Ray with its dashboard) at least
+    HF Trainer's, median of the rounds of one run."""
+    ratio = next(v for k, v in report["ratios"].items() if k.startswith("run_training (this"))
+    return [("run_training tokens/s / HF Trainer's", f"{ratio:.3f}x", ">= 1.000x", ratio >= 1.0)]
+
+
+def startup_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """The runner's own start-up over a bare TorchTrainer.fit of the same one step."""
+    samples = report["samples_s"]
+    extra = statistics.median(samples["runner"]) - statistics.median(samples["bare"])
+    return [("run_training start-up over a bare TorchTrainer.fit", f"{extra:+.2f} s", "<= +1.50 s",
+             extra <= 1.5)]  # fmt: skip
 
 
 BENCHES: dict[str, Bench] = {
@@ -69,6 +89,16 @@ BENCHES: dict[str, Bench] = {
         "a bare `TorchTrainer(fn).fit()` taking the same one accelerate step on 2 workers, Ray "
         "already initialised; for the dashboard rows, the embedded Ray started without its "
         "dashboard in a fresh process, alternating",
+        quick=["--rounds", "1"],
+        target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
+        goals=startup_goals,
+    ),
+    "first_step": Bench(
+        "bench_first_step.py",
+        "Time to the first step: `make demo` against torchrun",
+        "the demo's first step written by hand for `torchrun --nproc_per_node 2` (DDP over "
+        "gloo, the same model, data and AdamW); each side a fresh process tree, from its launch "
+        "to the first step's begin, alternating",
         quick=["--rounds", "1"],
     ),
     "loop": Bench(
@@ -99,6 +129,10 @@ BENCHES: dict[str, Bench] = {
         "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
+        target=1.0,
+        target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
+        "least 1.0x HF Trainer's, median of the rounds",
+        goals=hf_trainer_goals,
     ),
     "packing": Bench(
         "bench_packing.py",
@@ -259,6 +293,28 @@ def environment() -> dict[str, Any]:
     }
 
 
+def goal_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(benchmark, what, figure, target, "met"/"MISSED") for every goal of the benchmarks in
+    the results (a failed benchmark's goals are missed)."""
+    rows = []
+    for name, report in results["benchmarks"].items():
+        goals = BENCHES[name].goals if name in BENCHES else None
+        if goals is None:
+            continue
+        if "error" in report:
+            rows.append((name, "(benchmark failed)", "-", "-", "MISSED"))
+            continue
+        for what, figure, target, met in goals(report):
+            rows.append((name, what, figure, target, "met" if met else "MISSED"))
+    return rows
+
+
+def goals_table(rows: list[tuple[str, str, str, str, str]]) -> str:
+    out = ["| benchmark | figure | measured | target | |", "|---|---|---:|---:|---|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(out)
+
+
 def write_markdown(results: dict[str, Any], path: str) -> None:
     v = results["versions"]
     lines = [
@@ -278,6 +334,9 @@ def write_markdown(results: dict[str, Any], path: str) -> None:
         "",
         "![ratios to baseline](results.png)",
     ]
+    goals = goal_rows(results)
+    if goals:
+        lines += ["", "## Targets", "", goals_table(goals)]
     for name, b in results["benchmarks"].items():
         lines += ["", f"## {b.get('title', name)}", ""]
         if "error" in b:
@@ -347,6 +406,13 @@ def main() -> int:
     print(f"\nwrote {RESULTS_MD}, {RESULTS_JSON}, {RESULTS_PNG} in {total / 60:.1f} min\n")
     with open(RESULTS_MD) as f:
         print(f.read())
+    goals = goal_rows(results)
+    if goals:  # last, where a reader of the console sees it
+        print("Targets:")
+        for name, what, figure, target, met in goals:
+            print(
+                f"  {'ok    ' if met == 'met' else 'MISSED'} [{name}] {what}: {figure} ({target})"
+            )
     return 1 if any("error" in fresh[n] for n in fresh) else 0
 
 

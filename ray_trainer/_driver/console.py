@@ -12,7 +12,12 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
 * Ray Train's print patching is off (``RAY_TRAIN_ENABLE_PRINT_PATCH=0``): a worker-side
   callback's print appears once, not twice; and its state tracking is on
   (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run (off for
-  an embedded Ray started without its dashboard, where nothing would show it).
+  an embedded Ray started without its dashboard, where nothing would show it);
+* the embedded Ray starts its worker processes at the same priority as its own daemons
+  (``RAY_worker_niceness=0``; Ray's default is 15): on a machine whose cores the training ranks
+  fill, a rank at niceness 15 is preempted whenever the dashboard, its agents, the log monitor
+  or the raylet wake up, and with ranks in lockstep (one all-reduce a step) every such delay
+  stalls all of them (docs/benchmarks.md, "Where the time of a step goes").
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
     import ray
 
     options: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": dashboard}
+    # Read by the raylet this starts: training ranks not below Ray's own daemons (kept if set).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     url = None
     if dashboard:
         port = free_dashboard_port()

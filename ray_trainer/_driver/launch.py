@@ -7,10 +7,12 @@ needs the cluster's size is checked before a worker starts (``checks.py``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +50,7 @@ from ray_trainer._driver.console import (
 )
 from ray_trainer._driver.data import DataPlan, prepare_data
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
+from ray_trainer._driver.priority import lower_ray_daemons
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import run_with_graceful_signals
@@ -83,13 +86,24 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
 
     import ray
 
+    # Ray Train's import (~1 s of CPU) runs while ray.init waits for Ray's processes to start.
+    train_import = threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True)
+    train_import.start()
     started_ray = _init_ray(args)
+    train_import.join()
     try:
         check_resources(args)
         return _fit(args, lists, run_dir, plans)
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _import_ray_train() -> None:
+    """Import what `_fit` needs of Ray Train (in a thread, beside `ray.init`). An import that
+    fails here fails again, with its traceback, where `_fit` imports it."""
+    with contextlib.suppress(Exception):
+        import ray.train.torch  # noqa: F401
 
 
 def _init_ray(args: TrainingArgs) -> bool:
@@ -107,6 +121,7 @@ def _init_ray(args: TrainingArgs) -> bool:
     machine = embedded_resources(count_gpus="GPU" in per_worker(args))
     check_resources(args, nodes=[machine])  # before starting anything
     url = start_embedded_ray(int(machine["CPU"]), args.dashboard)
+    lower_ray_daemons()  # its dashboard, agents and monitors below the training ranks
     print(dashboard_line(url), flush=True)
     return True
 
