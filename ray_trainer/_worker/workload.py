@@ -52,6 +52,8 @@ class Workload:
     packed_layout: bool = False  # packed rows carry their layout to our packed attention
     # A pretrained model built on the meta device: fills it once placed (loading.py).
     materialize: Materialize | None = None
+    # A LoRA run: what its checkpoints record of the base (base model, fingerprint, config).
+    lora_state: dict[str, Any] | None = None
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
@@ -78,6 +80,11 @@ def build_workload(
         return _demo_workload(args)
     spec = ModelSpec.of(args)
     model, materialize = build_model(spec)  # a pretrained model: on the meta device, unfilled
+    lora_state = None
+    if args.lora is not None:  # the base frozen, adapters added (on meta with the base)
+        from ray_trainer._worker.lora import apply_lora
+
+        model, materialize, lora_state = apply_lora(model, materialize, spec, args)
     packed_layout = False
     if args.packing:  # each sample attends to itself alone, without a [T, T] mask
         from ray_trainer._worker.packed_attention import use_packed_attention
@@ -107,6 +114,7 @@ def build_workload(
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
         packed_layout=packed_layout,
         materialize=materialize,
+        lora_state=lora_state,
     )
 
 
