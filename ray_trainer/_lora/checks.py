@@ -19,7 +19,7 @@ def check_lora_model(args: TrainingArgs) -> None:
     can adapt), tried on the model built on the meta device. Raises `LoraSetupError`."""
     from ray_trainer._models import ModelSpec
 
-    wrap(ModelSpec.of(args).build_meta_model(), args.lora, args.fsdp_shard_modules)
+    wrap(ModelSpec.of(args).build_meta_model(), args.lora, args.fsdp_shard_modules, on_meta=True)
 
 
 def check_lora_resume(args: TrainingArgs, checkpoint: str | None, filesystem: Any = None) -> None:

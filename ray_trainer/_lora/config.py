@@ -168,10 +168,16 @@ def _is_causal_lm(model: Any) -> bool:
     return hasattr(model, "save_pretrained") and name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def wrap(model: Any, fields: dict[str, Any], shard_modules: list[str] | None = None) -> Any:
+def wrap(
+    model: Any,
+    fields: dict[str, Any],
+    shard_modules: list[str] | None = None,
+    on_meta: bool = False,
+) -> Any:
     """`model` wrapped by ``peft.get_peft_model``: the base frozen, LoRA layers added (random
-    with torch's generator: seed it first for identical adapters on every rank; on the meta
-    device when the base is there, see ``_worker/lora.py``).
+    with torch's generator: seed it first for identical adapters on every rank). `on_meta`:
+    the base is on the meta device, and the adapters are made there directly (no memory; the
+    caller fills them, see ``_worker/lora.py``).
 
     Raises:
         LoraSetupError: peft cannot wrap this model, or nothing was adapted.
@@ -179,7 +185,7 @@ def wrap(model: Any, fields: dict[str, Any], shard_modules: list[str] | None = N
     peft = _peft()
     config = lora_config(fields, model, shard_modules)
     try:
-        wrapped = peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config, low_cpu_mem_usage=on_meta)
     except (TypeError, ValueError, RuntimeError) as e:
         raise LoraSetupError(
             f"lora: peft cannot wrap {type(model).__name__} ({e}); LoRA needs a Hugging Face "

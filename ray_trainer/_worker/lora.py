@@ -34,7 +34,7 @@ def apply_lora(
 ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """`model` wrapped with the run's adapters, its fill (None when it is not on the meta
     device), and what its checkpoints record of the base (`lora_state`)."""
-    wrapped = wrap(model, args.lora, args.fsdp_shard_modules)
+    wrapped = wrap(model, args.lora, args.fsdp_shard_modules, on_meta=materialize is not None)
     record = lora_state(spec, args.lora, base_fingerprint(spec))
     targets = wrapped.peft_config["default"].target_modules  # the defaults, resolved
     record["target_modules"] = targets if isinstance(targets, str) else sorted(targets)

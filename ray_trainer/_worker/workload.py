@@ -193,8 +193,13 @@ def _demo_workload(args: TrainingArgs) -> Workload:
     from ray_trainer._demo import build_demo
 
     demo = build_demo(**args.demo)
+    model, lora_state = demo.model_factory(), None
+    if args.lora is not None:
+        from ray_trainer._worker.lora import apply_lora
+
+        model, _, lora_state = apply_lora(model, None, ModelSpec.of(args), args)
     return Workload(
-        model=demo.model_factory(),
+        model=model,
         train_dataset=demo.train_dataset,
         val_dataset=demo.val_dataset,
         collate_fn=None,
@@ -203,4 +208,5 @@ def _demo_workload(args: TrainingArgs) -> Workload:
         pad_id=demo.tokenizer.pad_id,
         sums_itself=args.loss_fn is None,
         norm=float(args.batch_size * args.grad_accum_steps * 8),
+        lora_state=lora_state,
     )
