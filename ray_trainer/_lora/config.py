@@ -86,6 +86,9 @@ def normalise_lora(value: Any) -> dict[str, Any] | None:
             f"lora.bias={fields['bias']!r} trains the base model's biases too; only 'none' is "
             "supported (the checkpoints and exports hold the adapters alone)"
         )
+    rank = fields.get("r", defaults["r"])
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ValueError(f"lora.r={rank!r}: the adapters' rank must be a positive integer")
     try:
         peft.LoraConfig(**fields)
     except (TypeError, ValueError) as e:

@@ -46,12 +46,12 @@ def test_the_lora_field_takes_a_lora_config_or_a_dict_and_refuses_what_is_not_su
     from_config = TrainingArgs(lora=LoraConfig(r=16, lora_dropout=0.1)).lora
     assert from_config == {"r": 16, "lora_dropout": 0.1}
     cases = {
-        "rank": "did you mean 'r'?",
+        "lora_dropot": r"did you mean 'lora_dropout'\?",
         "use_dora": "not supported by ray-trainer yet",
         "init_lora_weights": "meta device",
         "bias": "only 'none'",
     }
-    values = {"rank": 4, "use_dora": True, "init_lora_weights": "pissa", "bias": "all"}
+    values = {"lora_dropot": 0.1, "use_dora": True, "init_lora_weights": "pissa", "bias": "all"}
     for key, message in cases.items():
         with pytest.raises(TrainingArgsError, match=message):
             TrainingArgs.coerce(lora={key: values[key]})
