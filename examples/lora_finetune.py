@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--storage-path", default="./runs")
+    parser.add_argument("--num-gpus", type=float, default=0, help="per evaluation task")
     opts = parser.parse_args()
     import ray
 
@@ -80,7 +81,7 @@ def main() -> None:
         save_every_steps=max(1, opts.max_steps // 4),
         log_every_steps=10,
         storage_path=opts.storage_path,
-        callbacks=[EvalOnSave(evaluate, num_cpus=1)],
+        callbacks=[EvalOnSave(evaluate, num_gpus=opts.num_gpus, num_cpus=1)],
     )
     for e in result.evaluations:
         print(f"step {e['step']}: {e.get('metrics') or e.get('error')}")
