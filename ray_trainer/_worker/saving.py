@@ -113,7 +113,7 @@ def sharded_state(s: WorkerState) -> dict:
     aliases = ckpt.tied_aliases(model.named_parameters(remove_duplicate=False))
     s.progress.extra[ckpt.TIED_WEIGHTS] = aliases
     weights = get_model_state_dict(model)
-    if s.args.lora is not None:  # the adapters alone: the frozen base is never saved
+    if lora_run(s):  # the adapters alone: the frozen base is never saved
         weights = trainable(model, weights)
     return {
         "model": {k: v for k, v in weights.items() if k not in aliases},
@@ -125,7 +125,12 @@ def model_state(s: WorkerState) -> dict:
     """DDP: the whole model's state dict, or a LoRA run's adapters alone."""
     module = s.parallel.module()
     state = module.state_dict()
-    return trainable(module, state) if s.args.lora is not None else state
+    return trainable(module, state) if lora_run(s) else state
+
+
+def lora_run(s: WorkerState) -> bool:
+    """A LoRA run (a state without args, as the benchmarks build, is not)."""
+    return getattr(getattr(s, "args", None), "lora", None) is not None
 
 
 def trainable(model: torch.nn.Module, state: dict) -> dict:
