@@ -32,8 +32,12 @@ backward, clip, AdamW step). Then:
   the meta device (the runner) against ``from_pretrained`` whole in every worker, FSDP on each
   worker count and DDP on 2; and the time to the first step.
 
+* **LoRA** (``--phases lora``; `_memory_lora.py`): LoRA r=16 on every linear layer against a
+  full fine-tune of the same model, DDP and FSDP on 2 workers: per-rank state, checkpoint size
+  and save time, step time.
+
 Usage: python bench/bench_memory.py [--quick] [--workers 2,4] [--n-layer 8] [--saves 3]
-       [--rounds 2] [--phases state,load] [--json OUT]
+       [--rounds 2] [--phases state,load,lora] [--json OUT]
 """
 
 from __future__ import annotations
@@ -151,7 +155,11 @@ def rank_main(rank: int, world: int, strategy: str, opts: dict[str, Any], out: s
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world)
     try:
-        if "how" in opts:  # the load phase (_memory_load.py)
+        if opts.get("lora_phase"):  # LoRA against full (_memory_lora.py)
+            from _memory_lora import lora_rank
+
+            report = lora_rank(rank, world, strategy, opts)
+        elif "how" in opts:  # the load phase (_memory_load.py)
             from _memory_load import load_and_step
 
             report = load_and_step(rank, world, strategy, opts)
@@ -378,7 +386,9 @@ def main() -> dict:
     parser.add_argument(
         "--rounds", type=int, default=2, help="process groups per configuration, in ABBA order"
     )
-    parser.add_argument("--phases", default="state,load", help="state (and checkpoints), load")
+    parser.add_argument(
+        "--phases", default="state,load,lora", help="state (and checkpoints), load, lora"
+    )
     parser.add_argument("--json", default=None)
     cli = parser.parse_args()
     phases = cli.phases.split(",")
@@ -390,6 +400,12 @@ def main() -> dict:
 
         workers = [int(w) for w in cli.workers.split(",")]
         loading = run_load_phase(run_configuration, workers, cli.quick)
+    if "lora" in phases:  # LoRA against full, 2 workers (_memory_lora.py)
+        from _memory_lora import run_lora_phase
+
+        lora = run_lora_phase(run_configuration, 2, {**opts, "steps": 4, "saves": 2})
+        if "state" not in phases:
+            return emit({"machine": machine(), **lora, "opts": opts}, cli.json)
     if "state" not in phases:
         return emit({"machine": machine(), **loading}, cli.json)
     runs: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
@@ -407,6 +423,10 @@ def main() -> dict:
         report["table"] += "\n\n" + loading["table"]
         report["ratios"].update(loading["ratios"])
         report["load"] = loading
+    if "lora" in phases:
+        report["table"] += "\n\n" + lora["table"]
+        report["ratios"].update(lora["ratios"])
+        report["lora"] = lora
     return emit(report, cli.json)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -50,7 +51,8 @@ class LmEval:
     ``EvalOnSave``) or its CPU. Needs ``pip install 'ray-trainer[eval]'`` there; built in the
     driver without it. When ``hf/`` holds a PEFT adapter (``adapter_config.json``), the model
     is its base model (``base_model_name_or_path``, or ``model_args["pretrained"]``) with the
-    adapter (``peft=``), and the tokenizer is the export's when it has one.
+    adapter (``peft=``), and the tokenizer is the export's when it has one; a base on a bucket
+    (``s3://...``, a LoRA run's ``model``) is copied to a local folder first.
 
     Offline tasks: ``include_path`` is a folder of task YAML files and their data files. It is
     read when ``LmEval`` is built (at most 64 MiB) and travels with the function, so the
@@ -162,6 +164,8 @@ class LmEval:
                 f"LmEval: the adapter in {hf} names no base model; pass "
                 "model_args={'pretrained': <the base model's name or path on the eval node>}"
             )
+        if "://" in str(args["pretrained"]):  # a base on a bucket: lm-eval opens folders only
+            args["pretrained"] = _fetch(str(args["pretrained"]))
         return args
 
     @contextlib.contextmanager
@@ -190,6 +194,20 @@ class LmEval:
             os.chdir(before)
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _fetch(uri: str) -> str:
+    """A local copy of the model folder at `uri` (a LoRA run's base on a bucket), made once
+    per evaluation process and removed when it exits."""
+    import atexit
+
+    import pyarrow.fs
+
+    target = tempfile.mkdtemp(prefix="ray_trainer_lm_eval_base_")
+    atexit.register(shutil.rmtree, target, True)
+    pyarrow.fs.copy_files(uri.rstrip("/"), target)
+    return target
 
 
 def _read_folder(folder: str) -> dict[str, bytes]:

@@ -95,6 +95,11 @@ class TrainingArgs(BaseModel):
     save_hf_format: bool = True
     # torch.compile the model: each block under FSDP, the whole model under DDP.
     compile: bool = False
+    # LoRA (docs/lora.md, ray-trainer[lora]): a peft.LoraConfig or a dict of its fields; the
+    # base is frozen, only the adapters train. What each checkpoint's hf/ holds: the PEFT
+    # adapter, the merged model, or both (merged in hf/, adapter in hf_adapter/).
+    lora: Any = None
+    lora_export: Literal["adapter", "merged", "both"] = "adapter"
     # The peak FLOP/s of one device, for MFU in the logs (default: a table of known GPUs).
     peak_flops: float | None = Field(None, gt=0)
 
@@ -187,6 +192,15 @@ class TrainingArgs(BaseModel):
             f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
             "returning a Dataset"
         )
+
+    @field_validator("lora")
+    @classmethod
+    def _check_lora(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        from ray_trainer._lora.config import normalise_lora
+
+        return normalise_lora(v)
 
     @field_validator("storage_filesystem")
     @classmethod

@@ -181,7 +181,7 @@ def load_model_state(path: str, filesystem: Any = None) -> dict[str, Any]:
         return checkpoint.model_state()
 
 
-def load_model(path: str, device: str = "cpu", filesystem: Any = None) -> Any:
+def load_model(path: str, device: str = "cpu", filesystem: Any = None, merge: bool = True) -> Any:
     """The trained ``nn.Module`` of a complete checkpoint on any storage and of either strategy,
     in eval mode on ``device``: rebuilt from the model spec the checkpoint records (the built-in
     demo, a model factory, or a Hugging Face model), then loaded with the checkpoint's weights.
@@ -189,10 +189,30 @@ def load_model(path: str, device: str = "cpu", filesystem: Any = None) -> Any:
     Runs anywhere the storage is reachable: an evaluation task, a notebook, a script. Needs no
     process group: FSDP shards are read in this one process.
 
+    A LoRA checkpoint holds the adapters alone: the base is built from the model the run was
+    given (read from its bucket when it is a URI), the adapters loaded into it, and with
+    ``merge=True`` (the default) merged, giving a plain model (a Hugging Face model for a
+    Hugging Face base); ``merge=False`` returns the ``peft.PeftModel``.
+
     Example:
         >>> model = load_model("s3://bucket/runs/my-run/checkpoint_00000400", device="cuda")
     """
     with open_checkpoint(path, filesystem) as checkpoint:
         model = checkpoint.model_spec().build_model()
-        model.load_state_dict(checkpoint.model_state(model.state_dict()))
+        lora = checkpoint.state.extra.get("lora")
+        if lora is None:
+            model.load_state_dict(checkpoint.model_state(model.state_dict()))
+            return model.to(device).eval()
+        from ray_trainer._lora import trainable_names, wrap
+
+        model = wrap(model, {**lora["config"], "target_modules": lora["target_modules"]})
+        keep = set(trainable_names(model))
+        template = {k: v for k, v in model.state_dict().items() if k in keep}
+        adapters = checkpoint.model_state(template)
+        missing = sorted(keep - set(adapters))
+        if missing:
+            raise CheckpointError(f"{checkpoint.name} holds no {missing[0]}")
+        model.load_state_dict(adapters, strict=False)
+    if merge:
+        model = model.merge_and_unload()
     return model.to(device).eval()

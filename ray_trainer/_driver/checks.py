@@ -123,6 +123,10 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
         )
     if args.strategy == "fsdp" or args.activation_checkpointing:
         _check_blocks(args)
+    if args.lora is not None:
+        from ray_trainer._lora.checks import check_lora_model
+
+        check_lora_model(args)
     if args.compile:
         from ray_trainer._models import missing_compile_toolchain
 
@@ -206,7 +210,12 @@ def check_storage(args: TrainingArgs) -> str:
             "or a bucket this process has credentials for"
         ) from None
     run = storage.child(args.run_name)
-    _check_strategy(args, latest_checkpoint(run.name, args.storage_filesystem))
+    latest = latest_checkpoint(run.name, args.storage_filesystem)
+    _check_strategy(args, latest)
+    from ray_trainer._lora.checks import check_lora_resume
+
+    # The workers resume from the run's newest checkpoint, else from resume_from.
+    check_lora_resume(args, latest or args.resume_from, args.storage_filesystem if latest else None)
     record = read_run_record(run.name, args.storage_filesystem)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.

@@ -44,11 +44,13 @@ def empty_model(config: Any) -> nn.Module:
     return model
 
 
-def materialize(module: nn.Module, files: SafetensorsFiles, device: torch.device) -> None:
+def materialize(
+    module: nn.Module, files: SafetensorsFiles, device: torch.device, rename: Any = None
+) -> None:
     """Give `module`'s meta parameters memory on `device` (only this rank's shards when it
-    is sharded), keep its buffers' values, then fill it from `files`. Tied weights stay tied
-    (FSDP2's ``to_empty`` keeps a shared parameter shared; on a whole module they are tied
-    again)."""
+    is sharded), keep its buffers' values, then fill it from `files` (`rename`: as
+    `fill_from_safetensors`). Tied weights stay tied (FSDP2's ``to_empty`` keeps a shared
+    parameter shared; on a whole module they are tied again)."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     on_meta = [name for name, b in buffers.items() if b.device.type == "meta"]
     if on_meta:
@@ -66,14 +68,18 @@ def materialize(module: nn.Module, files: SafetensorsFiles, device: torch.device
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
-    fill_from_safetensors(module, files, prefix=getattr(module, "base_model_prefix", ""))
+    fill_from_safetensors(module, files, getattr(module, "base_model_prefix", ""), rename)
 
 
-def fill_from_safetensors(module: nn.Module, files: SafetensorsFiles, prefix: str = "") -> None:
+def fill_from_safetensors(
+    module: nn.Module, files: SafetensorsFiles, prefix: str = "", rename: Any = None
+) -> None:
     """Copy every parameter and persistent buffer of `module` from `files`, by name (a name
     may also be found with `prefix` added or removed: a base model's checkpoint loaded into a
     model with a head). Each tensor is read in turn: a sharded one, only the rows this rank
-    holds. Converts to the tensor's dtype and device.
+    holds. Converts to the tensor's dtype and device. ``rename(name)`` maps a parameter's name
+    to its name in the files, or to None for one the files do not hold and the caller fills
+    (a LoRA adapter's: ``_worker/lora.py``).
 
     Raises:
         WeightsError: a parameter the files do not hold (it would keep no value), a shape
@@ -82,6 +88,10 @@ def fill_from_safetensors(module: nn.Module, files: SafetensorsFiles, prefix: st
     groups: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
         groups.setdefault(id(tensor), []).append(name)  # tied weights: one tensor, many names
         tensors[id(tensor)] = tensor
     missing = []

@@ -49,7 +49,7 @@ from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import checkpoint_dir_name
 from ray_trainer._storage import Location, locate
 from ray_trainer._worker.hf_export import exports, hf_files, untied, write_hf_files, write_weights
-from ray_trainer._worker.saving import checkpoint_location, rank_part, sharded_state
+from ray_trainer._worker.saving import checkpoint_location, model_state, rank_part, sharded_state
 
 if TYPE_CHECKING:
     from ray_trainer._worker.boundary import Decision
@@ -187,12 +187,18 @@ class AsyncSaves:
         if s.parallel.sharded:
             state = sharded_state(s)
         elif s.rank == 0:
-            module = s.parallel.module()
-            state = {"model": module.state_dict(), "optim": s.optimizer.state_dict()}
+            state = {"model": model_state(s), "optim": s.optimizer.state_dict()}
         else:
             return None
         staged = self._stager.stage(state)
-        staged["hf"] = untied(s.parallel.module(), staged["model"]) if exports(s) else None
+        module, hf = s.parallel.module(), None
+        if exports(s) and s.args.lora is not None:  # the staged adapters, the frozen base
+            from ray_trainer._worker.lora import lora_export
+
+            hf = lora_export(module, s.args, staged["model"])
+        elif exports(s):
+            hf = untied(module, staged["model"])
+        staged["hf"] = hf
         return staged
 
     def _write(
@@ -221,7 +227,10 @@ class AsyncSaves:
                     written.append(name)
             if hf:
                 target = os.path.join(folder, ckpt.HF_DIR)
-                if staged is not None and _is_sharded(staged):
+                if staged is not None and hasattr(staged["hf"], "plan"):  # LoRA's exports
+                    whole = _Gather(self._group, rank, world) if _is_sharded(staged) else _same
+                    staged["hf"].write(folder, whole, rank == 0)
+                elif staged is not None and _is_sharded(staged):
                     gather = _Gather(self._group, rank, world)
                     write_weights(target, staged["hf"], gather, rank == 0)
                 elif rank == 0:
@@ -259,6 +268,10 @@ class AsyncSaves:
         return [os.path.join(ckpt.SHARDS_DIR, n) for n in sorted(mine)]
 
 
+def _same(tensor: Any) -> Any:
+    return tensor
+
+
 def _is_sharded(staged: dict[str, Any]) -> bool:
     return any(hasattr(v, "placements") for v in staged["model"].values())
 
@@ -274,6 +287,7 @@ class _Gather:
 
     def __call__(self, tensor: Any) -> Any:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local.cpu()  # a LoRA run's frozen base is read live, from the device
         placements = getattr(tensor, "placements", ())
         if self.world == 1 or tensor.ndim == 0 or all(p.is_replicate() for p in placements):
             return local

@@ -46,7 +46,10 @@ _DTYPES = {
 
 def exports(s: WorkerState) -> bool:
     """Whether this run's checkpoints carry an ``hf/`` export."""
-    return s.args.save_hf_format and hasattr(s.parallel.module(), "save_pretrained")
+    module = s.parallel.module()
+    if s.args.lora is not None:  # the base's: a PeftModel saves itself whatever it wraps
+        module = module.get_base_model()
+    return s.args.save_hf_format and hasattr(module, "save_pretrained")
 
 
 def export_hf(s: WorkerState, folder: str) -> list[str]:
@@ -54,7 +57,12 @@ def export_hf(s: WorkerState, folder: str) -> list[str]:
     other ranks). A collective under FSDP: every rank calls it."""
     module = s.parallel.module()
     target = os.path.join(folder, HF_DIR)
-    if s.parallel.sharded:
+    if s.args.lora is not None:  # the adapter and/or the merged model (lora.py)
+        from ray_trainer._worker.lora import lora_export
+
+        if s.parallel.sharded or s.rank == 0:
+            lora_export(module, s.args, None).write(folder, _full, s.rank == 0)
+    elif s.parallel.sharded:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = get_model_state_dict(module)  # this rank's shards, under the model's own names
@@ -77,6 +85,13 @@ def write_hf_files(s: WorkerState, target: str) -> None:
     """Rank 0: the export's config (with what training switched off put back), generation
     config and tokenizer, into `target`."""
     module = s.parallel.module()
+    kind = s.args.lora_export if s.args.lora is not None else None
+    if kind in ("adapter", "both"):  # a PEFT adapter folder: the tokenizer, no model config
+        from ray_trainer._worker.lora import adapter_dir
+
+        write_tokenizer(s, os.path.join(os.path.dirname(target), adapter_dir(kind)))
+        if kind == "adapter":
+            return
     os.makedirs(target, exist_ok=True)
     config = copy.deepcopy(module.config)
     for key, value in s.parallel.config_for_export.items():  # what training switched off
@@ -85,18 +100,26 @@ def write_hf_files(s: WorkerState, target: str) -> None:
     generation = _generation_config(module, s.workload.end_of_turn_ids)
     if generation is not None:
         generation.save_pretrained(target)
+    write_tokenizer(s, target)
+
+
+def write_tokenizer(s: WorkerState, target: str) -> None:
+    """Rank 0: the run's tokenizer (with the chat template the data was rendered with)."""
     tokenizer = s.workload.tokenizer
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        os.makedirs(target, exist_ok=True)
         if s.workload.chat_template is not None:  # the template the data was rendered with
             tokenizer.chat_template = s.workload.chat_template
         tokenizer.save_pretrained(target)
 
 
 def hf_files(folder: str) -> list[str]:
-    """The files of ``<folder>/hf/``, relative to `folder`."""
+    """The files of ``<folder>/hf/`` (and of a LoRA run's ``hf_adapter/``), relative to
+    `folder`."""
     return sorted(
         os.path.relpath(os.path.join(root, name), folder)
-        for root, _, names in os.walk(os.path.join(folder, HF_DIR))
+        for top in (HF_DIR, "hf_adapter")
+        for root, _, names in os.walk(os.path.join(folder, top))
         for name in names
     )
 

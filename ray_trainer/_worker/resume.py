@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import RunSpec
+from ray_trainer._lora.config import trainable_names
 from ray_trainer._storage import locate
 from ray_trainer._worker.saving import load_shards
 
@@ -69,7 +70,7 @@ def maybe_resume(s: WorkerState) -> None:
         if s.parallel.sharded:
             load_shards(s, checkpoint.shards_dir)  # a collective: every rank reads its shards
         else:
-            s.parallel.module().load_state_dict(checkpoint.load(ckpt.MODEL_FILE, True))
+            load_whole(s, checkpoint.load(ckpt.MODEL_FILE, True), checkpoint.name)
             optimizer = checkpoint.load(ckpt.OPTIMIZER_FILE)
             if optimizer is not None:
                 s.optimizer.load_state_dict(optimizer)
@@ -91,6 +92,19 @@ def maybe_resume(s: WorkerState) -> None:
     ctx.global_step, ctx.epoch = p.global_step, p.epoch
     ctx.samples_seen, ctx.tokens_seen = p.samples_seen, p.tokens_seen
     s.hooks.fire("on_load_checkpoint", checkpoint_path=path)
+
+
+def load_whole(s: WorkerState, state: dict, name: str) -> None:
+    """DDP: load the model's state; a LoRA checkpoint holds the adapters alone (the base is
+    the run's own, checked to be the same by the driver), every one of them."""
+    module = s.parallel.module()
+    if s.args.lora is None:
+        module.load_state_dict(state)
+        return
+    missing = [n for n in trainable_names(module) if n not in state]
+    if missing:
+        raise ckpt.CheckpointError(f"{name} holds no {missing[0]}: not this run's adapters")
+    module.load_state_dict(state, strict=False)
 
 
 def position_after(

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import WorkerSummary, checkpoint_dir_name
+from ray_trainer._lora.config import LORA_STATE, trainable_names
 from ray_trainer._models import ModelSpec
 from ray_trainer._storage import locate
 from ray_trainer._worker.data import count_targets
@@ -47,7 +48,7 @@ def save(s: WorkerState, final: bool = False) -> None:
         if s.parallel.sharded:
             extra += _write_shards(s, folder)  # a collective: every rank writes its shards
         elif s.rank == 0:
-            part.update(model=s.parallel.module().state_dict(), optimizer=s.optimizer.state_dict())
+            part.update(model=model_state(s), optimizer=s.optimizer.state_dict())
         if exports(s):
             extra += export_hf(s, folder)  # under FSDP a collective too
         ckpt.write_rank_part(folder, extra_files=extra, **part, **rank_part(s))
@@ -76,6 +77,8 @@ def rank_part(s: WorkerState) -> dict:
     }
     if s.rank == 0:
         s.progress.strategy = s.args.strategy
+        if s.workload.lora_state is not None:  # the base a LoRA checkpoint belongs to
+            s.progress.extra[LORA_STATE] = s.workload.lora_state
         part.update(
             scheduler=s.scheduler.state_dict(),
             trainer_state=s.progress,
@@ -110,10 +113,30 @@ def sharded_state(s: WorkerState) -> dict:
     aliases = ckpt.tied_aliases(model.named_parameters(remove_duplicate=False))
     s.progress.extra[ckpt.TIED_WEIGHTS] = aliases
     weights = get_model_state_dict(model)
+    if lora_run(s):  # the adapters alone: the frozen base is never saved
+        weights = trainable(model, weights)
     return {
         "model": {k: v for k, v in weights.items() if k not in aliases},
         "optim": get_optimizer_state_dict(model, optimizer),
     }
+
+
+def model_state(s: WorkerState) -> dict:
+    """DDP: the whole model's state dict, or a LoRA run's adapters alone."""
+    module = s.parallel.module()
+    state = module.state_dict()
+    return trainable(module, state) if lora_run(s) else state
+
+
+def lora_run(s: WorkerState) -> bool:
+    """A LoRA run (a state without args, as the benchmarks build, is not)."""
+    return getattr(getattr(s, "args", None), "lora", None) is not None
+
+
+def trainable(model: torch.nn.Module, state: dict) -> dict:
+    """The entries of `state` that training updates (a LoRA run's adapters)."""
+    keep = set(trainable_names(model))
+    return {k: v for k, v in state.items() if k in keep}
 
 
 def load_shards(s: WorkerState, shards_dir: str) -> None:

@@ -231,9 +231,11 @@ def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:
 def _optimizer(
     model: torch.nn.Module, args: TrainingArgs, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW, with weight decay on matrices only (not on biases and norms); fused on CUDA."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """AdamW over the trainable parameters (a LoRA run's adapters alone), with weight decay on
+    matrices only (not on biases and norms); fused on CUDA."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": args.weight_decay},

@@ -52,6 +52,8 @@ class Workload:
     packed_layout: bool = False  # packed rows carry their layout to our packed attention
     # A pretrained model built on the meta device: fills it once placed (loading.py).
     materialize: Materialize | None = None
+    # A LoRA run: what its checkpoints record of the base (base model, fingerprint, config).
+    lora_state: dict[str, Any] | None = None
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
@@ -78,6 +80,11 @@ def build_workload(
         return _demo_workload(args)
     spec = ModelSpec.of(args)
     model, materialize = build_model(spec)  # a pretrained model: on the meta device, unfilled
+    lora_state = None
+    if args.lora is not None:  # the base frozen, adapters added (on meta with the base)
+        from ray_trainer._worker.lora import apply_lora
+
+        model, materialize, lora_state = apply_lora(model, materialize, spec, args)
     packed_layout = False
     if args.packing:  # each sample attends to itself alone, without a [T, T] mask
         from ray_trainer._worker.packed_attention import use_packed_attention
@@ -107,6 +114,7 @@ def build_workload(
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
         packed_layout=packed_layout,
         materialize=materialize,
+        lora_state=lora_state,
     )
 
 
@@ -185,8 +193,13 @@ def _demo_workload(args: TrainingArgs) -> Workload:
     from ray_trainer._demo import build_demo
 
     demo = build_demo(**args.demo)
+    model, lora_state = demo.model_factory(), None
+    if args.lora is not None:
+        from ray_trainer._worker.lora import apply_lora
+
+        model, _, lora_state = apply_lora(model, None, ModelSpec.of(args), args)
     return Workload(
-        model=demo.model_factory(),
+        model=model,
         train_dataset=demo.train_dataset,
         val_dataset=demo.val_dataset,
         collate_fn=None,
@@ -195,4 +208,5 @@ def _demo_workload(args: TrainingArgs) -> Workload:
         pad_id=demo.tokenizer.pad_id,
         sums_itself=args.loss_fn is None,
         norm=float(args.batch_size * args.grad_accum_steps * 8),
+        lora_state=lora_state,
     )

@@ -1,0 +1,27 @@
+"""Every process: LoRA fine-tuning with peft (``TrainingArgs.lora``), see docs/lora.md.
+
+``config.py`` turns the run's ``lora`` field into a ``peft.LoraConfig`` and wraps a model;
+``fingerprint.py`` names the base model a LoRA checkpoint belongs to; ``merge.py`` computes the
+merged weights and the adapter's tensors for the exports; ``checks.py`` refuses, in the driver,
+what would fail in the workers.
+"""
+
+from ray_trainer._lora.config import (
+    LORA_STATE,
+    LoraSetupError,
+    adapter_names,
+    lora_config,
+    normalise_lora,
+    trainable_names,
+    wrap,
+)
+
+__all__ = [
+    "LORA_STATE",
+    "LoraSetupError",
+    "adapter_names",
+    "lora_config",
+    "normalise_lora",
+    "trainable_names",
+    "wrap",
+]

@@ -1,0 +1,188 @@
+"""LoRA (issue 20) on 2 gloo workers, real Ray, a real Hugging Face model on the meta device.
+
+Four runs from the same seed: FSDP with activation checkpointing and a crash on rank 1 (it
+resumes from its adapter-only checkpoint; each checkpoint's exports are loaded in an
+`EvalOnSave` task, a fresh process); FSDP uninterrupted, with asynchronous checkpoints (the
+reference losses); DDP with asynchronous checkpoints for 4 steps, then a new call with the same
+run_name that continues it to 6. Every run's losses equal the uninterrupted one's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from rt_support import AllRanksRecorder, KillRank1Once, read_records
+
+from callbacks import EvalOnSave
+from ray_trainer.demo import make_tiny_causal_lm
+
+TEXTS = [
+    "the cat sat on the mat",
+    "what did the dog do ? it ran home",
+    "the dog sat on the mat and the cat ran home",
+]
+LORA = {"r": 2, "lora_alpha": 4}  # small against the base: DCP adds ~2 KiB per tensor
+
+
+def eval_lora_exports(checkpoint_path: str, step: int, checkpoint_uri: str | None = None):
+    """An evaluation task (a fresh process): the adapter with `PeftModel.from_pretrained` on
+    the base it names, the merged model with `from_pretrained`, both against `load_model`."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from ray_trainer import load_model
+
+    adapter = os.path.join(checkpoint_path, "hf_adapter")
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        base_path = json.load(f)["base_model_name_or_path"]
+    auto = transformers.AutoModelForCausalLM
+    peft = PeftModel.from_pretrained(auto.from_pretrained(base_path), adapter).eval()
+    merged = auto.from_pretrained(os.path.join(checkpoint_path, "hf")).eval()
+    ours = load_model(checkpoint_uri)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ref = ours(input_ids=ids).logits
+        return {
+            "peft_diff": (peft(input_ids=ids).logits - ref).abs().max().item(),
+            "merged_diff": (merged(input_ids=ids).logits - ref).abs().max().item(),
+            "plain": float(type(ours).__name__ == "GPT2LMHeadModel"),
+        }
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    from ray_trainer import run_training
+
+    tmp = tmp_path_factory.mktemp("lora")
+    model = str(make_tiny_causal_lm(tmp / "gpt2", n_layer=4, n_embd=128, dropout=0.0))
+    data = tmp / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": TEXTS[i % 3]}) + "\n" for i in range(240)))
+    folder, storage = str(tmp / "records"), str(tmp / "storage")
+    common = dict(
+        model=model,
+        data=str(data),
+        lora=LORA,
+        batch_size=4,
+        max_length=16,
+        learning_rate=1e-2,
+        lr_schedule="constant",
+        mixed_precision="no",
+        log_every_steps=1,
+        storage_path=storage,
+        seed=7,
+        num_workers=2,
+    )
+    crashed = run_training(
+        **common,
+        strategy="fsdp",
+        activation_checkpointing=True,
+        lora_export="both",
+        max_steps=6,
+        save_every_steps=2,
+        max_failures=1,
+        run_name="crashed",
+        callbacks=[
+            AllRanksRecorder(folder, prefix="crashed"),
+            KillRank1Once(3),
+            EvalOnSave(eval_lora_exports, num_gpus=0),
+        ],
+    )
+    reference = run_training(
+        **common,
+        strategy="fsdp",
+        max_steps=6,
+        save_every_steps=3,
+        async_checkpoint=True,
+        run_name="reference",
+        callbacks=[AllRanksRecorder(folder, prefix="reference")],
+    )
+    ddp_args = dict(common, strategy="ddp", save_every_steps=2, async_checkpoint=True)
+    first = run_training(
+        **ddp_args, lora_export="merged", max_steps=4, run_name="ddp",
+        callbacks=[AllRanksRecorder(folder, prefix="ddp")],
+    )  # fmt: skip
+    continued = run_training(
+        **ddp_args, lora_export="merged", max_steps=6, run_name="ddp",
+        callbacks=[AllRanksRecorder(folder, prefix="cont")],
+    )  # fmt: skip
+    return {
+        "model": model,
+        "crashed": crashed,
+        "reference": reference,
+        "first": first,
+        "continued": continued,
+        **{
+            f"{k}_records": read_records(folder, k) for k in ("crashed", "reference", "ddp", "cont")
+        },
+    }
+
+
+def _losses(records, attempt=None):
+    return {
+        r["step"]: r["loss"]
+        for r in records
+        if r["event"] == "on_log" and r["rank"] == 0 and attempt in (None, r["attempt"])
+    }
+
+
+def test_fsdp_with_checkpointing_learns_and_a_crash_resumes_exactly(runs):
+    result, records = runs["crashed"], runs["crashed_records"]
+    assert (result.global_step, result.attempts) == (6, 2)
+    loads = {(r["rank"], r["step"]) for r in records if r["event"] == "on_load_checkpoint"}
+    assert loads == {(0, 2), (1, 2)}
+    resumed, reference = _losses(records, 1), _losses(runs["reference_records"])
+    assert reference[6] < reference[1]
+    for step in (3, 4, 5, 6):  # after the resume: the uninterrupted run's losses
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), (step, resumed)
+
+
+def test_ddp_continued_by_a_new_call_equals_the_uninterrupted_run(runs):
+    assert runs["first"].global_step == 4 and runs["continued"].global_step == 6
+    losses = {**_losses(runs["ddp_records"]), **_losses(runs["cont_records"])}
+    loads = [r["step"] for r in runs["cont_records"] if r["event"] == "on_load_checkpoint"]
+    assert loads == [4, 4]
+    reference = _losses(runs["reference_records"])
+    for step in range(1, 7):  # DDP and FSDP compute the same thing
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), (step, losses)
+
+
+def _files(folder):
+    return {
+        os.path.relpath(os.path.join(root, n), folder): os.path.getsize(os.path.join(root, n))
+        for root, _, names in os.walk(folder)
+        for n in names
+    }
+
+
+def test_a_lora_checkpoint_holds_no_base_weight(runs):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    base_bytes = os.path.getsize(os.path.join(runs["model"], "model.safetensors"))
+    for result in (runs["crashed"], runs["continued"]):
+        files = _files(result.checkpoint_path)
+        resumable = {n: size for n, size in files.items() if not n.startswith("hf")}
+        assert sum(resumable.values()) < base_bytes / 2, resumable
+        shards = os.path.join(result.checkpoint_path, "shards")
+        if os.path.isdir(shards):
+            keys = dcp.FileSystemReader(shards).read_metadata().state_dict_metadata
+        else:
+            keys = torch.load(os.path.join(result.checkpoint_path, "model.pt"))
+        weights = [k for k in keys if not k.startswith("optim")]
+        assert weights and all(".lora_" in k for k in weights), weights
+    crashed = _files(runs["crashed"].checkpoint_path)
+    assert {"hf_adapter/adapter_model.safetensors", "hf/model.safetensors"} <= set(crashed)
+    assert crashed["hf_adapter/adapter_model.safetensors"] < base_bytes / 4
+    continued = _files(runs["continued"].checkpoint_path)
+    assert "hf/model.safetensors" in continued and "hf/adapter_config.json" not in continued
+
+
+def test_every_checkpoint_loads_with_peft_and_from_pretrained_in_a_fresh_process(runs):
+    evals = runs["crashed"].evaluations
+    assert [e["step"] for e in evals] == [2, 4, 6], evals
+    for e in evals:
+        assert e["metrics"]["peft_diff"] < 1e-5 and e["metrics"]["merged_diff"] < 1e-5, e
+        assert e["metrics"]["plain"] == 1.0  # load_model merges: a plain HF model
