@@ -50,7 +50,6 @@ from ray_trainer._driver.console import (
 )
 from ray_trainer._driver.data import DataPlan, prepare_data
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
-from ray_trainer._driver.priority import lower_ray_daemons
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import run_with_graceful_signals
@@ -121,7 +120,6 @@ def _init_ray(args: TrainingArgs) -> bool:
     machine = embedded_resources(count_gpus="GPU" in per_worker(args))
     check_resources(args, nodes=[machine])  # before starting anything
     url = start_embedded_ray(int(machine["CPU"]), args.dashboard)
-    lower_ray_daemons()  # its dashboard, agents and monitors below the training ranks
     print(dashboard_line(url), flush=True)
     return True
 

@@ -55,7 +55,8 @@ def _weights(folder: Any, digest: Any) -> None:
         for file in sorted(by_file):
             digest.update(f"{file}:{folder.child(file).size()};".encode())
             ordered = sorted(by_file[file])
-            for _, name in {ordered[0], ordered[-1]}:
+            # In order, once each (a set's order follows the per-process string hash).
+            for _, name in dict.fromkeys((ordered[0], ordered[-1])):
                 entry = files.entries[name]
                 rows = (
                     files.read(name, 0, min(1, entry.shape[0])) if entry.shape else files.read(name)
