@@ -10,7 +10,8 @@ Policy (documented in docs/behaviour.md, "Forwarding to the callback actor"):
   are sent in batches, one Ray actor call per batch (~1 ms of the sending process's CPU here,
   its Ray threads included): when `max_batch` (256) events are waiting, when the oldest has
   waited `flush_interval_s` (250 ms; checked at each event and step), or at once for `on_save`,
-  `on_evaluate`, `on_train_begin`, `on_train_end`, `on_exception` and `on_load_checkpoint`. So
+  `on_evaluate`, `on_train_begin`, `on_train_end`, `on_exception` and `on_load_checkpoint`
+  (these even past `max_in_flight`, taking the waiting events with them). So
   rank 0 makes about 4 calls a second for ordinary events, well under 1% of a core, however
   many events there are; with steps longer than the window, one call per step.
 * Nothing waits for the actor: a batch is sent with `.remote()` and its reply, a future that Ray
@@ -100,9 +101,13 @@ class EventForwarder:
         if not self._buffer:
             self._oldest = time.monotonic()
         self._buffer.append((event, wire, shipped))
-        if (
-            event in URGENT_EVENTS
-            or len(self._buffer) >= self._flush_at
+        if event in URGENT_EVENTS:
+            # Past the in-flight bound too: evaluations and the checkpoint ranking hang on an
+            # `on_save`, and a busy actor or a rank-0 callback that holds the loop must not
+            # keep it on rank 0 (the batch takes the waiting events with it; these are rare).
+            self._flush(force=True)
+        elif (
+            len(self._buffer) >= self._flush_at
             or time.monotonic() - self._oldest >= self.flush_interval_s
         ):
             self._flush()

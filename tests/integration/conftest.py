@@ -7,6 +7,7 @@ callbacks and the tiny model) through PYTHONPATH, as a user's own package would 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -47,3 +48,63 @@ def mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_resources_left_behind(request):
+    """After each module: no Ray cluster it started is still up, and every logical CPU of the
+    shared session is free again, within 30 s each (a cluster, task, actor or placement group a
+    test left behind takes the cores or the resources of the tests after it)."""
+    import psutil
+
+    before = {p.pid for p in psutil.process_iter() if _is_gcs(p)}
+    yield
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + 30
+    while extra := [p for p in psutil.process_iter() if _is_gcs(p) and p.pid not in before]:
+        if time.monotonic() > deadline:  # another cluster (`ray start`, an embedded Ray) is up
+            pytest.fail(f"{request.module.__name__} left Ray running: {_cmdlines(extra)}")
+        time.sleep(0.2)
+    if not ray.is_initialized():
+        return
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            from ray.util.state import list_actors, list_placement_groups
+
+            alive = [
+                (a.class_name, a.name, a.required_resources)
+                for a in list_actors(filters=[("state", "=", "ALIVE")])
+            ]
+            groups = [
+                (g.name, g.state, g.bundles)
+                for g in list_placement_groups(filters=[("state", "!=", "REMOVED")])
+            ]
+            pytest.fail(
+                f"{request.module.__name__} left {ray.available_resources().get('CPU', 0)} of "
+                f"{ray.cluster_resources().get('CPU')} CPUs free: actors {alive}, "
+                f"placement groups {groups}"
+            )
+        time.sleep(0.2)
+
+
+def _is_gcs(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.name() == "gcs_server"
+    except psutil.Error:
+        return False
+
+
+def _cmdlines(procs) -> list[str]:
+    import psutil
+
+    out = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            out.append(" ".join(p.cmdline())[:300])
+    return out

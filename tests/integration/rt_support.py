@@ -484,12 +484,13 @@ class DashboardProbe(TrainerCallback):
 
     runs_on = "rank0"
 
-    def __init__(self, path: str, step: int = 20, wait_s: float = 20.0) -> None:
+    def __init__(self, path: str, step: int = 20, wait_s: float = 60.0) -> None:
         self.path, self.step, self.wait_s = path, step, wait_s
 
     def on_step_end(self, context, **kwargs):
         if context.global_step != self.step:
             return
+        import urllib.error
         import urllib.request
 
         import ray
@@ -502,8 +503,10 @@ class DashboardProbe(TrainerCallback):
         def get(url, auth=True):
             request = urllib.request.Request(url, headers=headers if auth else {})
             try:
-                with urllib.request.urlopen(request, timeout=5) as r:
+                with urllib.request.urlopen(request, timeout=15) as r:
                     return r.read().decode()
+            except urllib.error.HTTPError as e:  # the body holds the dashboard's traceback
+                return f"error: {e}: {e.read().decode(errors='replace')[-3000:]}"
             except OSError as e:
                 return f"error: {e}"
 

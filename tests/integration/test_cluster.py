@@ -60,13 +60,13 @@ class _DashboardStatus(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set() and self.live is None:
+            # A status job on the head (a process that starts, imports and joins the cluster):
+            # on 2 loaded cores it can take more than the default 30 s, which exits 2 (timeout).
             done = _cli(
                 self.cluster,
-                "status",
-                self.run_name,
-                "--address",
-                self.cluster.dashboard_url,
-                "--json",
+                *("status", self.run_name, "--address", self.cluster.dashboard_url, "--json"),
+                *("--timeout", str(STATUS_TIMEOUT_S)),
+                timeout=STATUS_TIMEOUT_S + 30,
             )
             self.answers.append(done)
             if done.returncode == 0:
@@ -153,7 +153,7 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
         )
     reader.join(30)
     remote.stop.set()
-    remote.join(STATUS_TIMEOUT_S + 10)
+    remote.join(STATUS_TIMEOUT_S + 40)
     # Counters outlive the run on the endpoint; gauges lapse ~2 report intervals after it.
     metrics_deadline = time.monotonic() + 20
     while not metrics.lines and time.monotonic() < metrics_deadline:

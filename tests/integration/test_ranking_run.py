@@ -65,13 +65,17 @@ class StatusProbe(TrainerCallback):
         from ray_trainer._contract import NAMESPACE, actor_name
 
         actor = ray.get_actor(actor_name(context.run_name), namespace=NAMESPACE)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # the evaluation runs beside training: wait for it
+        started = time.monotonic()
+        while time.monotonic() < started + 120:  # the evaluation runs beside training
             status = ray.get(actor.status.remote(), timeout=30)
             rows = {r["name"]: r for r in status.get("checkpoints", [])}
-            if rows.get(self.evaluated, {}).get("metrics"):
+            if rows.get(self.evaluated, {}).get("evaluations"):  # done, or failed: the test says
                 break
             time.sleep(0.2)
+        status["probe"] = {
+            "waited_s": time.monotonic() - started,
+            "available": ray.available_resources(),
+        }
         with open(self.path, "w") as f:
             json.dump(status, f, default=str)
 
@@ -157,6 +161,7 @@ def test_status_shows_the_best_checkpoint_and_the_evaluations_per_checkpoint(run
     from ray_trainer._driver.status import format_status
 
     status = runs["status"]
+    print(json.dumps(status, indent=1, default=str))  # shown when an assertion fails
     assert status["best_checkpoint"].endswith("checkpoint_00000004")
     rows = {r["name"]: r for r in status["checkpoints"]}
     assert rows["checkpoint_00000004"]["metrics"] == {"score": 0.9}

@@ -77,12 +77,29 @@ def test_buffer_is_bounded_and_only_low_value_events_are_dropped():
     ctx = TrainingContext()
     fwd.push("on_log", ctx, {})
     fwd.push("on_log", ctx, {})  # one batch in flight, never acknowledged: the actor is stuck
-    for i in range(100):
-        fwd.push("on_save" if i % 10 == 0 else "on_log", ctx, {})
+    for _ in range(100):
+        fwd.push("on_log", ctx, {})
     assert len(fwd._buffer) <= 10 + 2  # bounded (checked each time a batch would be sent)
-    kept = [e for e, _, _ in fwd._buffer]
-    assert kept.count("on_save") == 10  # never dropped
-    assert fwd.dropped["on_log"] >= 80 and "on_save" not in fwd.dropped
+    assert fwd.dropped["on_log"] >= 80 and len(actor.calls) == 1
+    fwd.push("on_save", ctx, {"checkpoint_path": "/c"})  # never dropped, and never held back
+    assert len(actor.calls) == 2 and actor.calls[1][2][-1][0] == "on_save"
+    assert fwd._buffer == [] and "on_save" not in fwd.dropped
+
+
+def test_an_urgent_event_goes_at_once_past_the_in_flight_bound():
+    """The actor is behind (every allowed batch unacknowledged): an `on_save` still goes out at
+    once, with the events waiting before it, in order; ordinary events keep waiting."""
+    actor = FakeActor()
+    fwd = make(actor, max_batch=1, max_in_flight=2, flush_interval_s=60)
+    ctx = TrainingContext()
+    fwd.push("on_step_end", ctx, {})
+    fwd.push("on_step_end", ctx, {})
+    fwd.push("on_log", ctx, {})  # two in flight, none acknowledged: this one waits
+    assert len(actor.calls) == 2 and [e for e, _, _ in fwd._buffer] == ["on_log"]
+    fwd.push("on_save", ctx, {"checkpoint_path": "/c"})
+    assert len(actor.calls) == 3
+    assert [e for e, _, _ in actor.calls[2][2]] == ["on_log", "on_save"]
+    assert [c[1] for c in actor.calls] == [1, 2, 3]
 
 
 def test_replies_bring_control_back_and_close_waits_for_acks():
