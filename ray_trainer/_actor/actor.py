@@ -36,7 +36,7 @@ from ray_trainer._contract import (
     WorkerSummary,
     actor_name,
 )
-from ray_trainer._placement import build_manager, keep_for_actor, unpack
+from ray_trainer._placement import CallbackLists, build_manager, keep_for_actor, unpack
 
 logger = logging.getLogger("ray_trainer")
 
@@ -73,10 +73,8 @@ class CallbackActor:
     ) -> None:
         lists = unpack(packed)
         self.writer = ActorStateWriter(filesystem)
-        # The keeper goes last: it deletes checkpoints once every other callback saw the save.
         self.keeper = CheckpointKeeper(retention, run_dir, filesystem) if retention else None
-        own = [self.writer, self.keeper] if self.keeper else [self.writer]
-        lists = {**lists, "global": [*lists["global"], *own]}
+        lists = with_own_callbacks(lists, self.writer, self.keeper)
         self.manager = build_manager(
             lists,
             keep_for_actor,
@@ -333,6 +331,22 @@ def _stdout_position() -> int | None:
         return sys.stdout.tell()
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def with_own_callbacks(
+    lists: CallbackLists, writer: ActorStateWriter, keeper: CheckpointKeeper | None
+) -> CallbackLists:
+    """The user's lists with the actor's own callbacks: the keeper first, so a save is in the
+    ranking before an evaluation of it can end (``EvalOnSave`` launches it from ``on_save``);
+    the state writer, then the keeper's pruner, last: checkpoints are deleted once every other
+    callback saw the save."""
+    if keeper is None:
+        return {**lists, "global": [*lists["global"], writer]}
+    return {
+        "core": [keeper, *lists["core"]],
+        "user": lists["user"],
+        "global": [*lists["global"], writer, keeper.pruner],
+    }
 
 
 def _was_restarted() -> bool:

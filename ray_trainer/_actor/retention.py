@@ -1,8 +1,10 @@
 """In the callback actor: ranking the run's checkpoints and deleting those not kept.
 
-Runs in the callback actor process. `CheckpointKeeper` is the actor's last callback (after the
-state writer), so every other callback has handled a save (``EvalOnSave`` has launched its
-evaluation) before the keeper looks at which checkpoints may go. It learns:
+Runs in the callback actor process. `CheckpointKeeper` is the actor's first callback: it records
+each save before any other callback sees it, so an evaluation that ``EvalOnSave`` launches finds
+its checkpoint in the ranking however soon it ends. Its `pruner` is the actor's last callback
+(after the state writer), so every other callback has handled a save (``EvalOnSave`` has
+launched its evaluation) before anything is deleted. The keeper learns:
 
 * the ranking metric's value from ``on_log`` and rank 0's in-loop ``on_evaluate`` (the last
   value at or before each save), and each save from ``on_save``, on the dispatcher thread;
@@ -35,7 +37,8 @@ _LOGGED_FIELDS = ("loss", "learning_rate", "grad_norm", "throughput")
 
 
 class CheckpointKeeper:
-    """Ranks the run's checkpoints by `retention.attribute` and deletes what is not kept."""
+    """Ranks the run's checkpoints by `retention.attribute`; its `pruner` deletes what is not
+    kept."""
 
     runs_on = "actor"
 
@@ -48,6 +51,7 @@ class CheckpointKeeper:
         self._lock = threading.Lock()  # the ranking and its file: dispatcher + watcher threads
         self._logged: tuple[int, float] | None = None  # (step, value) of the metric, last seen
         self._in_loop: tuple[int, dict[str, Any]] | None = None  # rank 0's last validation
+        self.pruner = CheckpointPruner(self)
         self._load()
 
     # ---- hooks (the actor's dispatcher thread) ---------------------------------------------
@@ -64,7 +68,6 @@ class CheckpointKeeper:
 
     def on_evaluate(self, context: Any, **kwargs: Any) -> None:
         if "source" in kwargs:  # an EvalOnSave result: recorded by record_evaluation already
-            self._prune()
             return
         metrics = dict(context.val_metrics or {})  # rank 0's in-loop validation
         step = int(kwargs.get("eval_step", context.global_step))
@@ -83,10 +86,6 @@ class CheckpointKeeper:
         with self._lock:
             self.ranking.saved(_name(path), step, logged, metrics)
             self._write()
-        self._prune()
-
-    def on_train_end(self, context: Any, **kwargs: Any) -> None:
-        self._prune()
 
     # ---- from the evaluation tracker (its watcher thread) ----------------------------------
 
@@ -123,7 +122,7 @@ class CheckpointKeeper:
         tracker = self.tracker
         return {_name(p) for p in tracker.pending_paths()} if tracker is not None else set()
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
         """Delete the checkpoints not kept: the ranking file is written first, so a crash in
         between leaves a folder that the next start adopts as unscored, never a dangling entry."""
         if self.ranking.keep is None:
@@ -169,6 +168,25 @@ class CheckpointKeeper:
                 self.ranking.saved(name, int(name.rsplit("_", 1)[-1]))
         if text or self.ranking.entries:
             self._write()
+
+
+class CheckpointPruner:
+    """The keeper's deleting half, the actor's last callback: after a save (every other callback
+    has seen it), after an evaluation's result, and at the end."""
+
+    runs_on = "actor"
+
+    def __init__(self, keeper: CheckpointKeeper) -> None:
+        self.keeper = keeper
+
+    def on_save(self, context: Any, **kwargs: Any) -> None:
+        self.keeper.prune()
+
+    def on_evaluate(self, context: Any, **kwargs: Any) -> None:
+        self.keeper.prune()
+
+    def on_train_end(self, context: Any, **kwargs: Any) -> None:
+        self.keeper.prune()
 
 
 def _name(path: str) -> str:

@@ -136,7 +136,9 @@ def _keeper(run, keep=1, attribute="acc", order="max"):
 
 def _save(keeper, run, step):
     path = _checkpoint(run, step)
-    keeper.on_save(TrainingContext(global_step=step, checkpoint_path=path))
+    context = TrainingContext(global_step=step, checkpoint_path=path)
+    keeper.on_save(context)  # the actor's first callback records the save ...
+    keeper.pruner.on_save(context)  # ... and its last deletes what is not kept
     return path
 
 
@@ -151,7 +153,7 @@ def test_keeper_deletes_all_but_the_best_and_the_newest(tmp_path):
     for step, acc in [(2, 0.1), (4, 0.9), (6, 0.5), (8, 0.3)]:
         paths[step] = _save(keeper, run, step)
         keeper.record_evaluation(paths[step], {"acc": acc})
-        keeper.on_evaluate(TrainingContext(global_step=step), eval_step=step, source="EvalOnSave")
+        keeper.pruner.on_evaluate(TrainingContext(global_step=step), eval_step=step, source="x")
     assert _on_disk(run) == [checkpoint_dir_name(4), checkpoint_dir_name(8)]
     best, metrics = keeper.best()
     assert best == paths[4] and metrics == {"acc": 0.9}
@@ -170,7 +172,7 @@ def test_keeper_keeps_a_checkpoint_while_its_evaluation_runs(tmp_path):
     assert checkpoint_dir_name(2) in _on_disk(run)
     keeper.record_evaluation(slow, {"acc": 0.01})  # then the tracker stops counting it
     keeper.tracker.pending.clear()
-    keeper.on_train_end(TrainingContext())
+    keeper.pruner.on_train_end(TrainingContext())
     assert _on_disk(run) == [checkpoint_dir_name(6)]  # best and newest at once
 
 
@@ -209,7 +211,7 @@ def test_a_new_keeper_reads_the_ranking_back_and_matches_it_with_storage(tmp_pat
     again = _keeper(run, keep=1)
     assert [r["step"] for r in again.rows()] == [2, 4, 6]
     assert again.best()[1] == {"acc": 0.9}
-    again.on_train_end(TrainingContext())
+    again.pruner.on_train_end(TrainingContext())
     assert _on_disk(run) == [checkpoint_dir_name(s) for s in (2, 6, 8)]
     # A folder deleted behind its back is dropped from the ranking.
     import shutil
@@ -219,6 +221,37 @@ def test_a_new_keeper_reads_the_ranking_back_and_matches_it_with_storage(tmp_pat
 
 
 # ---- the evaluation tracker's outcomes --------------------------------------------------------
+
+
+class _QuickEvaluation:
+    """A user callback on the actor whose evaluation of each save ends before the callbacks
+    after it (a slow tracker, say) have handled the save: the ranking must already know it."""
+
+    runs_on = "actor"
+
+    def __init__(self, keeper):
+        self.keeper = keeper
+
+    def on_save(self, context, **kwargs):
+        self.keeper.record_evaluation(context.checkpoint_path, {"acc": context.global_step / 10})
+
+
+def test_an_evaluation_ending_before_the_other_callbacks_saw_the_save_is_ranked(tmp_path):
+    from ray_trainer._actor.actor import with_own_callbacks
+    from ray_trainer._actor.state import ActorStateWriter
+    from ray_trainer._placement import build_manager, keep_for_actor
+
+    run = tmp_path / "run"
+    keeper = _keeper(run)
+    user = [_QuickEvaluation(keeper)]
+    lists = with_own_callbacks({"core": [], "user": user, "global": []}, ActorStateWriter(), keeper)
+    manager = build_manager(lists, keep_for_actor)
+    for step in (2, 4, 6):
+        path = _checkpoint(run, step)
+        manager.fire("on_save", TrainingContext(global_step=step, checkpoint_path=path))
+    rows = {r["step"]: r for r in keeper.rows()}
+    assert rows[6]["metrics"] == {"acc": 0.6} and rows[6]["evaluations"] == 1
+    assert _on_disk(run) == [checkpoint_dir_name(6)]  # best and newest: the pruner ran last
 
 
 class _Manager:

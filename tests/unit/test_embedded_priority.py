@@ -8,7 +8,11 @@ from ray_trainer._driver import console
 
 
 def _start(monkeypatch) -> dict:
+    """`start_embedded_ray` with `ray.init` replaced; what it sets in the environment stays in
+    a copy (a variable it sets would otherwise outlive the test: `delenv` of a variable that is
+    not there records nothing to undo)."""
     seen = {}
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
 
     def fake_init(**options):
         seen["niceness"] = console.os.environ.get("RAY_worker_niceness")
