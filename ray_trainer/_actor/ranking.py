@@ -41,6 +41,41 @@ def as_score(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+class StepHistory:
+    """Values seen at steps, in the order they arrived, for saves that come later: with
+    asynchronous checkpoints a save's ``on_save`` arrives after the logs of the steps that
+    followed it. A value at a step at or before the newest one kept (the workers went back to
+    an earlier checkpoint) replaces everything from that step on."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[int, Any]] = []
+
+    def record(self, step: int, value: Any) -> None:
+        while self._items and self._items[-1][0] >= step:
+            self._items.pop()
+        self._items.append((step, value))
+
+    def at_or_before(self, step: int) -> Any:
+        """The last value at or before `step` (None: none)."""
+        for seen, value in reversed(self._items):
+            if seen <= step:
+                return value
+        return None
+
+    def at(self, step: int) -> Any:
+        """The value at exactly `step` (None: none)."""
+        return next((value for seen, value in self._items if seen == step), None)
+
+    def saved(self, step: int) -> None:
+        """A save at `step`: later saves come at later steps, so only the last value at or
+        before it and those after it can still be asked for."""
+        first = max((i for i, (seen, _) in enumerate(self._items) if seen <= step), default=0)
+        del self._items[:first]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class Ranking:
     """The checkpoints of a run, ranked by `attribute` (`order` ``"max"``/``"min"``); `keep`
     is how many of the best to keep (None: all)."""

@@ -25,7 +25,7 @@ import logging
 import threading
 from typing import Any
 
-from ray_trainer._actor.ranking import Ranking, as_score
+from ray_trainer._actor.ranking import Ranking, StepHistory, as_score
 from ray_trainer._checkpoint import CheckpointError, verify
 from ray_trainer._contract import RANKING_FILE, Retention, checkpoint_names
 from ray_trainer._storage import Location, locate
@@ -49,8 +49,10 @@ class CheckpointKeeper:
         self.filesystem = filesystem
         self.tracker: Any = None  # the actor's EvalTracker: which evaluations are in flight
         self._lock = threading.Lock()  # the ranking and its file: dispatcher + watcher threads
-        self._logged: tuple[int, float] | None = None  # (step, value) of the metric, last seen
-        self._in_loop: tuple[int, dict[str, Any]] | None = None  # rank 0's last validation
+        # The metric's logged values and rank 0's in-loop validations, by step, until the saves
+        # they belong to arrive (an asynchronous save's on_save comes steps later).
+        self._logged = StepHistory()
+        self._in_loop = StepHistory()
         self.pruner = CheckpointPruner(self)
         self._load()
 
@@ -64,25 +66,26 @@ class CheckpointKeeper:
         if value is None and name in _LOGGED_FIELDS:
             value = getattr(context, name, None)
         if as_score(value) is not None:
-            self._logged = (int(context.global_step), float(value))
+            self._logged.record(int(context.global_step), float(value))
 
     def on_evaluate(self, context: Any, **kwargs: Any) -> None:
         if "source" in kwargs:  # an EvalOnSave result: recorded by record_evaluation already
             return
         metrics = dict(context.val_metrics or {})  # rank 0's in-loop validation
         step = int(kwargs.get("eval_step", context.global_step))
-        self._in_loop = (step, metrics)
+        self._in_loop.record(step, metrics)
         value = metrics.get(self.retention.attribute) if self.retention.attribute else None
         if as_score(value) is not None:
-            self._logged = (step, float(value))
+            self._logged.record(step, float(value))
 
     def on_save(self, context: Any, **kwargs: Any) -> None:
         path = context.checkpoint_path
         if not path:
             return
         step = int(context.global_step)
-        logged = self._logged[1] if self._logged and self._logged[0] <= step else None
-        metrics = self._in_loop[1] if self._in_loop and self._in_loop[0] == step else None
+        logged, metrics = self._logged.at_or_before(step), self._in_loop.at(step)
+        self._logged.saved(step)
+        self._in_loop.saved(step)
         with self._lock:
             self.ranking.saved(_name(path), step, logged, metrics)
             self._write()

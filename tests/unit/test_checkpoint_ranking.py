@@ -183,11 +183,44 @@ def test_keeper_scores_from_the_last_log_at_or_before_the_save(tmp_path):
     keeper.on_log(TrainingContext(global_step=4, batch_metrics={"loss": 0.5}))
     first = _save(keeper, run, 4)
     keeper.on_log(TrainingContext(global_step=9, loss=0.1))  # then the workers restarted
-    _save(keeper, run, 6)  # ... from an earlier checkpoint: the step-9 log came after it
+    keeper.on_log(TrainingContext(global_step=5, loss=0.8))  # ... from checkpoint 4
+    _save(keeper, run, 6)  # the step-9 log belongs to the abandoned steps, not to this save
+    _save(keeper, run, 8)
     rows = {r["step"]: r for r in keeper.rows()}
     assert rows[4]["score"] == 0.5 and rows[4]["source"] == "log"
-    assert rows[6]["score"] is None
+    assert rows[6]["score"] == 0.8 and rows[8]["score"] == 0.8
     assert keeper.best()[0] == first
+
+
+def test_an_asynchronous_save_is_scored_by_the_logs_up_to_its_own_step(tmp_path):
+    """An asynchronous checkpoint's on_save arrives once every rank has written it, after the
+    logs (and in-loop validations) of the steps trained meanwhile."""
+    run = tmp_path / "run"
+    keeper = _keeper(run, keep=None, attribute="val_loss", order="min")
+    for step, value in [(2, 0.9), (3, 0.8), (4, 0.7), (5, 0.6)]:
+        keeper.on_log(TrainingContext(global_step=step, batch_metrics={"val_loss": value}))
+        if step == 4:  # rank 0's in-loop validation at the boundary of step 4
+            keeper.on_evaluate(TrainingContext(val_metrics={"val_loss": 0.75}), eval_step=4)
+    _save(keeper, run, 2)  # written while steps 3-5 trained
+    _save(keeper, run, 4)
+    rows = {r["step"]: r for r in keeper.rows()}
+    assert rows[2]["score"] == 0.9 and rows[2]["source"] == "log"
+    assert rows[4]["score"] == 0.75 and rows[4]["source"] == "evaluation"
+    assert len(keeper._logged) == 2  # what a later save can still ask for: steps 4 and 5
+
+
+def test_the_step_history_keeps_what_later_saves_can_ask_for():
+    from ray_trainer._actor.ranking import StepHistory
+
+    history = StepHistory()
+    for step in (1, 2, 3, 7):
+        history.record(step, step * 10)
+    assert history.at_or_before(5) == 30 and history.at(7) == 70 and history.at(5) is None
+    assert history.at_or_before(0) is None
+    history.saved(5)
+    assert len(history) == 2 and history.at_or_before(6) == 30  # 3 and 7 are left
+    history.record(4, 40)  # the workers went back to step 3's checkpoint: 7 is gone
+    assert history.at_or_before(9) == 40 and history.at(7) is None
 
 
 def test_keeper_takes_in_loop_validation_at_the_save_step_as_an_evaluation(tmp_path):
