@@ -86,10 +86,15 @@ def write_hf_files(s: WorkerState, target: str) -> None:
     config and tokenizer, into `target`."""
     module = s.parallel.module()
     kind = s.args.lora_export if s.args.lora is not None else None
-    if kind in ("adapter", "both"):  # a PEFT adapter folder: the tokenizer, no model config
+    generation = _generation_config(module, s.workload.end_of_turn_ids)
+    if kind in ("adapter", "both"):  # a PEFT adapter folder: no model config (the base has it)
         from ray_trainer._worker.lora import adapter_dir
 
-        write_tokenizer(s, os.path.join(os.path.dirname(target), adapter_dir(kind)))
+        adapter = os.path.join(os.path.dirname(target), adapter_dir(kind))
+        os.makedirs(adapter, exist_ok=True)
+        if generation is not None:  # where to stop after chat training, beside the template
+            generation.save_pretrained(adapter)
+        write_tokenizer(s, adapter)
         if kind == "adapter":
             return
     os.makedirs(target, exist_ok=True)
@@ -97,7 +102,6 @@ def write_hf_files(s: WorkerState, target: str) -> None:
     for key, value in s.parallel.config_for_export.items():  # what training switched off
         setattr(config, key, value)
     config.save_pretrained(target)
-    generation = _generation_config(module, s.workload.end_of_turn_ids)
     if generation is not None:
         generation.save_pretrained(target)
     write_tokenizer(s, target)

@@ -14,7 +14,9 @@ depend on how the samples are split into ``batch_size``, ``grad_accum_steps`` an
 ``num_workers``, and a short sample weighs no more than a long one. A model that takes
 ``num_items_in_batch`` (Hugging Face causal LMs, the demo model) returns that sum divided by it
 itself, with no NaN on a micro-batch whose labels are all ignored; any other model (or a
-``loss_fn``) returns the mean over the micro-batch's targets, which is weighted by their count.
+``loss_fn``) returns the mean over the micro-batch's targets, which is weighted by their count;
+a micro-batch with no target (a rank's filler, a chat row truncated before its answer) then
+contributes an exact zero, not the NaN of a mean over nothing.
 """
 
 from __future__ import annotations
@@ -62,13 +64,16 @@ class Workload:
             outputs = model(**batch, num_items_in_batch=self.norm)
             return outputs, self.loss_fn(outputs, batch)
         outputs = model(**batch)
+        if targets == 0:  # every rank still runs backward (DDP, FSDP): a zero on the graph
+            return outputs, zero_loss(outputs)
         return outputs, self.loss_fn(outputs, batch) * (targets / self.norm)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """The token-loss sum of a batch (validation): no gradient needed."""
         if self.sums_itself:
             return self.loss_fn(model(**batch, num_items_in_batch=1.0), batch)
-        return self.loss_fn(model(**batch), batch) * targets
+        outputs = model(**batch)  # even with no target: under FSDP a forward is a collective
+        return 0.0 if targets == 0 else self.loss_fn(outputs, batch) * targets
 
 
 def build_workload(
@@ -127,6 +132,30 @@ def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
             "or set TrainingArgs.loss_fn=(outputs, batch) -> loss"
         )
     return loss
+
+
+def zero_loss(outputs: Any) -> torch.Tensor:
+    """A loss of exactly zero that still reaches every parameter the forward used, so backward
+    (and DDP's or FSDP's gradient collectives) runs as on any other micro-batch. Taken from the
+    logits (or the first other float output), never from a loss the model computed: that one is
+    a mean over no target, NaN, and so would be its gradient."""
+    if isinstance(outputs, torch.Tensor):
+        named = {"logits": outputs}
+    elif isinstance(outputs, dict):  # a dict or a transformers ModelOutput
+        named = dict(outputs)
+    elif isinstance(outputs, (tuple, list)):
+        named = {str(i): t for i, t in enumerate(outputs)}
+    else:
+        named = dict(vars(outputs))
+    named.pop("loss", None)
+    floats = [t for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
+    floats.sort(key=lambda t: (t is not named.get("logits"), t.ndim == 0))  # a scalar: a loss
+    if not floats:
+        raise ValueError(
+            "a micro-batch has no target token and the model returned no float tensor "
+            "(logits) besides its loss to take a zero loss from: return the logits too"
+        )
+    return floats[0].sum() * 0.0
 
 
 def takes_num_items(model: nn.Module) -> bool:

@@ -132,6 +132,20 @@ def test_a_resumed_run_trains_on_the_same_samples_as_an_uninterrupted_one(runs):
             assert r["loss"] == pytest.approx(whole_logs[r["step"]], abs=1e-4)
 
 
+def test_the_checkpoint_export_carries_the_template_and_stops_at_the_end_of_a_turn(runs, chat):
+    """The stopped run's checkpoint (step 6): `hf/` holds the tokenizer with the chat template
+    the data was rendered with and a generation config that stops at <|im_end|>."""
+    import transformers
+
+    hf = os.path.join(runs["stopped"].checkpoint_path, "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    assert tok.chat_template == transformers.AutoTokenizer.from_pretrained(chat[1]).chat_template
+    eos = transformers.GenerationConfig.from_pretrained(hf).eos_token_id
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ([eos] if isinstance(eos, int) else eos)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+
+
 def test_later_runs_on_the_same_data_reuse_the_token_cache(runs):
     assert len(runs["caches"]) == 1 and not runs["meta_rebuilt"]
     meta = runs["meta"]

@@ -186,3 +186,28 @@ def test_every_checkpoint_loads_with_peft_and_from_pretrained_in_a_fresh_process
     for e in evals:
         assert e["metrics"]["peft_diff"] < 1e-5 and e["metrics"]["merged_diff"] < 1e-5, e
         assert e["metrics"]["plain"] == 1.0  # load_model merges: a plain HF model
+
+
+def test_the_default_adapter_export_loads_with_peft_on_the_base_it_names(runs):
+    """`lora_export="adapter"` (the reference run, asynchronous saves): `hf/` is a PEFT adapter
+    folder with the tokenizer and the generation config, loaded in this process on the base."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from ray_trainer import load_model
+
+    result = runs["reference"]
+    hf = os.path.join(result.checkpoint_path, "hf")
+    names = set(os.listdir(hf))
+    assert {"adapter_config.json", "adapter_model.safetensors", "generation_config.json"} <= names
+    assert "tokenizer.json" in names and "model.safetensors" not in names, names
+    with open(os.path.join(hf, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == runs["model"]
+    auto = transformers.AutoModelForCausalLM
+    peft = PeftModel.from_pretrained(auto.from_pretrained(runs["model"]), hf).eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    ours = load_model(result.checkpoint_path)
+    with torch.no_grad():
+        diff = peft(input_ids=ids).logits - ours(input_ids=ids).logits
+    assert diff.abs().max().item() < 1e-5

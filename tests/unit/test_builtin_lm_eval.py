@@ -106,3 +106,34 @@ def test_include_path_is_checked_and_bounded(tmp_path, monkeypatch):
         assert folder == str(tmp_path)
     with pytest.raises(ValueError, match="task names"):
         LmEval([])
+
+
+def test_the_evaluation_options_reach_simple_evaluate(tmp_path, monkeypatch):
+    """num_fewshot, limit, batch_size, device and any other keyword go to lm-eval as given (a
+    stand-in lm_eval module records the call; the real one: tests/integration/test_lm_eval.py)."""
+    import sys
+    import types
+
+    calls = []
+
+    def simple_evaluate(**kwargs):
+        calls.append(kwargs)
+        return {"results": {"my_task": {"acc,none": 0.75}}}
+
+    fake = types.ModuleType("lm_eval")
+    fake.simple_evaluate = simple_evaluate
+    tasks = types.ModuleType("lm_eval.tasks")
+    tasks.TaskManager = lambda **kwargs: ("task manager", kwargs)
+    fake.tasks = tasks
+    monkeypatch.setitem(sys.modules, "lm_eval", fake)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", tasks)
+    path = _export(tmp_path / "ckpt", {"config.json": "{}"})
+    evaluate = LmEval(
+        "my_task", num_fewshot=5, limit=0.25, batch_size=8, device="cpu", bootstrap_iters=0
+    )
+    assert evaluate(path, step=3) == {"my_task/acc": 0.75}
+    (call,) = calls
+    assert call["model"] == "hf" and call["model_args"] == {"pretrained": f"{path}/hf"}
+    assert (call["tasks"], call["num_fewshot"], call["limit"]) == (["my_task"], 5, 0.25)
+    assert (call["batch_size"], call["device"], call["bootstrap_iters"]) == (8, "cpu", 0)
+    assert call["task_manager"] == ("task manager", {}) and call["log_samples"] is False

@@ -26,6 +26,17 @@ REQUIRED = {
     "dumps_callbacks",
     "loads_callbacks",
     "validate_picklable",
+    # The built-in callbacks users name in their runs (DESIGN.md, docs/callbacks.md).
+    "EvalOnSave",
+    "EarlyStopping",
+    "DivergenceDetector",
+    "JsonlLogger",
+    "TensorBoardLogger",
+    "ProgressBar",
+    "RayMetrics",
+    "LmEval",
+    "MLflowLogger",
+    "WandbLogger",
 }
 
 

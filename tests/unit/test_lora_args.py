@@ -77,6 +77,25 @@ def test_default_targets_are_every_linear_layer_inside_the_blocks(base):
     assert default_targets(Net(), None) == ["blocks.0.proj", "blocks.1.proj"]
 
 
+def test_the_base_is_frozen_and_the_optimizer_holds_the_adapters_alone(base):
+    from ray_trainer._worker.setup import _optimizer
+
+    args, _, model, _ = _wrapped(base)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    optimizer = _optimizer(model, args, torch.device("cpu"))
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    adapters = {id(p) for n, p in model.named_parameters() if n in trainable}
+    assert held == adapters  # no frozen base weight: no AdamW moment of the base's size
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n not in trainable}
+    model.train()
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    for n, p in model.named_parameters():
+        if n not in trainable:
+            assert p.grad is None and torch.equal(p, before[n]), n
+
+
 def test_the_merged_export_computes_what_base_plus_adapter_computes(base, tmp_path):
     from transformers import AutoModelForCausalLM
 

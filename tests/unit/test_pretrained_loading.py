@@ -156,3 +156,25 @@ def test_a_shape_that_differs_from_the_config_is_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightsError, match=r"mlp\.\w+_proj\.weight: the model has shape"):
         ModelSpec(model=path).build_model()
+
+
+def test_a_tensor_left_on_the_meta_device_is_refused_by_name():
+    from torch import nn
+
+    from ray_trainer._pretrained import WeightsError, check_materialized
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+    model = nn.Sequential(Block(), Block())
+    check_materialized(model)  # everything real: nothing to say
+    with torch.device("meta"):
+        model[1].register_buffer("inv_freq", torch.ones(2), persistent=False)
+    with pytest.raises(WeightsError, match=r"buffer 1\.inv_freq is still on the meta device"):
+        check_materialized(model)
+    model[0].proj.weight = nn.Parameter(torch.empty(2, 2, device="meta"))
+    with pytest.raises(WeightsError, match=r"parameter 0\.proj\.weight is still on the meta"):
+        check_materialized(model)
