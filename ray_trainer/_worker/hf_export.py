@@ -82,29 +82,28 @@ def untied(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_hf_files(s: WorkerState, target: str) -> None:
-    """Rank 0: the export's config (with what training switched off put back), generation
-    config and tokenizer, into `target`."""
+    """Rank 0: the export's config (with what training switched off put back) into `target`,
+    unless it is a LoRA adapter alone; the generation config and the tokenizer into `target`
+    and a LoRA adapter's folder."""
     module = s.parallel.module()
     kind = s.args.lora_export if s.args.lora is not None else None
-    generation = _generation_config(module, s.workload.end_of_turn_ids)
+    folders = []
     if kind in ("adapter", "both"):  # a PEFT adapter folder: no model config (the base has it)
         from ray_trainer._worker.lora import adapter_dir
 
-        adapter = os.path.join(os.path.dirname(target), adapter_dir(kind))
-        os.makedirs(adapter, exist_ok=True)
-        if generation is not None:  # where to stop after chat training, beside the template
-            generation.save_pretrained(adapter)
-        write_tokenizer(s, adapter)
-        if kind == "adapter":
-            return
-    os.makedirs(target, exist_ok=True)
-    config = copy.deepcopy(module.config)
-    for key, value in s.parallel.config_for_export.items():  # what training switched off
-        setattr(config, key, value)
-    config.save_pretrained(target)
-    if generation is not None:
-        generation.save_pretrained(target)
-    write_tokenizer(s, target)
+        folders.append(os.path.join(os.path.dirname(target), adapter_dir(kind)))
+    if kind != "adapter":
+        os.makedirs(target, exist_ok=True)
+        config = copy.deepcopy(module.config)
+        for key, value in s.parallel.config_for_export.items():  # what training switched off
+            setattr(config, key, value)
+        config.save_pretrained(target)
+        folders.append(target)
+    generation = _generation_config(module, s.workload.end_of_turn_ids)
+    for folder in folders:  # where to stop after chat training, beside the template
+        if generation is not None:
+            generation.save_pretrained(folder)
+        write_tokenizer(s, folder)
 
 
 def write_tokenizer(s: WorkerState, target: str) -> None:
