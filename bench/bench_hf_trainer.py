@@ -20,6 +20,7 @@ the steady-state steps (after `--skip` warm-up steps): the non-pad input tokens 
 Rounds alternate the sides; medians are reported with the ratio runner / HF.
 
 Usage: python bench/bench_hf_trainer.py [--steps 200] [--skip 20] [--rounds 2] [--json OUT]
+       [--num-workers 2]
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ sys.path.insert(0, HERE)
 
 from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
 
-NUM_WORKERS = 2
+# Ranks per side: 2 fills this machine's 2 cores (the case measured in docs/benchmarks.md); 1
+# leaves a core to whatever else runs (Ray's own processes). `--num-workers` sets it for the
+# sides too (they are subprocesses: the environment carries it).
+NUM_WORKERS = int(os.environ.get("BENCH_HF_WORKERS", "2"))
 BATCH_SIZE = 64
 
 
@@ -90,6 +94,8 @@ def launch(side: str, steps: int, out: str, log: str) -> tuple[list[float], floa
         cmd += ["--steps", str(steps), "--out", out]
     # The Ray workers the runner side starts inherit PYTHONPATH: they import `_support`.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    if side == "hf":  # one compute thread a rank, as a runner rank has (a worker of 1 CPU): what
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets for 2 ranks, not for 1
     with open(log, "w") as f:
         started = time.perf_counter()
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
@@ -118,6 +124,7 @@ def main() -> dict:
     parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--num-workers", type=int, default=None, help="ranks per side (2)")
     parser.add_argument("--side", choices=["runner", "runner_no_dashboard"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -125,6 +132,10 @@ def main() -> dict:
         runner_side(opts.steps, opts.out, dashboard=opts.side == "runner")
         return {}
 
+    global NUM_WORKERS
+    if opts.num_workers is not None:
+        NUM_WORKERS = opts.num_workers
+        os.environ["BENCH_HF_WORKERS"] = str(NUM_WORKERS)
     tokens_per_step = tokens_per_item() * BATCH_SIZE * NUM_WORKERS
     sides = {
         "hf": "HF Trainer, torchrun (baseline)",
@@ -172,6 +183,7 @@ def main() -> dict:
         "steps": opts.steps,
         "skip": opts.skip,
         "rounds": opts.rounds,
+        "num_workers": NUM_WORKERS,
         "tokens_per_step": tokens_per_step,
         "step_s": step_s,
         "startup_s": startup_s,

@@ -134,6 +134,20 @@ BENCHES: dict[str, Bench] = {
         "least 1.0x HF Trainer's, median of the rounds",
         goals=hf_trainer_goals,
     ),
+    "hf_trainer_1rank": Bench(
+        "bench_hf_trainer.py",
+        "Against Hugging Face Trainer, one rank each: tokens/s with a core left to Ray",
+        "`transformers.Trainer` under `torchrun --nproc_per_node 1` (one compute thread, as a "
+        "runner rank of 1 CPU) on the same model, data, batch size, steps, optimizer and "
+        "schedule; here Ray's own processes have a core of their own, so the ratio is the "
+        "runner's loop against HF Trainer's, without the competition for cores",
+        full=["--num-workers", "1", "--rounds", "3"],
+        quick=["--num-workers", "1", "--steps", "60", "--skip", "10", "--rounds", "1"],
+        target=1.0,
+        target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
+        "least 1.0x HF Trainer's, median of the rounds",
+        goals=hf_trainer_goals,
+    ),
     "packing": Bench(
         "bench_packing.py",
         "Chat data: packed against padded batches, tokens/s and data preparation",

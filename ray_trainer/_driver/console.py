@@ -17,7 +17,11 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
   (``RAY_worker_niceness=0``; Ray's default is 15): on a machine whose cores the training ranks
   fill, a rank at niceness 15 is preempted whenever the dashboard, its agents, the log monitor
   or the raylet wake up, and with ranks in lockstep (one all-reduce a step) every such delay
-  stalls all of them (docs/benchmarks.md, "Where the time of a step goes").
+  stalls all of them (docs/benchmarks.md, "Where the time of a step goes");
+* Ray Train's preemption watcher is not started on the embedded Ray: a single local node is
+  never drained, and the watcher's actor process would wake up ~150 times a second during the
+  steps (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0`` for the processes Ray starts; a value the
+  user set is kept).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ HARMLESS_RAY_LINES = (
 )
 DASHBOARD_PORTS = range(8265, 8300)
 _AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def prepare_ray_train() -> None:
@@ -86,10 +91,17 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
     auth = logging.getLogger(_AUTH_LOGGER)
     level = auth.level
     auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says
+    # One local node is never drained: no preemption watcher actor. Set for the processes Ray
+    # starts now (its controller reads it) and gone from this process after; a user's is kept.
+    watcher = None if _PREEMPTION_WATCHER in os.environ else "0"
+    if watcher is not None:
+        os.environ[_PREEMPTION_WATCHER] = watcher
     try:
         ray.init(**options)
     finally:
         auth.setLevel(level)
+        if watcher is not None:
+            os.environ.pop(_PREEMPTION_WATCHER, None)
     filter_ray_noise()
     return url
 

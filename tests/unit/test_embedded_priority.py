@@ -34,3 +34,34 @@ def test_a_niceness_the_user_set_is_kept(monkeypatch):
     monkeypatch.setenv("RAY_worker_niceness", "10")
     monkeypatch.delenv("RAY_TRAIN_ENABLE_STATE_TRACKING", raising=False)
     assert _start(monkeypatch)["niceness"] == "10"
+
+
+def test_no_preemption_watcher_on_the_embedded_ray_and_nothing_left_in_the_driver(monkeypatch):
+    """Ray's processes (its controller reads the variable) start without Ray Train's preemption
+    watcher; the driver's own environment is as it was after the start."""
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
+    seen = {}
+
+    def fake_init(**options):
+        seen["watcher"] = console.os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(console, "filter_ray_noise", lambda: True)
+    console.start_embedded_ray(2, dashboard=True)
+    assert seen["watcher"] == "0"
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in console.os.environ
+
+
+def test_a_preemption_watcher_setting_the_user_made_is_kept(monkeypatch):
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+    console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "1"
+    seen = {}
+    monkeypatch.setattr(
+        ray,
+        "init",
+        lambda **o: seen.update(w=console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]),
+    )
+    monkeypatch.setattr(console, "filter_ray_noise", lambda: True)
+    console.start_embedded_ray(2, dashboard=False)
+    assert seen["w"] == "1" and console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
