@@ -39,14 +39,13 @@ sys.path.insert(0, HERE)
 
 from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
 
-# Ranks per side: 2 fills this machine's 2 cores (the case measured in docs/benchmarks.md); 1
-# leaves a core to whatever else runs (Ray's own processes). `--num-workers` sets it for the
-# sides too (they are subprocesses: the environment carries it).
-NUM_WORKERS = int(os.environ.get("BENCH_HF_WORKERS", "2"))
+# Ranks per side (`--num-workers`): 2 fills this machine's 2 cores (the case measured in
+# docs/benchmarks.md); 1 leaves a core to whatever else runs (Ray's own processes).
+NUM_WORKERS = 2
 BATCH_SIZE = 64
 
 
-def runner_side(steps: int, out: str, dashboard: bool) -> None:
+def runner_side(steps: int, out: str, dashboard: bool, workers: int = NUM_WORKERS) -> None:
     """In the subprocess: one `run_training` with the runner's equivalent callbacks."""
     from callbacks import ProgressBar
     from ray_trainer import run_training
@@ -61,7 +60,7 @@ def runner_side(steps: int, out: str, dashboard: bool) -> None:
             lr_schedule="linear",
             max_grad_norm=1.0,
             seed=42,
-            num_workers=NUM_WORKERS,
+            num_workers=workers,
             log_every_steps=50,
             save_at_end=False,
             storage_path=storage,
@@ -70,7 +69,9 @@ def runner_side(steps: int, out: str, dashboard: bool) -> None:
         )
 
 
-def launch(side: str, steps: int, out: str, log: str) -> tuple[list[float], float, float]:
+def launch(
+    side: str, steps: int, out: str, log: str, workers: int = NUM_WORKERS
+) -> tuple[list[float], float, float]:
     """Run one side as a subprocess; returns (step-begin times, launch time, exit time)."""
     if side == "hf":
         cmd = [
@@ -78,7 +79,7 @@ def launch(side: str, steps: int, out: str, log: str) -> tuple[list[float], floa
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
-            str(NUM_WORKERS),
+            str(workers),
             "--master_port",
             "29533",
             os.path.join(HERE, "_hf_trainer_worker.py"),
@@ -91,7 +92,7 @@ def launch(side: str, steps: int, out: str, log: str) -> tuple[list[float], floa
         ]
     else:
         cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
-        cmd += ["--steps", str(steps), "--out", out]
+        cmd += ["--steps", str(steps), "--out", out, "--num-workers", str(workers)]
     # The Ray workers the runner side starts inherit PYTHONPATH: they import `_support`.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     if side == "hf":  # one compute thread a rank, as a runner rank has (a worker of 1 CPU): what
@@ -124,19 +125,15 @@ def main() -> dict:
     parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--num-workers", type=int, default=None, help="ranks per side (2)")
+    parser.add_argument("--num-workers", type=int, default=NUM_WORKERS, help="ranks per side")
     parser.add_argument("--side", choices=["runner", "runner_no_dashboard"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.side:
-        runner_side(opts.steps, opts.out, dashboard=opts.side == "runner")
+        runner_side(opts.steps, opts.out, opts.side == "runner", opts.num_workers)
         return {}
 
-    global NUM_WORKERS
-    if opts.num_workers is not None:
-        NUM_WORKERS = opts.num_workers
-        os.environ["BENCH_HF_WORKERS"] = str(NUM_WORKERS)
-    tokens_per_step = tokens_per_item() * BATCH_SIZE * NUM_WORKERS
+    tokens_per_step = tokens_per_item() * BATCH_SIZE * opts.num_workers
     sides = {
         "hf": "HF Trainer, torchrun (baseline)",
         "runner": "run_training (this runner; its embedded Ray with the dashboard, the default)",
@@ -151,7 +148,7 @@ def main() -> dict:
             for side in order:
                 out = os.path.join(tmp, f"{side}-{r}.json")
                 log = os.path.join(tmp, f"{side}-{r}.log")
-                times, started, ended = launch(side, opts.steps, out, log)
+                times, started, ended = launch(side, opts.steps, out, log, opts.num_workers)
                 step_s[side].append(steady_step_seconds(times, skip=opts.skip))
                 startup_s[side].append(times[0] - started)
                 total_s[side].append(ended - started)
@@ -183,7 +180,7 @@ def main() -> dict:
         "steps": opts.steps,
         "skip": opts.skip,
         "rounds": opts.rounds,
-        "num_workers": NUM_WORKERS,
+        "num_workers": opts.num_workers,
         "tokens_per_step": tokens_per_step,
         "step_s": step_s,
         "startup_s": startup_s,

@@ -93,15 +93,15 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
     auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says
     # One local node is never drained: no preemption watcher actor. Set for the processes Ray
     # starts now (its controller reads it) and gone from this process after; a user's is kept.
-    watcher = None if _PREEMPTION_WATCHER in os.environ else "0"
-    if watcher is not None:
-        os.environ[_PREEMPTION_WATCHER] = watcher
+    ours = _PREEMPTION_WATCHER not in os.environ
+    if ours:
+        os.environ[_PREEMPTION_WATCHER] = "0"
     try:
         ray.init(**options)
     finally:
         auth.setLevel(level)
-        if watcher is not None:
-            os.environ.pop(_PREEMPTION_WATCHER, None)
+        if ours:
+            del os.environ[_PREEMPTION_WATCHER]
     filter_ray_noise()
     return url
 

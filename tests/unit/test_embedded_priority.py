@@ -7,7 +7,7 @@ import ray
 from ray_trainer._driver import console
 
 
-def _start(monkeypatch) -> dict:
+def _start(monkeypatch, dashboard: bool = False) -> dict:
     """`start_embedded_ray` with `ray.init` replaced; what it sets in the environment stays in
     a copy (a variable it sets would otherwise outlive the test: `delenv` of a variable that is
     not there records nothing to undo)."""
@@ -16,11 +16,12 @@ def _start(monkeypatch) -> dict:
 
     def fake_init(**options):
         seen["niceness"] = console.os.environ.get("RAY_worker_niceness")
+        seen["watcher"] = console.os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
         seen["options"] = options
 
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(console, "filter_ray_noise", lambda: True)
-    console.start_embedded_ray(2, dashboard=False)
+    console.start_embedded_ray(2, dashboard=dashboard)
     return seen
 
 
@@ -40,28 +41,11 @@ def test_no_preemption_watcher_on_the_embedded_ray_and_nothing_left_in_the_drive
     """Ray's processes (its controller reads the variable) start without Ray Train's preemption
     watcher; the driver's own environment is as it was after the start."""
     monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
-    seen = {}
-
-    def fake_init(**options):
-        seen["watcher"] = console.os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
-
-    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
-    monkeypatch.setattr(ray, "init", fake_init)
-    monkeypatch.setattr(console, "filter_ray_noise", lambda: True)
-    console.start_embedded_ray(2, dashboard=True)
-    assert seen["watcher"] == "0"
+    assert _start(monkeypatch, dashboard=True)["watcher"] == "0"
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in console.os.environ
 
 
 def test_a_preemption_watcher_setting_the_user_made_is_kept(monkeypatch):
-    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
-    console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "1"
-    seen = {}
-    monkeypatch.setattr(
-        ray,
-        "init",
-        lambda **o: seen.update(w=console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]),
-    )
-    monkeypatch.setattr(console, "filter_ray_noise", lambda: True)
-    console.start_embedded_ray(2, dashboard=False)
-    assert seen["w"] == "1" and console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
+    assert _start(monkeypatch)["watcher"] == "1"
+    assert console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
