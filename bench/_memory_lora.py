@@ -19,9 +19,9 @@ import shutil
 import statistics
 import tempfile
 import time
-from types import SimpleNamespace
 from typing import Any
 
+from _memory_counting import state_bytes
 from _support import table
 
 LORA = {"r": 16, "lora_alpha": 32}
@@ -35,12 +35,11 @@ def lora_rank(rank: int, world: int, strategy: str, opts: dict[str, Any]) -> dic
     import transformers
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from bench_memory import state_bytes
 
-    from ray_trainer import _checkpoint as ckpt
     from ray_trainer._config import TrainingArgs
+    from ray_trainer._worker.lora import LoraAdapters, WholeModel
     from ray_trainer._worker.parallel import prepare
-    from ray_trainer._worker.saving import _write_shards, model_state
+    from ray_trainer._worker.saving import sharded_state, write_state
     from ray_trainer._worker.setup import _optimizer
 
     lora = LORA if opts["lora"] else None
@@ -69,22 +68,22 @@ def lora_rank(rank: int, world: int, strategy: str, opts: dict[str, Any]) -> dic
         parallel.optimizer.zero_grad(set_to_none=False)  # keep the gradients to count them
         step_s.append(time.perf_counter() - started)
     counted = state_bytes(parallel.model, parallel.optimizer)
-    s = SimpleNamespace(
-        args=args, parallel=parallel, optimizer=parallel.optimizer, progress=ckpt.TrainerState()
-    )
+    # What a checkpoint holds: a LoRA run's adapters alone, else the whole model.
+    adaptation = LoraAdapters({}, "adapter", None) if lora is not None else WholeModel()
     save_s, disk = [], 0
     for _ in range(opts["saves"]):
         folder = tempfile.mkdtemp(prefix=f"bench_lora_rank{rank}_")
         try:
             dist.barrier()
             started = time.perf_counter()
+            state = None  # as saving.save: every rank its shards, or rank 0 the whole
             if parallel.sharded:
-                _write_shards(s, folder)
+                state = sharded_state(parallel.model, parallel.optimizer, adaptation)
             elif rank == 0:
-                torch.save(model_state(s), os.path.join(folder, ckpt.MODEL_FILE))
-                torch.save(
-                    parallel.optimizer.state_dict(), os.path.join(folder, ckpt.OPTIMIZER_FILE)
-                )
+                module = parallel.module()
+                weights = adaptation.trainable(module, module.state_dict())
+                state = {"model": weights, "optim": parallel.optimizer.state_dict()}
+            write_state(folder, state, rank, parallel.sharded)
             save_s.append(time.perf_counter() - started)
             disk = sum(
                 os.path.getsize(os.path.join(root, n))

@@ -41,7 +41,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-TESTS = os.path.join(ROOT, "tests", "integration")  # the test suite's local cluster, tiny model
+TESTS = os.path.join(ROOT, "tests", "support")  # the test suite's local cluster, tiny model
 sys.path.insert(0, TESTS)
 
 from _chaos_support import read_ledger  # noqa: E402

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from callbacks import CallbackManager, TrainerCallback, TrainerControl, TrainingContext
+from callbacks._manager_async import AsyncCallbackManager
 
 EVENT = "on_step_end"
 N_CALLBACKS = 5
@@ -78,7 +79,7 @@ def make_cases() -> dict[str, Callable[[int], None]]:
     hf6 = HFStyleHandler(cbs, with_kwargs=True).call_event
     args, state, control = object(), object(), TrainerControl()
     methods = [cb.on_step_end for cb in cbs]
-    async_manager = CallbackManager(cbs, global_callbacks=[], asynchronous=True)
+    async_manager = AsyncCallbackManager(cbs, global_callbacks=[])
 
     def empty(n):
         for _ in range(n):

@@ -209,7 +209,7 @@ def _configs(tmp: str) -> dict[str, list]:
         RayMetrics,
         TensorBoardLogger,
     )
-    from callbacks._builtin_tensorboard import find_backend
+    from callbacks.builtin.tensorboard import find_backend
 
     def worker_side():
         return [StepTimer(os.path.join(tmp, "steps.json")), GradNormWatcher(), LossKeeper()]

@@ -57,6 +57,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _memory_counting import state_bytes  # noqa: E402
 from _support import emit, machine, table  # noqa: E402
 
 MiB = 2**20
@@ -69,31 +70,8 @@ QUICK_MODEL = {
 FULL_MODEL = {"n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 
 
-# ---- counting (pure: unit-tested in tests/unit/test_bench_memory.py) --------------------------
-
-
-def local_bytes(tensor: Any) -> int:
-    """Bytes this rank holds of `tensor`: a DTensor's local shard, else the whole tensor."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def state_bytes(model: Any, optimizer: Any) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (each tied parameter
-    once: `parameters()` yields it once)."""
-    import torch
-
-    params = list(model.parameters())
-    return {
-        "params": sum(local_bytes(p) for p in params),
-        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(
-            local_bytes(v)
-            for state in optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor)
-        ),
-    }
+# ---- the figures (pure: unit-tested in tests/unit/test_bench_memory.py) -----------------------
+# A rank's bytes are counted by _memory_counting.py, which the LoRA phase shares.
 
 
 def target_ratio(world: int, slack: float = SLACK) -> float:
@@ -233,21 +211,25 @@ def _peak_rss() -> int:
 def _timed_save(parallel: Any, rank: int) -> tuple[float, int, int]:
     """One checkpoint of model and optimizer, as the runner writes it, into this rank's own
     temporary folder: (seconds on this rank, bytes of its files, number of files)."""
-    import torch
     import torch.distributed as dist
 
-    from ray_trainer import _checkpoint as ckpt
-    from ray_trainer._worker.saving import _write_shards
+    from ray_trainer._worker.lora import WholeModel
+    from ray_trainer._worker.saving import sharded_state, write_state
 
     folder = tempfile.mkdtemp(prefix=f"bench_memory_rank{rank}_")
     try:
         dist.barrier()  # every rank starts the save together
         started = time.perf_counter()
-        if parallel.sharded:  # every rank its shards (a collective), as saving._write_shards
-            _write_shards(_Saver(parallel), folder)
-        elif rank == 0:  # rank 0 the whole model and optimizer, as saving.save under DDP
-            torch.save(parallel.module().state_dict(), os.path.join(folder, ckpt.MODEL_FILE))
-            torch.save(parallel.optimizer.state_dict(), os.path.join(folder, ckpt.OPTIMIZER_FILE))
+        # As saving.save: every rank its shards (a collective), or rank 0 the whole model.
+        state = None
+        if parallel.sharded:
+            state = sharded_state(parallel.model, parallel.optimizer, WholeModel())
+        elif rank == 0:
+            state = {
+                "model": parallel.module().state_dict(),
+                "optim": parallel.optimizer.state_dict(),
+            }
+        write_state(folder, state, rank, parallel.sharded)
         seconds = time.perf_counter() - started
         sizes = [
             os.path.getsize(os.path.join(root, name))
@@ -258,18 +240,6 @@ def _timed_save(parallel: Any, rank: int) -> tuple[float, int, int]:
         return seconds, sum(sizes), len(sizes)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-class _Saver:
-    """What `saving._write_shards` reads of a worker's state: the sharded model, the optimizer,
-    the progress."""
-
-    def __init__(self, parallel: Any) -> None:
-        from ray_trainer import _checkpoint as ckpt
-
-        self.parallel = parallel
-        self.optimizer = parallel.optimizer
-        self.progress = ckpt.TrainerState()  # where the tied weights' names are recorded
 
 
 # ---- the driver -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ state and the ``hf/`` export), `--steps` steps saving every `--save-every` (the 
 save is the run's final one, which waits for its write in both modes). Configurations: DDP and
 FSDP; no saves (the baseline of the wall time), synchronous saves, ``async_checkpoint=True``;
 on local disk and on slow storage: a ``pyarrow`` filesystem over the same disk whose writes
-wait ``--slow-mb-s`` seconds per MiB and 0.05 s per file (``tests/integration/slow_storage.py``,
+wait ``--slow-mb-s`` seconds per MiB and 0.05 s per file (``tests/support/slow_storage.py``,
 as network storage at ~1/`--slow-mb-s` MiB/s).
 
 A rank-0 callback timestamps every step's begin and end. The pause a configuration adds is the
@@ -30,7 +30,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.join(os.path.dirname(HERE), "tests", "integration")  # the slow filesystem
+TESTS = os.path.join(os.path.dirname(HERE), "tests", "support")  # the slow filesystem
 sys.path.insert(0, HERE)
 sys.path.insert(0, TESTS)
 
@@ -131,7 +131,7 @@ def main() -> dict:
 
     import ray
 
-    from ray_trainer._models import TINY_WORDS
+    from ray_trainer._demo.tiny_hf import TINY_WORDS
     from ray_trainer.demo import make_tiny_causal_lm
 
     work = tempfile.mkdtemp(prefix="bench_save_inputs_")

@@ -77,7 +77,7 @@ BENCHES: dict[str, Bench] = {
         quick=["--repeat", "3", "--target-s", "0.005"],
     ),
     "forward": Bench(
-        "bench_forward.py",
+        "bench_event_forwarder.py",
         "Rank-0 cost of sending events to the callback actor",
         "one fire-and-forget Ray actor call per event to the same `CallbackActor`; CPU time of "
         "the sending process per event, steps paced as in training (8 events, then 50 ms)",

@@ -1,8 +1,8 @@
 """The ordered asynchronous dispatcher and the runner for ``async def`` hooks.
 
-``AsyncDispatcher`` is used by a ``CallbackManager(asynchronous=True)``, i.e. on the callback
-actor: ``fire`` enqueues and returns; one background thread handles the events one at a time,
-in the order they were fired, and runs ``async def`` hooks on an event loop it owns.
+``AsyncDispatcher`` is used by an ``AsyncCallbackManager``, i.e. on the callback actor:
+``fire`` enqueues and returns; one background thread handles the events one at a time, in the
+order they were fired, and runs ``async def`` hooks on an event loop it owns.
 """
 
 from __future__ import annotations

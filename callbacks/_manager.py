@@ -1,9 +1,9 @@
 """``CallbackManager``: holds callbacks and dispatches events to them, synchronously.
 
 ``fire`` runs the hooks in the calling thread and returns the merged ``TrainerControl``; used
-inside the training process (every rank). ``CallbackManager(asynchronous=True)`` builds the
-ordered asynchronous manager of ``_manager_async.py`` instead (the callback actor): the two
-share registration, ordering, state and error handling, and keep their dispatch apart.
+inside the training process (every rank). Its subclass ``AsyncCallbackManager``
+(``_manager_async.py``, built directly by the callback actor) shares registration, ordering,
+state and error handling, and keeps its dispatch apart.
 """
 
 from __future__ import annotations
@@ -47,10 +47,9 @@ class CallbackManager:
         core: built-in callbacks that run before the user's.
         global_callbacks: ``None`` takes the global registry as it is now; a list means exactly
             those (the runner passes ``[]`` on workers: globals travel in its list).
-        asynchronous: handle events on a background thread, in order (the callback actor); the
-            manager is then an ``AsyncCallbackManager`` (see ``_manager_async.py``).
-        max_queue: bound of the asynchronous queue; when full, ``LOW_VALUE_EVENTS`` are dropped
-            (counted in ``dropped_events``) and other events wait for room.
+        max_queue: bound of an ``AsyncCallbackManager``'s queue; when full,
+            ``LOW_VALUE_EVENTS`` are dropped (counted in ``dropped_events``) and other events
+            wait for room.
         end_timeout: seconds ``fire("on_train_end")`` and ``close()`` wait for pending events.
         max_errors: how many ``CallbackError`` records ``errors`` keeps (all are counted).
         hook_timeout: seconds one hook may run on an asynchronous manager: an ``async def``
@@ -70,20 +69,12 @@ class CallbackManager:
     #: Whether ``on_train_end`` always reaches the dispatch (the asynchronous end barrier).
     _end_barrier = False
 
-    def __new__(cls, *args: Any, asynchronous: bool = False, **kwargs: Any) -> CallbackManager:
-        if asynchronous and cls is CallbackManager:
-            from callbacks._manager_async import AsyncCallbackManager
-
-            cls = AsyncCallbackManager
-        return super().__new__(cls)
-
     def __init__(
         self,
         callbacks: Any = None,
         *,
         core: Any = (),
         global_callbacks: list[Any] | None = None,
-        asynchronous: bool = False,
         max_queue: int = 10_000,
         end_timeout: float = 60.0,
         max_errors: int = 1000,

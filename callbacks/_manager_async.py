@@ -1,6 +1,6 @@
 """``AsyncCallbackManager``: the ordered asynchronous manager of the callback actor.
 
-Built by ``CallbackManager(asynchronous=True)``. ``fire`` enqueues and returns ``None``; one
+Built directly by its caller (the callback actor). ``fire`` enqueues and returns ``None``; one
 background thread (``AsyncDispatcher``) handles the events one at a time, in the order they were
 fired, and merges the control requests of its hooks for ``take_control()``. Runs in the callback
 actor process (and in unit tests); registration, ordering, state and errors are the

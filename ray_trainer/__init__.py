@@ -9,18 +9,14 @@ package.
 
 from callbacks import *  # noqa: F403  (re-export the callback API; see callbacks.__all__)
 from callbacks import __all__ as _callbacks_all
-from ray_trainer._checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_model,
-    load_model_state,
-)
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._checkpoint import latest_checkpoint, load_model, load_model_state
+from ray_trainer._config import TrainingArgs
 from ray_trainer._driver.checks import ResourceRequestError
 from ray_trainer._driver.control import RunEnded, save, stop
 from ray_trainer._driver.launch import RunFailedError, run_training
 from ray_trainer._driver.result import TrainingResult
 from ray_trainer._driver.status import NoLiveRun
+from ray_trainer._errors import CheckpointError, TrainingArgsError
 
 __all__ = [
     "CheckpointError",

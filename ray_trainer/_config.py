@@ -16,15 +16,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from callbacks import ALIASES, EVENTS
+from ray_trainer._errors import TrainingArgsError
 
 HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
 
-BUILTIN_MODELS = ("tiny-lm", "demo")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class TrainingArgsError(ValueError):
-    """Bad arguments for a run: the message names each field, the bad value and the fix."""
 
 
 class TrainingArgs(BaseModel):
@@ -350,11 +346,6 @@ def _check_ranking(args: TrainingArgs) -> None:
             f"checkpoint_score_attribute={name!r} ranks checkpoints, but this run saves none "
             "(save_every_steps=None, save_at_end=False); set save_every_steps"
         )
-
-
-def is_builtin(model: Any) -> bool:
-    """True for the built-in demo transformer (`model=None`, "tiny-lm" or "demo")."""
-    return model is None or (isinstance(model, str) and model in BUILTIN_MODELS)
 
 
 def format_validation_error(e: ValidationError) -> str:

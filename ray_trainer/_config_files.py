@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from callbacks import ALIASES, EVENTS
-from ray_trainer._config import TrainingArgsError
+from ray_trainer._errors import TrainingArgsError
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -6,8 +6,8 @@ Each side imports this module; none imports another side's package (``_driver`` 
 
 * driver -> every worker: a ``RunSpec`` in Ray Train's ``train_loop_config``; the callbacks as
   one Ray object reference inside it (cloudpickled lists, see ``_placement.py``). The driver
-  hands Ray Train ``train_loop_per_worker`` below, which imports the worker loop only once it
-  runs inside a worker process.
+  hands Ray Train the worker's entry (``_worker/entry.py``), which imports the worker loop
+  only once it runs inside a worker process.
 * driver -> callback actor: its constructor arguments (the same callbacks reference). Every run
   has one callback actor, named ``actor_name(run_name)`` in ``NAMESPACE``, on the head node.
 * rank 0 -> callback actor: ``EventBatch`` objects (``CallbackActor.push``), each answered by a
@@ -21,17 +21,17 @@ Each side imports this module; none imports another side's package (``_driver`` 
   from a disk.
 * every rank <-> every rank: the step's control and loss, agreed in one all-reduce
   (``_worker/agreement.py``).
-* checkpoints: folders named ``checkpoint_dir_name(step)`` under the run folder; the format
-  is ``_checkpoint.py``'s, the actor's state file inside is ``ACTOR_STATE_FILE``.
+* checkpoints: folders named ``checkpoint_dir_name(step)`` under the run folder, in the
+  format of ``_checkpoint/`` (whose ``names.py`` names the folders and the actor's files).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from callbacks import NEVER_DROPPED_EVENTS, TrainerControl
+from callbacks import TrainerControl
+from callbacks._events import NEVER_DROPPED_EVENTS
 from ray_trainer._config import TrainingArgs
 
 # ---- the callback actor ---------------------------------------------------------------------
@@ -165,29 +165,6 @@ class Retention:
     order: str = "max"
 
 
-CHECKPOINT_PREFIX = "checkpoint_"
-#: The actor-side callbacks' state, written by the actor into each checkpoint folder.
-ACTOR_STATE_FILE = "actor_state.pkl"
-#: The checkpoint ranking (scores, evaluations per checkpoint), in the run folder.
-RANKING_FILE = "ranking.json"
-#: Ray Train's own list of the checkpoints it was given, in the run folder: not used to resume.
-RAY_CHECKPOINT_LIST = "checkpoint_manager_snapshot.json"
-
-
-_CHECKPOINT_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"\d+")
-
-
-def checkpoint_dir_name(step: int) -> str:
-    """The folder name of the checkpoint taken after ``step`` optimizer steps."""
-    return f"{CHECKPOINT_PREFIX}{step:08d}"
-
-
-def checkpoint_names(names: list[str]) -> list[str]:
-    """The checkpoint folders among a run folder's ``names``, oldest first (Ray Train keeps files
-    of its own there, such as ``checkpoint_manager_snapshot.json``)."""
-    return sorted(n for n in names if _CHECKPOINT_NAME.fullmatch(n))
-
-
 # ---- driver -> workers ----------------------------------------------------------------------
 
 
@@ -208,13 +185,3 @@ class RunSpec:
     # the run's storage (``_data/cache.py``); and the chat template the data was rendered with.
     data_caches: dict[str, str] = field(default_factory=dict)
     chat_template: str | None = None
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """The function the driver hands Ray Train; it runs in every worker process.
-
-    Imports the worker loop here, inside the worker, so that the driver never imports it.
-    """
-    from ray_trainer._worker.loop import run_worker
-
-    run_worker(config["spec"])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray_trainer._config import TrainingArgsError
+from ray_trainer._storage import is_uri
 
 BUILTIN_MODELS = ("tiny-lm", "demo")
 _INSTALL_HINT = "pip install 'ray-trainer[hf]'"
@@ -52,7 +52,7 @@ class ModelSpec:
     @property
     def is_demo(self) -> bool:
         """The built-in demo task (its model, its data)."""
-        return is_builtin_model(self.model) or self.model is None
+        return is_builtin(self.model)
 
     def build_model(self) -> Any:
         """A freshly initialised module (seed torch first for identical replicas)."""
@@ -63,7 +63,7 @@ class ModelSpec:
 
             return build_demo(**self.demo).model_factory()
         if self.is_demo:
-            from ray_trainer._data import ByteTokenizer
+            from ray_trainer._data.encode import ByteTokenizer
             from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
 
             fields = TinyLMConfig.__dataclass_fields__
@@ -96,7 +96,7 @@ class ModelSpec:
 
         with torch.device("meta"):
             if isinstance(self.model, str) and not self.is_demo:
-                transformers = _transformers(self.model)
+                transformers = load_transformers(self.model)
                 return transformers.AutoModelForCausalLM.from_config(self.hf_config())
             return self.build_model()
 
@@ -104,7 +104,7 @@ class ModelSpec:
         """The Hugging Face config of the model (read from the bucket for a URI)."""
         from ray_trainer._pretrained import config_source
 
-        transformers = _transformers(self.model)
+        transformers = load_transformers(self.model)
         name = _check_name(self.model, "model")
         return transformers.AutoConfig.from_pretrained(
             config_source(name), local_files_only=not self.allow_download
@@ -124,7 +124,7 @@ class ModelSpec:
         """The tokenizer for JSONL text: the byte tokenizer for the built-in model, the Hugging
         Face one for a named model (or `tokenizer`), else None."""
         if self.is_demo:
-            from ray_trainer._data import ByteTokenizer
+            from ray_trainer._data.encode import ByteTokenizer
 
             return ByteTokenizer()
         name = self.tokenizer or (self.model if isinstance(self.model, str) else None)
@@ -134,7 +134,7 @@ class ModelSpec:
         """The tokenizer data is encoded with: `build_tokenizer`'s, else the byte tokenizer."""
         tokenizer = self.build_tokenizer()
         if tokenizer is None:
-            from ray_trainer._data import ByteTokenizer
+            from ray_trainer._data.encode import ByteTokenizer
 
             tokenizer = ByteTokenizer()
         return tokenizer
@@ -144,88 +144,22 @@ class ModelLoadError(ValueError):
     """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
 
 
-class ShardingError(TrainingArgsError):
-    """The model has no blocks to shard (or to checkpoint) as asked; the message lists the
-    model's candidate block classes."""
+def is_builtin(model: object) -> bool:
+    """True for the built-in demo transformer: ``model=None`` or its names (``"tiny-lm"``,
+    ``"demo"``)."""
+    return model is None or (isinstance(model, str) and model in BUILTIN_MODELS)
 
 
-def find_blocks(model: Any, names: list[str] | None = None, why: str = "fsdp") -> list[Any]:
-    """The model's blocks, in order: the modules FSDP shards one by one and activation
-    checkpointing recomputes. Of the classes ``names`` when given; else of the classes in a
-    Hugging Face model's ``_no_split_modules``; else the children of its ``nn.ModuleList``s.
+def is_causal_lm(model: Any) -> bool:
+    """A model that predicts token t+1 at position t (its labels are shifted inside)."""
+    from ray_trainer._demo.model import TinyCausalLM
 
-    Runs in the driver (on the model built on the meta device) and in each training worker.
-
-    Raises:
-        ShardingError: no such block, or a class in ``names`` the model does not contain.
-    """
-    from torch import nn
-
-    present = {type(m).__name__ for m in model.modules()}
-    wanted = list(names) if names else list(getattr(model, "_no_split_modules", None) or [])
-    if names:
-        missing = [n for n in names if n not in present]
-        if missing:
-            raise ShardingError(
-                f"fsdp_shard_modules names {', '.join(map(repr, missing))}, which "
-                f"{type(model).__name__} does not contain; {_candidates(model)}"
-            )
-    if wanted:
-        blocks = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
-    else:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        blocks = [child for lst in lists for child in lst]
-    if not blocks:
-        what = "activation_checkpointing" if why == "checkpointing" else "strategy='fsdp'"
-        raise ShardingError(
-            f"{what}: {type(model).__name__} has no blocks to "
-            f"{'recompute' if why == 'checkpointing' else 'shard'} (no _no_split_modules and "
-            f"no nn.ModuleList); name them with fsdp_shard_modules=[...]. {_candidates(model)}"
-        )
-    return blocks
+    name = type(model).__name__
+    return isinstance(model, TinyCausalLM) or name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def _candidates(model: Any) -> str:
-    """The classes that look like blocks: repeated submodules with parameters."""
-    from collections import Counter
-
-    counts = Counter(
-        type(m).__name__
-        for m in model.modules()
-        if m is not model and any(True for _ in m.parameters(recurse=True))
-    )
-    repeated = [name for name, n in counts.most_common() if n > 1]
-    shown = ", ".join(repeated[:8]) if repeated else "none that repeat"
-    return f"its candidate block classes: {shown}"
-
-
-def missing_compile_toolchain(use_gpu: bool) -> str | None:
-    """What ``torch.compile`` (inductor) lacks in this process, or None: on a GPU the triton
-    package, on a CPU a C++ compiler. Checked in the driver and again in each worker."""
-    import shutil
-
-    if use_gpu:
-        import importlib.util
-
-        if importlib.util.find_spec("triton") is None:
-            return "compile=True on GPU workers needs the triton package (pip install triton)"
-        return None
-    compilers = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-    if any(c and shutil.which(c) for c in compilers):
-        return None
-    return (
-        "compile=True on CPU workers needs a C++ compiler for torch.compile's CPU code "
-        "(g++ or clang++, e.g. apt-get install g++); install one on every node, or set "
-        "compile=False"
-    )
-
-
-def is_builtin_model(name: object) -> bool:
-    """True for the names of the built-in demo transformer (``"tiny-lm"``, ``"demo"``)."""
-    return isinstance(name, str) and name in BUILTIN_MODELS
-
-
-def _transformers(name_or_path: str) -> Any:
+def load_transformers(name_or_path: str) -> Any:
+    """The transformers module, or a `ModelLoadError` naming `name_or_path` and the extra."""
     try:
         import transformers
     except ImportError:
@@ -268,7 +202,7 @@ def _check_name(name_or_path: Any, what: str) -> str:
         name_or_path = os.fspath(name_or_path)
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ModelLoadError(f"{what} must be a model name or a path, got {name_or_path!r}")
-    if is_builtin_model(name_or_path):
+    if is_builtin(name_or_path):
         raise ModelLoadError(
             f"{what} {name_or_path!r} is the built-in demo transformer, not a Hugging Face model; "
             "build it with ray_trainer._demo (TrainingArgs(model='tiny-lm') does this)"
@@ -282,11 +216,11 @@ def check_model_ref(name_or_path: str, allow_download: bool = False) -> None:
     Built-in names pass. Other names must resolve to a Hugging Face config without a download
     (unless ``allow_download``); only the config is read, never the weights.
     """
-    if is_builtin_model(name_or_path):
+    if is_builtin(name_or_path):
         return
     name = _check_name(name_or_path, "model")
-    transformers = _transformers(name)
-    if "://" in name:
+    transformers = load_transformers(name)
+    if is_uri(name):
         _check_bucket_model(name)
         return
     try:
@@ -318,7 +252,7 @@ def load_hf_causal_lm(name_or_path: str, allow_download: bool = False, **kwargs:
     keyword arguments go to ``from_pretrained`` (e.g. ``dtype``).
     """
     name = _check_name(name_or_path, "model")
-    transformers = _transformers(name)
+    transformers = load_transformers(name)
     kwargs.setdefault("local_files_only", not allow_download)
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
@@ -334,65 +268,9 @@ def load_hf_tokenizer(name_or_path: str, allow_download: bool = False, **kwargs:
     from ray_trainer._pretrained import config_source
 
     name = _check_name(name_or_path, "tokenizer")
-    transformers = _transformers(name)
+    transformers = load_transformers(name)
     kwargs.setdefault("local_files_only", not allow_download)
     try:
         return transformers.AutoTokenizer.from_pretrained(config_source(name), **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(_not_found("tokenizer", name, e, allow_download)) from e
-
-
-#: The words of `make_tiny_causal_lm`'s tokenizer (after <pad>=0, <eos>=1, <unk>=2).
-TINY_WORDS: tuple[str, ...] = (
-    "the", "cat", "dog", "sat", "ran", "on", "mat", "home", "what", "did", "do", "?", "it",
-)  # fmt: skip
-
-
-def make_tiny_causal_lm(
-    path: str | os.PathLike[str],
-    *,
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_head: int = 2,
-    n_positions: int = 32,
-    dropout: float = 0.0,
-    seed: int = 0,
-) -> Path:
-    """Save a tiny randomly initialised GPT-2 and a word-level tokenizer to `path`, as
-    ``save_pretrained`` writes them, and return `path`. Nothing is downloaded.
-
-    Runs in the calling process (examples, tests). The tokenizer splits on whitespace and knows
-    ``TINY_WORDS``; pad is 0, eos is 1, unknown words map to 2.
-
-    Example:
-        >>> run_training(model=str(make_tiny_causal_lm("runs/tiny-gpt2")), data="train.jsonl")
-    """
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    transformers = _transformers("tiny GPT-2")
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>", *TINY_WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    config = transformers.GPT2Config(
-        vocab_size=len(vocab),
-        n_positions=n_positions,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        bos_token_id=1,
-        eos_token_id=1,
-        pad_token_id=0,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-    )
-    path = Path(path)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

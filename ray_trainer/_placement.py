@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from callbacks import CallbackManager, dumps_callbacks, loads_callbacks, runs_on_of
+from callbacks import CallbackManager
+from callbacks._hooks import runs_on_of
+from callbacks._serialize import dumps_callbacks, loads_callbacks
 
 CallbackLists = dict[str, list[Any]]
 
@@ -39,10 +41,14 @@ def keep_for_actor(item: Any) -> bool:
 
 
 def build_manager(
-    lists: CallbackLists, keep: Callable[[Any], bool], **kwargs: Any
+    lists: CallbackLists,
+    keep: Callable[[Any], bool],
+    manager_class: type[CallbackManager] = CallbackManager,
+    **kwargs: Any,
 ) -> CallbackManager:
-    """A manager over the entries `keep` selects, in contract order: core, user, global."""
-    manager = CallbackManager(
+    """A manager over the entries `keep` selects, in contract order: core, user, global
+    (`manager_class`: the actor passes `AsyncCallbackManager`)."""
+    manager = manager_class(
         core=[c for c in lists["core"] if keep(c)],
         global_callbacks=[c for c in lists["global"] if keep(c)],
         **kwargs,

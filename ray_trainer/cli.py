@@ -20,8 +20,9 @@ import argparse
 import sys
 from typing import Any
 
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._config import TrainingArgs
 from ray_trainer._config_files import import_entries, parse_overrides
+from ray_trainer._errors import TrainingArgsError
 
 #: Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (nothing ran);
 #: 128 + N after a clean, checkpointed stop on signal N (143 SIGTERM, 130 Ctrl-C; a second

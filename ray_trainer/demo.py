@@ -10,7 +10,7 @@ tokenizer and chat template) and ``chat_conversations(n)`` conversations it lear
 
 from ray_trainer._demo import DEMO_DEFAULTS, AdditionDataset, TinyCausalLM, build_demo, exact_match
 from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_model
-from ray_trainer._models import TINY_WORDS, make_tiny_causal_lm
+from ray_trainer._demo.tiny_hf import TINY_WORDS, make_tiny_causal_lm
 
 __all__ = [
     "DEMO_DEFAULTS",

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from callbacks import TrainerControl, TrainingContext
+from callbacks._manager_async import AsyncCallbackManager
 from ray_trainer._actor.evaluation import EvalTracker
 from ray_trainer._actor.requests import OutsideRequests
 from ray_trainer._actor.retention import CheckpointKeeper
@@ -37,6 +38,7 @@ from ray_trainer._contract import (
     actor_name,
 )
 from ray_trainer._placement import CallbackLists, build_manager, keep_for_actor, unpack
+from ray_trainer._storage import locate
 
 logger = logging.getLogger("ray_trainer")
 
@@ -72,13 +74,14 @@ class CallbackActor:
         retention: Retention | None = None,
     ) -> None:
         lists = unpack(packed)
-        self.writer = ActorStateWriter(filesystem)
-        self.keeper = CheckpointKeeper(retention, run_dir, filesystem) if retention else None
+        run = locate(run_dir, filesystem)  # the run folder, located once in this process
+        self.writer = ActorStateWriter(run)
+        self.keeper = CheckpointKeeper(retention, run) if retention else None
         lists = with_own_callbacks(lists, self.writer, self.keeper)
         self.manager = build_manager(
             lists,
             keep_for_actor,
-            asynchronous=True,
+            manager_class=AsyncCallbackManager,
             max_queue=max_queue,
             end_timeout=end_timeout_s,
             hook_timeout=end_timeout_s,
@@ -102,7 +105,7 @@ class CallbackActor:
         self._train_end: tuple | None = None  # rank 0's last on_train_end: wire, kwargs, attempt
         self.attempts = 0
         self.worker_summary: WorkerSummary | None = None
-        self.restored_from = restore(self.manager, run_dir, filesystem)
+        self.restored_from = restore(self.manager, run)
         self.restarted = _was_restarted()
         self.requests = OutsideRequests()
         self._last_seq: dict[int, int] = {}

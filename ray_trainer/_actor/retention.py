@@ -26,9 +26,11 @@ import threading
 from typing import Any
 
 from ray_trainer._actor.ranking import Ranking, StepHistory, as_score
-from ray_trainer._checkpoint import CheckpointError, verify
-from ray_trainer._contract import RANKING_FILE, Retention, checkpoint_names
-from ray_trainer._storage import Location, locate
+from ray_trainer._checkpoint import check_complete
+from ray_trainer._checkpoint.names import RANKING_FILE, checkpoint_names
+from ray_trainer._contract import Retention
+from ray_trainer._errors import CheckpointError
+from ray_trainer._storage import Location
 
 logger = logging.getLogger("ray_trainer")
 
@@ -42,11 +44,10 @@ class CheckpointKeeper:
 
     runs_on = "actor"
 
-    def __init__(self, retention: Retention, run_dir: str, filesystem: Any = None) -> None:
+    def __init__(self, retention: Retention, run: Location) -> None:
         self.retention = retention
         self.ranking = Ranking(retention.attribute, retention.order, retention.keep)
-        self.run = locate(run_dir, filesystem)
-        self.filesystem = filesystem
+        self.run = run
         self.tracker: Any = None  # the actor's EvalTracker: which evaluations are in flight
         self._lock = threading.Lock()  # the ranking and its file: dispatcher + watcher threads
         # The metric's logged values and rank 0's in-loop validations, by step, until the saves
@@ -167,7 +168,7 @@ class CheckpointKeeper:
             if name not in on_storage:
                 self.ranking.forget(name)
         for name in sorted(on_storage - set(self.ranking.entries)):
-            if _complete(self.run.child(name), self.filesystem):
+            if _complete(self.run.child(name)):
                 self.ranking.saved(name, int(name.rsplit("_", 1)[-1]))
         if text or self.ranking.entries:
             self._write()
@@ -197,9 +198,9 @@ def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _complete(folder: Location, filesystem: Any) -> bool:
+def _complete(folder: Location) -> bool:
     try:
-        verify(folder.name, filesystem)
+        check_complete(folder)
     except (CheckpointError, OSError, ValueError):
         return False
     return True

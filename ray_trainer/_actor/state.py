@@ -13,9 +13,9 @@ from typing import Any
 import cloudpickle
 
 from callbacks import CallbackManager, TrainingContext
-from ray_trainer._checkpoint import CheckpointError, verify
-from ray_trainer._contract import ACTOR_STATE_FILE, checkpoint_names
-from ray_trainer._storage import locate
+from ray_trainer._checkpoint import complete_checkpoints
+from ray_trainer._checkpoint.names import ACTOR_STATE_FILE
+from ray_trainer._storage import Location
 
 logger = logging.getLogger("ray_trainer")
 
@@ -26,9 +26,9 @@ class ActorStateWriter:
 
     runs_on = "actor"
 
-    def __init__(self, filesystem: Any = None) -> None:
+    def __init__(self, run: Location) -> None:
         self.manager: CallbackManager | None = None
-        self.filesystem = filesystem
+        self.run = run
         self.last_checkpoint: str | None = None
 
     def on_save(self, context: TrainingContext, **kwargs: Any) -> None:
@@ -36,7 +36,7 @@ class ActorStateWriter:
         if not path:
             return
         self.last_checkpoint = path
-        checkpoint = locate(path, self.filesystem)
+        checkpoint = self.run.child(path.rstrip("/").rsplit("/", 1)[-1])  # one of the run's
         if not checkpoint.is_dir():
             return
         state = {
@@ -46,19 +46,13 @@ class ActorStateWriter:
         checkpoint.child(ACTOR_STATE_FILE).write_bytes(cloudpickle.dumps(state))
 
 
-def restore(manager: CallbackManager, run_dir: str, filesystem: Any = None) -> str | None:
+def restore(manager: CallbackManager, run: Location) -> str | None:
     """Load the actor callbacks' state from the newest complete checkpoint that has it; the
     checkpoint's path, or None."""
-    run = locate(run_dir, filesystem)
-    for name in reversed(checkpoint_names(run.listdir())):
-        checkpoint = run.child(name)
-        state_file = checkpoint.child(ACTOR_STATE_FILE)
-        if state_file.size() is None:
-            continue
+    for checkpoint in complete_checkpoints(run, holding=ACTOR_STATE_FILE):
         try:
-            verify(checkpoint.name, filesystem)
-            state = cloudpickle.loads(state_file.read_bytes())
-        except (CheckpointError, OSError, EOFError) as e:
+            state = cloudpickle.loads(checkpoint.child(ACTOR_STATE_FILE).read_bytes())
+        except (OSError, EOFError) as e:
             logger.warning("skipping actor state in %s: %s", checkpoint.name, e)
             continue
         manager.load_state_dict(state["callbacks"])

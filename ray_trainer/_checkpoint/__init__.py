@@ -5,6 +5,7 @@ the driver (``resume_from``), and evaluation tasks and notebooks (``load_model``
 """
 
 from ray_trainer._checkpoint.format import (
+    HF_ADAPTER_DIR,
     HF_DIR,
     MODEL_FILE,
     MODEL_SPEC_FILE,
@@ -13,8 +14,9 @@ from ray_trainer._checkpoint.format import (
     SHARDS_DIR,
     STATE_FILE,
     TIED_WEIGHTS,
-    CheckpointError,
     TrainerState,
+    check_complete,
+    complete_checkpoints,
     latest_checkpoint,
     manifest,
     manifest_name,
@@ -33,8 +35,10 @@ from ray_trainer._checkpoint.reading import (
     load_model_state,
     open_checkpoint,
 )
+from ray_trainer._errors import CheckpointError
 
 __all__ = [
+    "HF_ADAPTER_DIR",
     "HF_DIR",
     "MODEL_FILE",
     "MODEL_SPEC_FILE",
@@ -47,6 +51,8 @@ __all__ = [
     "LoadedCheckpoint",
     "LocalCheckpoint",
     "TrainerState",
+    "check_complete",
+    "complete_checkpoints",
     "latest_checkpoint",
     "load",
     "load_model",

@@ -18,18 +18,23 @@ layer (``_storage.py``): a checkpoint path may be a local path or a URI.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ray_trainer._contract import checkpoint_names
+from ray_trainer._checkpoint.names import checkpoint_names
+from ray_trainer._errors import CheckpointError
 from ray_trainer._storage import Location, locate
 
 if TYPE_CHECKING:
     import torch  # noqa: F401  (imported lazily: the callback actor reads manifests without torch)
+
+logger = logging.getLogger("ray_trainer")
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
@@ -39,10 +44,8 @@ STATE_FILE = "trainer_state.json"
 MODEL_SPEC_FILE = "model_spec.pkl"
 SHARDS_DIR = "shards"  # FSDP: every rank's DCP shards of model and optimizer, and .metadata
 HF_DIR = "hf"  # a Hugging Face model's export: config, safetensors, tokenizer
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing files, incomplete, or of an unknown format."""
+#: With ``lora_export="both"``: the PEFT adapter (the merged model is in ``hf/``).
+HF_ADAPTER_DIR = "hf_adapter"
 
 
 @dataclass
@@ -118,8 +121,6 @@ def write_rank_part(
     world_size: int,
     callback_state: dict[str, Any],
     user_state: dict[str, Any],
-    model: dict[str, Any] | None = None,
-    optimizer: dict[str, Any] | None = None,
     scheduler: dict[str, Any] | None = None,
     trainer_state: TrainerState | None = None,
     model_spec: Any = None,
@@ -129,8 +130,8 @@ def write_rank_part(
 ) -> dict[str, int]:
     """Write this rank's files into `folder`, the completion manifest last (unless `complete`
     is False: the caller writes it, with `manifest`, once its other files are written too).
-    `extra_files` are paths relative to `folder` that this rank already wrote there (DCP
-    shards, the HF export): they go into its manifest too. `save_id` names this save: a
+    `extra_files` are paths relative to `folder` that this rank already wrote there (the model
+    and optimizer, ``_worker/saving.write_state``; the HF export): they go into its manifest too. `save_id` names this save: a
     checkpoint whose ranks' manifests name different saves is incomplete. Returns the files
     (relative name -> size)."""
     import torch
@@ -143,10 +144,6 @@ def write_rank_part(
 
     if rank == 0:
         assert trainer_state is not None
-        if model is not None:
-            put(MODEL_FILE, model)
-        if optimizer is not None:
-            put(OPTIMIZER_FILE, optimizer)
         if scheduler is not None:
             put(SCHEDULER_FILE, scheduler)
         state_path = os.path.join(folder, STATE_FILE)
@@ -192,12 +189,14 @@ def manifest(rank: int, world_size: int, files: dict[str, int], save_id: str | N
 
 
 def verify(path: str, filesystem: Any = None) -> TrainerState:
-    """Check that every rank's part of the checkpoint at `path` (a local path or a URI) is
-    there and whole, reading only the manifests and the file sizes."""
-    return _verify(locate(path, filesystem))
+    """Check that every rank's part of the checkpoint at `path` (a local path or a URI, or a
+    path on `filesystem`) is there and whole; its trainer state (see `check_complete`)."""
+    return check_complete(locate(path, filesystem))
 
 
-def _verify(location: Location) -> TrainerState:
+def check_complete(location: Location) -> TrainerState:
+    """Check that every rank's part of the checkpoint at `location` is there and whole, reading
+    only the manifests and the file sizes; its trainer state, or `CheckpointError`."""
     if not location.is_dir():
         raise CheckpointError(f"{location.name}: checkpoint folder does not exist")
     manifest0 = _read_manifest(location, 0)
@@ -219,16 +218,25 @@ def _verify(location: Location) -> TrainerState:
     return TrainerState(**raw)
 
 
+def complete_checkpoints(run: Location, holding: str | None = None) -> Iterator[Location]:
+    """The complete checkpoints of a run folder, newest first, each checked as it is reached;
+    with `holding`, only those that have that file (e.g. the actor's state)."""
+    for name in reversed(checkpoint_names(run.listdir())):
+        checkpoint = run.child(name)
+        if holding is not None and checkpoint.child(holding).size() is None:
+            continue
+        try:
+            check_complete(checkpoint)
+        except CheckpointError as e:
+            logger.info("skipping %s", e)
+            continue
+        yield checkpoint
+
+
 def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:
     """The newest complete checkpoint under a run folder (a local path or a URI), or None."""
-    run = locate(run_dir, filesystem)
-    for name in reversed(checkpoint_names(run.listdir())):
-        try:
-            _verify(run.child(name))
-        except CheckpointError:
-            continue
-        return run.child(name).name
-    return None
+    newest = next(complete_checkpoints(locate(run_dir, filesystem)), None)
+    return newest.name if newest is not None else None
 
 
 def _read_manifest(location: Location, rank: int) -> dict[str, Any]:

@@ -25,12 +25,12 @@ from ray_trainer._checkpoint.format import (
     SCHEDULER_FILE,
     SHARDS_DIR,
     TIED_WEIGHTS,
-    CheckpointError,
     TrainerState,
-    _verify,
+    check_complete,
     shared_storage_aliases,
 )
-from ray_trainer._storage import local_copy, locate
+from ray_trainer._errors import CheckpointError
+from ray_trainer._storage import Location, local_copy, locate
 
 
 @dataclass
@@ -130,10 +130,10 @@ class LoadedCheckpoint:
     user_state: dict[str, Any]
 
 
-def load(path: str, rank: int, filesystem: Any = None) -> LoadedCheckpoint:
+def load(location: Location, rank: int) -> LoadedCheckpoint:
     """Load a verified checkpoint for `rank` (a rank the checkpoint did not have uses rank 0's
     callback state and no RNG state). A checkpoint on remote storage is downloaded first."""
-    with open_checkpoint(path, filesystem) as checkpoint:
+    with open_checkpoint(location) as checkpoint:
         part = checkpoint.rank_part(rank)
         whole = not checkpoint.sharded
         return LoadedCheckpoint(
@@ -149,11 +149,10 @@ def load(path: str, rank: int, filesystem: Any = None) -> LoadedCheckpoint:
 
 
 @contextlib.contextmanager
-def open_checkpoint(path: str, filesystem: Any = None) -> Iterator[LocalCheckpoint]:
-    """Verify the checkpoint at `path` (a local path or a URI) and hand it over as a local
-    folder for the block (downloaded first when it is on remote storage)."""
-    location = locate(path, filesystem)
-    state = _verify(location)
+def open_checkpoint(location: Location) -> Iterator[LocalCheckpoint]:
+    """Verify the checkpoint at `location` and hand it over as a local folder for the block
+    (downloaded first when it is on remote storage)."""
+    state = check_complete(location)
     with local_copy(location) as folder:
         yield LocalCheckpoint(folder, location.name, state)
 
@@ -169,7 +168,7 @@ def load_model_state(path: str, filesystem: Any = None) -> dict[str, Any]:
         >>> model.load_state_dict(load_model_state(checkpoint_path))
     """
     location = locate(path, filesystem)
-    _verify(location)
+    check_complete(location)
     model_file = location.child(MODEL_FILE)
     if model_file.size() is not None:  # DDP: one file, read where it is
         import torch
@@ -177,7 +176,7 @@ def load_model_state(path: str, filesystem: Any = None) -> dict[str, Any]:
         return torch.load(
             io.BytesIO(model_file.read_bytes()), map_location="cpu", weights_only=True
         )
-    with open_checkpoint(path, filesystem) as checkpoint:
+    with open_checkpoint(location) as checkpoint:
         return checkpoint.model_state()
 
 
@@ -197,7 +196,7 @@ def load_model(path: str, device: str = "cpu", filesystem: Any = None, merge: bo
     Example:
         >>> model = load_model("s3://bucket/runs/my-run/checkpoint_00000400", device="cuda")
     """
-    with open_checkpoint(path, filesystem) as checkpoint:
+    with open_checkpoint(locate(path, filesystem)) as checkpoint:
         model = checkpoint.model_spec().build_model()
         lora = checkpoint.state.extra.get("lora")
         if lora is None:

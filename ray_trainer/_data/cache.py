@@ -23,17 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from ray_trainer._data.text import IGNORE_INDEX
-from ray_trainer._storage import Location, locate
+from ray_trainer._data.encode import IGNORE_INDEX
+from ray_trainer._storage import Location
 
 CACHE_VERSION = 1
 CACHE_DIR = ("data-cache",)
 META_FILE = "meta.json"
 
 
-def cache_location(storage_path: str, fingerprint: str, filesystem: Any = None) -> Location:
+def cache_location(storage: Location, fingerprint: str) -> Location:
     """Where the cache of `fingerprint` lives under a run's `storage_path`."""
-    return locate(storage_path, filesystem).child(".ray_trainer", *CACHE_DIR, fingerprint)
+    return storage.child(".ray_trainer", *CACHE_DIR, fingerprint)
 
 
 @dataclass
@@ -98,11 +98,11 @@ class TokenCache:
     from a small thread pool). Thread-safe for reads.
     """
 
-    def __init__(self, name: str, filesystem: Any = None) -> None:
-        self.location = locate(name, filesystem)
+    def __init__(self, location: Location) -> None:
+        self.location = location
         meta = read_meta(self.location)
         if meta is None:
-            raise FileNotFoundError(f"{name}: no complete token cache here")
+            raise FileNotFoundError(f"{location.name}: no complete token cache here")
         self.meta = meta
         self.lengths = self._load("lengths.npy")
         self.targets = self._load("targets.npy")

@@ -23,6 +23,7 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
+#: The record formats, in the order `sources.detect_format` detects them from the columns.
 FORMATS = ("messages", "conversational", "prompt_completion", "text")
 
 

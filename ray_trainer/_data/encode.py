@@ -14,45 +14,67 @@ An :class:`Encoder` is built once per process from a tokenizer and the run's set
 - ``"text"``: the loss on every token and EOS.
 
 ``train_on="all"`` takes the loss on every token of every format. Truncation to ``max_length``
-keeps the beginning. Nothing here imports Ray or torch.
+keeps the beginning. The :class:`Encoder` is also the one adapter over a run's tokenizer (a
+Hugging Face one, or one with ``encode(text)``, ``eos_id`` and ``pad_id`` such as
+:class:`ByteTokenizer`): its ``eos_id`` and ``pad_id`` are what the workers pad with. Nothing
+here imports Ray or torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from ray_trainer._data.chat import (
-    FORMATS,
     TRAIN_ON,
     ChatTemplateError,
-    RecordError,
     TemplateInfo,
     assistant_spans,
     check_record,
 )
-from ray_trainer._data.template import (
-    end_of_turn_ids,
-    probe_template,
-    render,
-    resolve_chat_template,
-)
+from ray_trainer._data.template import probe_template, render, resolve_chat_template
 
-__all__ = [
-    "FORMATS",
-    "IGNORE_INDEX",
-    "TRAIN_ON",
-    "ChatTemplateError",
-    "Encoded",
-    "Encoder",
-    "RecordError",
-    "check_record",
-    "end_of_turn_ids",
-    "resolve_chat_template",
-]
-
+#: The label of a position that takes no loss (PyTorch's ``cross_entropy`` ignores it).
 IGNORE_INDEX = -100
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: the 256 UTF-8 byte values, then pad (256) and eos (257).
+
+    The fallback for text data when no Hugging Face tokenizer is given; it needs no vocabulary
+    file and can encode any text. Same interface as the demo's ``CharTokenizer``.
+
+    Example:
+        >>> tok = ByteTokenizer()
+        >>> tok.decode(tok.encode("héllo", add_eos=True))
+        'héllo'
+    """
+
+    pad_id = 256
+    eos_id = 257
+    vocab_size = 258
+
+    def encode(self, text: str, add_eos: bool = False) -> list[int]:
+        """The UTF-8 bytes of ``text``, then ``eos_id`` if ``add_eos``."""
+        ids = list(text.encode("utf-8"))
+        return [*ids, self.eos_id] if add_eos else ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 is replaced, pad and eos are dropped or shown."""
+        out, raw = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                raw.append(i)
+                continue
+            out.append(raw.decode("utf-8", errors="replace"))
+            raw.clear()
+            if not skip_special_tokens:
+                out.append("<pad>" if i == self.pad_id else "<eos>" if i == self.eos_id else "<?>")
+        out.append(raw.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -118,6 +140,14 @@ class Encoder:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.is_hf = hasattr(tokenizer, "eos_token_id") and not hasattr(tokenizer, "eos_id")
         self.eos_id: int | None = tokenizer.eos_token_id if self.is_hf else tokenizer.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        """What padding is: the tokenizer's pad token, else (Hugging Face) its EOS, else 0."""
+        if not self.is_hf:
+            return self.tokenizer.pad_id
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else (self.eos_id or 0)
 
     @cached_property
     def chat_template(self) -> str:

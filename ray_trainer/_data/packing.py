@@ -12,12 +12,18 @@ epochs and schedules mean the same either way.
   ``max_tokens`` tokens, and the bins are dealt to the ranks so that every rank gets the same
   number of micro-batches (give or take one: `pack_step` tells how many each must take; a rank
   short of one trains on a filler whose labels are all ignored) and about the same tokens.
+
+A packed row's `layout` (a `PackedLayout`: which positions belong to which sample, by groups of
+similar lengths) is planned here too, on the host, for the worker's packed attention
+(``ray_trainer._worker.packed_attention``), which runs each group of samples on its own.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -87,3 +93,55 @@ def pack_step(
 def micro_batches_per_rank(plan: list[list[list[int]]]) -> int:
     """How many micro-batches every rank takes at this step (the most any rank has)."""
     return max(len(bins) for bins in plan)
+
+
+# ---- the layout of a packed row ------------------------------------------------------------
+
+#: A group's samples are padded to its longest; a sample joins a group while its length is at
+#: least this share of the group's longest (so padding at most doubles a sample's attention).
+GROUP_RATIO = 0.5
+
+
+@dataclass
+class PackedLayout:
+    """Where each sample of a packed row is, by groups of similar lengths: for each group of g
+    samples padded to L, the row positions to gather (``gather``, g*L), the entries that are
+    real (``keep``) and their row positions (``place``). Planned on the host as int64 arrays;
+    `to` makes them tensors on the model's device."""
+
+    groups: list[tuple[Any, Any, Any, int, int]]
+
+    def to(self, device: Any, non_blocking: bool = False) -> PackedLayout:
+        """The layout as tensors on `device` (the loop moves every value of a batch so)."""
+        import torch
+
+        moved = [
+            (*(torch.as_tensor(x).to(device, non_blocking=non_blocking) for x in (a, b, c)), g, n)
+            for a, b, c, g, n in self.groups
+        ]
+        return PackedLayout(moved)
+
+
+def layout(lengths: list[int]) -> PackedLayout:
+    """The layout of a row whose samples have `lengths`, in order (on the host, no sync)."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, current = [], []
+    for i in order:
+        if current and lengths[i] < GROUP_RATIO * lengths[current[0]]:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    planned = []
+    for members in groups:
+        width = lengths[members[0]]
+        steps = np.arange(width, dtype=np.int64)
+        gather = np.concatenate([starts[i] + np.minimum(steps, lengths[i] - 1) for i in members])
+        real = np.concatenate([steps < lengths[i] for i in members])
+        keep = np.flatnonzero(real)
+        planned.append((gather, keep, gather[keep], len(members), width))
+    return PackedLayout(planned)

@@ -19,13 +19,13 @@ from ray_trainer._data.sources import (
     PIECE_BYTES,
     PIECE_RECORDS,
     DataFile,
+    DataFileError,
     Piece,
     Source,
     _parse_line,
     read_piece,
     record_format,
 )
-from ray_trainer._data.text import DataFileError
 from ray_trainer._storage import locate
 
 _BLOCK = 8 * 2**20

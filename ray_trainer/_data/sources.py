@@ -18,11 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_trainer._data.text import DataFileError
 from ray_trainer._storage import Location, is_uri, locate
 
-#: The record formats, in the order they are detected from the columns.
-FORMATS = ("messages", "conversational", "prompt_completion", "text")
 _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 _GLOB = set("*?[")
 #: A piece holds at most this many records or bytes of a file (one preparation task each).
@@ -33,6 +30,10 @@ _ACCEPTED = (
     '{"messages": [{"role": ..., "content": ...}, ...]} (chat), {"prompt": ..., "completion": ...} '
     '(strings, or lists of messages), or {"text": ...}'
 )
+
+
+class DataFileError(ValueError):
+    """A data file that is missing or malformed; the message names the file, the line and the fix."""
 
 
 @dataclass(frozen=True)

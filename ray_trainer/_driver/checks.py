@@ -12,14 +12,16 @@ import os
 import secrets
 from typing import Any
 
-from callbacks import ALIASES, EVENTS, global_callbacks, validate_picklable
-from callbacks._serialize import unpicklable_state
+from callbacks import ALIASES, EVENTS, global_callbacks
+from callbacks._serialize import unpicklable_state, validate_picklable
 from callbacks._state import is_stateful
-from ray_trainer._checkpoint import CheckpointError, latest_checkpoint, verify
-from ray_trainer._config import TrainingArgs, TrainingArgsError, is_builtin
-from ray_trainer._contract import checkpoint_names
+from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
+from ray_trainer._checkpoint.names import checkpoint_names
+from ray_trainer._config import TrainingArgs
+from ray_trainer._errors import CheckpointError, TrainingArgsError
+from ray_trainer._models import is_builtin
 from ray_trainer._placement import CallbackLists, build_manager
-from ray_trainer._storage import Location, locate
+from ray_trainer._storage import Location, is_uri, locate
 
 RUN_RECORD = "run.json"
 
@@ -42,17 +44,13 @@ def resolve_paths(args: TrainingArgs) -> TrainingArgs:
         local_fields.append("storage_path")
     for name in local_fields:
         value = getattr(args, name)
-        if isinstance(value, str) and not _is_uri(value):
+        if isinstance(value, str) and not is_uri(value):
             update[name] = os.path.abspath(os.path.expanduser(value))
     for name in ("model", "tokenizer"):
         value = getattr(args, name)
         if isinstance(value, str) and not is_builtin(value) and _is_local_path(value):
             update[name] = os.path.abspath(os.path.expanduser(value))
     return args.model_copy(update=update) if update else args
-
-
-def _is_uri(value: str) -> bool:
-    return "://" in value
 
 
 def _is_local_path(value: str) -> bool:
@@ -128,7 +126,7 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
 
         check_lora_model(args)
     if args.compile:
-        from ray_trainer._models import missing_compile_toolchain
+        from ray_trainer._compile_probe import missing_compile_toolchain
 
         problem = missing_compile_toolchain(args.use_gpu)  # here; each worker checks again
         if problem:
@@ -147,7 +145,8 @@ def check_enough_samples(args: TrainingArgs, plans: dict[str, Any]) -> None:
 def _check_blocks(args: TrainingArgs) -> None:
     """The blocks FSDP shards (and activation checkpointing recomputes) exist: found on the
     model built on the meta device (no memory, no weights read)."""
-    from ray_trainer._models import ModelSpec, find_blocks
+    from ray_trainer._blocks import find_blocks
+    from ray_trainer._models import ModelSpec
 
     model = ModelSpec.of(args).build_meta_model()
     why = "fsdp" if args.strategy == "fsdp" else "checkpointing"
@@ -185,7 +184,7 @@ def _check_enough_data(args: TrainingArgs, records: int, hold_out: bool) -> None
     )
 
 
-def check_storage(args: TrainingArgs) -> str:
+def check_storage(args: TrainingArgs) -> Location:
     """The run folder on storage (``<storage_path>/<run_name>``: a local path, a URI, or a path
     on ``storage_filesystem``), after checking that ``resume_from`` is a complete checkpoint,
     that storage is writable and is not Ray's cache of a job's working dir, and that the folder
@@ -210,13 +209,14 @@ def check_storage(args: TrainingArgs) -> str:
             "or a bucket this process has credentials for"
         ) from None
     run = storage.child(args.run_name)
-    latest = latest_checkpoint(run.name, args.storage_filesystem)
+    latest = next(complete_checkpoints(run), None)
     _check_strategy(args, latest)
     from ray_trainer._lora.checks import check_lora_resume
 
     # The workers resume from the run's newest checkpoint, else from resume_from.
-    check_lora_resume(args, latest or args.resume_from, args.storage_filesystem if latest else None)
-    record = read_run_record(run.name, args.storage_filesystem)
+    resumed = latest or (locate(args.resume_from) if args.resume_from is not None else None)
+    check_lora_resume(args, resumed)
+    record = read_run_record(run)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
     if record is not None and record.get("fingerprint") != fingerprint(args) and _checkpoints(run):
@@ -224,18 +224,18 @@ def check_storage(args: TrainingArgs) -> str:
             f"run_name {args.run_name!r}: {run.name} already holds a different run "
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
         )
-    return run.name
+    return run
 
 
-def _check_strategy(args: TrainingArgs, checkpoint: str | None) -> None:
+def _check_strategy(args: TrainingArgs, checkpoint: Location | None) -> None:
     """A run continues with the strategy its checkpoints were written with (DDP's are whole
     files, FSDP's are shards)."""
     if checkpoint is None:
         return
-    written = verify(checkpoint, args.storage_filesystem).strategy
+    written = check_complete(checkpoint).strategy
     if written != args.strategy:
         raise TrainingArgsError(
-            f"strategy: {checkpoint} was written with strategy={written!r}; continue this run "
+            f"strategy: {checkpoint.name} was written with strategy={written!r}; continue this run "
             f"with strategy={written!r}, or pick a new run_name"
         )
 
@@ -271,16 +271,16 @@ def fingerprint(args: TrainingArgs) -> str:
     return f"model={name(args.model)};data={name(args.data)};demo={sorted(args.demo.items())}"
 
 
-def read_run_record(run_dir: str, filesystem: Any = None) -> dict[str, Any] | None:
+def read_run_record(run: Location) -> dict[str, Any] | None:
     """``run.json`` of a run folder (what the run trains), or None when there is none."""
-    text = locate(run_dir, filesystem).child(RUN_RECORD).read_text()
+    text = run.child(RUN_RECORD).read_text()
     return json.loads(text) if text else None
 
 
-def write_run_record(run_dir: str, record: dict[str, Any], filesystem: Any = None) -> None:
+def write_run_record(run: Location, record: dict[str, Any]) -> None:
     """Write ``run.json`` whole, on the run's storage."""
     text = json.dumps(record, indent=1, sort_keys=True)
-    locate(run_dir, filesystem).child(RUN_RECORD).write_text(text)
+    run.child(RUN_RECORD).write_text(text)
 
 
 def per_worker(args: TrainingArgs) -> dict[str, float]:

@@ -20,13 +20,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._config import TrainingArgs
 from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
+from ray_trainer._data.prepare import EncodeSettings, encode_piece
 from ray_trainer._data.records import scan
-from ray_trainer._data.sources import Source, resolve
-from ray_trainer._data.text import DataFileError
+from ray_trainer._data.sources import DataFileError, Source, resolve
+from ray_trainer._errors import TrainingArgsError
 from ray_trainer._models import ModelSpec
-from ray_trainer._prep.tasks import EncodeSettings, encode_piece
+from ray_trainer._storage import Location, locate
 
 logger = logging.getLogger("ray_trainer")
 _CHAT_FORMATS = ("messages", "conversational")
@@ -39,7 +40,7 @@ class DataPlan:
     source: Source
     settings: EncodeSettings
     fingerprint: str
-    cache_name: str  # the cache folder on the run's storage (a path or URI)
+    cache: Location  # the cache folder on the run's storage
     meta: dict[str, Any] | None  # the complete cache's meta (a hit), else None
 
     @property
@@ -68,18 +69,19 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
             text_field=args.text_field,
         )
         fp = fingerprint(source, settings, tokenizer)
-        location = cache_location(args.storage_path, fp, args.storage_filesystem)
+        location = cache_location(locate(args.storage_path, args.storage_filesystem), fp)
         meta = read_meta(location)
         if meta is None:
             scan(source, args.text_field, args.train_on)  # every record, before Ray starts
-        plans[field] = DataPlan(source, settings, fp, location.name, meta)
+        plans[field] = DataPlan(source, settings, fp, location, meta)
     return plans
 
 
 def _chat_template(tokenizer: Any, args: TrainingArgs) -> str:
     """The chat template's text (``chat_template``, or the tokenizer's own), checked: it
     renders a plain conversation's contents in order."""
-    from ray_trainer._data.encode import ChatTemplateError, Encoder
+    from ray_trainer._data.chat import ChatTemplateError
+    from ray_trainer._data.encode import Encoder
 
     encoder = Encoder(
         tokenizer, chat_template=args.chat_template, train_on=args.train_on,
@@ -131,7 +133,7 @@ def prepare_data(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[str, st
         if plan.meta is None:
             plan.meta = _build(plan, args)
         _report_dropped(field, plan.meta, args)
-    return {field: plan.cache_name for field, plan in plans.items()}
+    return {field: plan.cache.name for field, plan in plans.items()}
 
 
 def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
@@ -152,7 +154,7 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
     table_ref = ray.put(table) if table is not None else None
     fs, settings = args.storage_filesystem, plan.settings
     refs = [
-        task.remote(Source(**shipped), i, piece, settings, plan.cache_name, fs, table_ref)
+        task.remote(Source(**shipped), i, piece, settings, plan.cache.name, fs, table_ref)
         for i, piece in enumerate(source.pieces)
     ]
     results: list[PieceResult] = []
@@ -186,9 +188,8 @@ def finish_cache(
         "cpu_s": round(sum(r.cpu_s for r in results), 3),
         "wall_s": round(wall_s, 3),
     }
-    location = cache_location(args.storage_path, plan.fingerprint, args.storage_filesystem)
-    write_meta(location, meta, results)
-    return read_meta(location) or meta
+    write_meta(plan.cache, meta, results)
+    return read_meta(plan.cache) or meta
 
 
 def _encode_task(source: Source, index: int, piece: Any, settings: Any, cache: str, fs: Any,

@@ -20,14 +20,7 @@ from typing import Any
 from callbacks import ALIASES, EVENTS
 from ray_trainer._actor.actor import start_actor
 from ray_trainer._config import TrainingArgs
-from ray_trainer._contract import (
-    NAMESPACE,
-    ActorSummary,
-    RunSpec,
-    actor_name,
-    forwarded_events,
-    train_loop_per_worker,
-)
+from ray_trainer._contract import NAMESPACE, ActorSummary, RunSpec, actor_name, forwarded_events
 from ray_trainer._driver.checks import (
     ResourceRequestError,
     check_enough_samples,
@@ -54,7 +47,8 @@ from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import run_with_graceful_signals
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
-from ray_trainer._storage import locate
+from ray_trainer._storage import Location, locate
+from ray_trainer._worker.entry import train_loop_per_worker
 
 logger = logging.getLogger("ray_trainer")
 
@@ -81,7 +75,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
         args = args.model_copy(update={"run_name": f"run-{stamp}-{secrets.token_hex(2)}"})
     lists = collect_callbacks(args)
     plans = check_inputs(args)
-    run_dir = check_storage(args)
+    run = check_storage(args)
 
     import ray
 
@@ -92,7 +86,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
     train_import.join()
     try:
         check_resources(args)
-        return _fit(args, lists, run_dir, plans)
+        return _fit(args, lists, run, plans)
     finally:
         if started_ray:
             ray.shutdown()
@@ -136,7 +130,7 @@ class Launch:
 def prepare_launch(
     args: TrainingArgs,
     lists: CallbackLists,
-    run_dir: str,
+    run: Location,
     plans: dict[str, DataPlan] | None = None,
 ) -> Launch:
     """Encode the data (where its cache is missing), record the run, put the callbacks in the
@@ -148,13 +142,13 @@ def prepare_launch(
     check_enough_samples(args, plans)
 
     record = {"fingerprint": fingerprint(args), "run_name": args.run_name}
-    write_run_record(run_dir, record, args.storage_filesystem)
+    write_run_record(run, record)
     packed = pack(lists)
     callbacks_ref = ray.put(packed)
     actor, ready = start_actor(
         packed,
         args.run_name,
-        run_dir,
+        run.name,  # the actor and the workers locate it (with storage_filesystem) themselves
         max_queue=args.actor_queue_size,
         end_timeout_s=args.callback_timeout_s,
         eval_timeout_s=args.eval_timeout_s,
@@ -168,7 +162,7 @@ def prepare_launch(
     spec = RunSpec(
         args=worker_args,
         callbacks_ref=callbacks_ref,
-        run_dir=run_dir,
+        run_dir=run.name,
         launch_id=secrets.token_hex(4),
         actor_name=actor_name(args.run_name),
         actor_namespace=NAMESPACE,
@@ -183,7 +177,7 @@ def prepare_launch(
 
 
 def _fit(
-    args: TrainingArgs, lists: CallbackLists, run_dir: str, plans: dict[str, DataPlan]
+    args: TrainingArgs, lists: CallbackLists, run: Location, plans: dict[str, DataPlan]
 ) -> TrainingResult:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -191,8 +185,8 @@ def _fit(
     # What every node must see, checked before anything of the run is written.
     nodes = alive_nodes()
     check_shared_storage(args, nodes)
-    launch = prepare_launch(args, lists, run_dir, plans)
-    forget_ray_checkpoint_list(run_dir, args.storage_filesystem)
+    launch = prepare_launch(args, lists, run, plans)
+    forget_ray_checkpoint_list(run)
     prepare_ray_train()
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -230,7 +224,7 @@ def _fit(
             f"(max_failures={args.max_failures}): {root_message(error)}.{capacity} "
             f"Latest checkpoint: {summary.last_checkpoint}"
         ) from error
-    return build_result(args.run_name, run_dir, summary)
+    return build_result(args.run_name, run.name, summary)
 
 
 def finish_actor(launch: Launch, args: TrainingArgs, error: BaseException | None) -> ActorSummary:

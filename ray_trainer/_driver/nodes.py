@@ -13,7 +13,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._config import TrainingArgs
+from ray_trainer._errors import TrainingArgsError
 from ray_trainer._storage import is_uri, locate
 
 PROBE_TIMEOUT_S = 120.0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ray_trainer._checkpoint.names import RAY_CHECKPOINT_LIST
 from ray_trainer._config import TrainingArgs
-from ray_trainer._contract import RAY_CHECKPOINT_LIST, Retention
-from ray_trainer._storage import locate
+from ray_trainer._contract import Retention
+from ray_trainer._storage import Location
 
 
 def retention_of(args: TrainingArgs) -> Retention | None:
@@ -28,9 +29,9 @@ def retention_of(args: TrainingArgs) -> Retention | None:
     )
 
 
-def forget_ray_checkpoint_list(run_dir: str, filesystem: Any = None) -> None:
+def forget_ray_checkpoint_list(run: Location) -> None:
     """Remove Ray Train's list of the run's checkpoints from an earlier launch, if any."""
-    locate(run_dir, filesystem).child(RAY_CHECKPOINT_LIST).delete()
+    run.child(RAY_CHECKPOINT_LIST).delete()
 
 
 def format_checkpoints(status: dict[str, Any]) -> list[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._config import TrainingArgs
 from ray_trainer._driver.dashboard import (
     EXIT_ERROR,
     EXIT_NOT_FOUND,
@@ -44,6 +44,7 @@ from ray_trainer._driver.runtime_env import (
     load_runtime_env,
     parse_env,
 )
+from ray_trainer._errors import TrainingArgsError
 
 _TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 

@@ -6,12 +6,12 @@ the trainer state of the checkpoint the run would resume from.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ray_trainer._checkpoint import verify
-from ray_trainer._config import TrainingArgs, TrainingArgsError
+from ray_trainer._checkpoint import check_complete
+from ray_trainer._config import TrainingArgs
+from ray_trainer._errors import TrainingArgsError
 from ray_trainer._lora.config import LORA_STATE, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint
+from ray_trainer._storage import Location
 
 
 def check_lora_model(args: TrainingArgs) -> None:
@@ -22,12 +22,14 @@ def check_lora_model(args: TrainingArgs) -> None:
     wrap(ModelSpec.of(args).build_meta_model(), args.lora, args.fsdp_shard_modules, on_meta=True)
 
 
-def check_lora_resume(args: TrainingArgs, checkpoint: str | None, filesystem: Any = None) -> None:
-    """The checkpoint a run resumes from matches it: LoRA on both sides or on neither, the same
-    adapter config, and the same base model (its fingerprint, ``fingerprint.py``)."""
-    if checkpoint is None:
+def check_lora_resume(args: TrainingArgs, location: Location | None) -> None:
+    """The checkpoint a run resumes from (at `location`) matches it: LoRA on both sides or on
+    neither, the same adapter config, and the same base model (its fingerprint,
+    ``fingerprint.py``)."""
+    if location is None:
         return
-    record = verify(checkpoint, filesystem).extra.get(LORA_STATE)
+    checkpoint = location.name
+    record = check_complete(location).extra.get(LORA_STATE)
     if record is None and args.lora is None:
         return
     if record is None:

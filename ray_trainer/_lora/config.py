@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from ray_trainer._config import TrainingArgsError
+from ray_trainer._errors import TrainingArgsError
 
 #: Where a LoRA checkpoint's trainer state records the adapter config and the base fingerprint.
 LORA_STATE = "lora"
@@ -112,7 +112,7 @@ def default_targets(model: Any, shard_modules: list[str] | None) -> list[str]:
     """Every linear layer inside the model's blocks (those FSDP shards): their last names when
     that picks no layer outside the blocks (``["c_attn", "c_fc", "c_proj"]``), else their full
     names. peft's ``"all-linear"`` knows Hugging Face models only; this knows any model."""
-    from ray_trainer._models import ShardingError, find_blocks
+    from ray_trainer._blocks import ShardingError, find_blocks
 
     try:
         blocks = find_blocks(model, shard_modules)
@@ -161,14 +161,12 @@ def lora_config(fields: dict[str, Any], model: Any, shard_modules: list[str] | N
                 f"lora.target_modules: {type(model).__name__} has no module named "
                 f"{', '.join(map(repr, missing))}; {candidates(model)}"
             )
-    if "task_type" not in fields and _is_causal_lm(model):
+    from ray_trainer._models import is_causal_lm
+
+    # peft's causal-LM task wraps a Hugging Face model only (one that saves itself).
+    if "task_type" not in fields and hasattr(model, "save_pretrained") and is_causal_lm(model):
         fields["task_type"] = "CAUSAL_LM"
     return peft.LoraConfig(**fields)
-
-
-def _is_causal_lm(model: Any) -> bool:
-    name = type(model).__name__
-    return hasattr(model, "save_pretrained") and name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 def wrap(

@@ -1,4 +1,4 @@
-"""Every process: a model's safetensors files, read one tensor, or one range of its rows, at a time.
+"""Every process: a model's safetensors files, read one tensor (or one range of its rows) at a time, and written one whole tensor at a time.
 
 Runs wherever pretrained weights are loaded: each training worker (its own rows of each
 tensor), and ``load_model`` in a notebook or an evaluation task (whole tensors). The files are
@@ -6,13 +6,17 @@ read through the run's storage layer (pyarrow), so a folder on a bucket is read 
 ranged reads, never downloaded whole. A safetensors file is an 8-byte little-endian header
 length, a JSON header (``name -> dtype, shape, data_offsets``), then each tensor's bytes, C
 order: the rows ``[a, b)`` of a tensor are one contiguous byte range, which is what makes a
-rank's dim-0 shard of a tensor one read.
+rank's dim-0 shard of a tensor one read. The writer (`write_weights`, used by the workers'
+``hf/`` exports) writes the header from the tensors' shapes first, then streams each tensor, so
+that under FSDP no rank ever holds more than its shards and one whole tensor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +38,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 2**20  # a larger header is not a safetensors file
 
@@ -170,3 +175,84 @@ class SafetensorsFiles:
             if not got:
                 raise SafetensorsError(f"{self.folder.child(file).name}: truncated file")
             done += got
+
+
+#: A file of the export holds at most this many bytes (as save_pretrained's default shards).
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+def write_weights(
+    target: str, tensors: dict[str, Any], whole: Callable[[Any], Any], writes: bool
+) -> None:
+    """Stream `tensors` into safetensors files in `target`, one whole tensor at a time, the
+    headers written from the shapes first. ``whole(tensor)`` gives a tensor's whole value; under
+    FSDP it is a collective that every rank calls for every tensor, in the same order, and only
+    the rank that `writes` (rank 0) holds the result and writes it."""
+    names = list(tensors)
+    files = _plan(names, tensors)
+    if writes:
+        os.makedirs(target, exist_ok=True)
+    for file_names, file in zip(files, _file_names(len(files)), strict=True):
+        out = open(os.path.join(target, file), "wb") if writes else None  # noqa: SIM115
+        try:
+            if out is not None:
+                out.write(_header(file_names, tensors))
+            for name in file_names:
+                value = whole(tensors[name])
+                if out is not None:
+                    out.write(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                del value
+        finally:
+            if out is not None:
+                out.close()
+    if writes and len(files) > 1:
+        weight_map = {
+            n: f for ns, f in zip(files, _file_names(len(files)), strict=True) for n in ns
+        }
+        total = sum(_nbytes(tensors[n]) for n in names)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(target, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _plan(names: list[str], state: dict[str, Any]) -> list[list[str]]:
+    """The weights of each file, in order, each file at most `MAX_SHARD_BYTES` (one weight
+    larger than that gets a file of its own)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = _nbytes(state[name])
+        if files[-1] and size + n > MAX_SHARD_BYTES:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += n
+    return files
+
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _header(names: list[str], state: dict[str, Any]) -> bytes:
+    """The safetensors header of one file (sizes known from the shapes: nothing gathered)."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        tensor = state[name]
+        n = _nbytes(tensor)
+        entries[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(header)) + header

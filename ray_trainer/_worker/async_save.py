@@ -39,21 +39,19 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray.train
 import torch
 import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
-from ray_trainer._contract import checkpoint_dir_name
-from ray_trainer._storage import Location, locate
-from ray_trainer._worker.hf_export import exports, hf_files, untied, write_hf_files, write_weights
-from ray_trainer._worker.saving import checkpoint_location, model_state, rank_part, sharded_state
-
-if TYPE_CHECKING:
-    from ray_trainer._worker.boundary import Decision
-    from ray_trainer._worker.setup import WorkerState
+from ray_trainer._checkpoint.names import checkpoint_dir_name
+from ray_trainer._storage import Location
+from ray_trainer._worker import export
+from ray_trainer._worker.boundary import Decision
+from ray_trainer._worker.saving import checkpoint_location, rank_part, state_to_save, write_state
+from ray_trainer._worker.state import WorkerState
 
 logger = logging.getLogger("ray_trainer")
 
@@ -148,16 +146,14 @@ class AsyncSaves:
         self.finish(s)  # at most one in flight (settle has normally done it already)
         started = time.perf_counter()
         p = s.progress
-        location = locate(s.spec.run_dir, s.args.storage_filesystem).child(
-            checkpoint_dir_name(p.global_step)
-        )
+        location = s.run.child(checkpoint_dir_name(p.global_step))
         folder = location.path if location.is_local else tempfile.mkdtemp(prefix="rt_ckpt_")
         if location.is_local:  # a manifest of an earlier attempt must not vouch for new files
             os.makedirs(folder, exist_ok=True)
             location.child(ckpt.manifest_name(s.rank)).delete()
-        big, write_hf = self._stage(s), exports(s)
+        big, write_hf = self._stage(s), s.export is not None
         if write_hf and s.rank == 0:
-            write_hf_files(s, os.path.join(folder, ckpt.HF_DIR))  # config, tokenizer: small
+            s.export.write_files(folder)  # config, tokenizer: small
         part = rank_part(s)
         files = ckpt.write_rank_part(folder, **part, complete=False)
         context = {k: getattr(s.ctx, k) for k in _SNAPSHOT}
@@ -165,7 +161,17 @@ class AsyncSaves:
         s.last_saved_step = p.global_step
         pending.thread = threading.Thread(
             target=self._write,
-            args=(s.rank, s.world_size, pending, folder, big, write_hf, files, part["save_id"]),
+            args=(
+                s.rank,
+                s.world_size,
+                s.parallel.sharded,
+                pending,
+                folder,
+                big,
+                write_hf,
+                files,
+                part["save_id"],
+            ),
             name=f"ray-trainer-save-{p.global_step}",
             daemon=True,  # a crash ends the process; the partial folder is no checkpoint
         )
@@ -184,27 +190,20 @@ class AsyncSaves:
             self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
             if s.parallel.sharded:  # DCP's and the gather's collectives, off the training group
                 self._group = dist.new_group(backend="gloo")  # a collective: every rank
-        if s.parallel.sharded:
-            state = sharded_state(s)
-        elif s.rank == 0:
-            state = {"model": model_state(s), "optim": s.optimizer.state_dict()}
-        else:
+        state = state_to_save(s)
+        if state is None:
             return None
         staged = self._stager.stage(state)
-        module, hf = s.parallel.module(), None
-        if exports(s) and s.args.lora is not None:  # the staged adapters, the frozen base
-            from ray_trainer._worker.lora import lora_export
-
-            hf = lora_export(module, s.args, staged["model"])
-        elif exports(s):
-            hf = untied(module, staged["model"])
-        staged["hf"] = hf
+        # The export's weights from the staged copies (a LoRA run's: the staged adapters and
+        # the frozen base, read live).
+        staged["hf"] = s.export.weights(staged["model"]) if s.export is not None else None
         return staged
 
     def _write(
         self,
         rank: int,
         world: int,
+        sharded: bool,
         p: Pending,
         folder: str,
         staged: Any,
@@ -219,23 +218,14 @@ class AsyncSaves:
             if remote:
                 p.location.child(ckpt.manifest_name(rank)).delete()
             written = []
-            if staged is not None and _is_sharded(staged):
-                written += self._write_shards(staged, folder, rank)
-            elif staged is not None:  # DDP, rank 0
-                for name, key in ((ckpt.MODEL_FILE, "model"), (ckpt.OPTIMIZER_FILE, "optim")):
-                    torch.save(staged[key], os.path.join(folder, name))
-                    written.append(name)
+            if staged is not None:  # the same assembly as the synchronous save's
+                state = {"model": staged["model"], "optim": staged["optim"]}
+                written += write_state(folder, state, rank, sharded, self._group)
             if hf:
-                target = os.path.join(folder, ckpt.HF_DIR)
-                if staged is not None and hasattr(staged["hf"], "plan"):  # LoRA's exports
-                    whole = _Gather(self._group, rank, world) if _is_sharded(staged) else _same
+                if staged is not None:
+                    whole = _Gather(self._group, rank, world) if sharded else _same
                     staged["hf"].write(folder, whole, rank == 0)
-                elif staged is not None and _is_sharded(staged):
-                    gather = _Gather(self._group, rank, world)
-                    write_weights(target, staged["hf"], gather, rank == 0)
-                elif rank == 0:
-                    write_weights(target, staged["hf"], lambda t: t, True)
-                written += hf_files(folder) if rank == 0 else []
+                written += export.files(folder) if rank == 0 else []
             for name in written:
                 files[name] = os.path.getsize(os.path.join(folder, name))
             if remote:
@@ -250,30 +240,9 @@ class AsyncSaves:
             p.written_s = time.perf_counter() - started
             p.done.set()
 
-    def _write_shards(self, staged: dict[str, Any], folder: str, rank: int) -> list[str]:
-        """``dcp.save`` of the staged shards on the checkpoint group (rank 0 also writes the
-        ``.metadata``); the files this rank wrote, relative to `folder` (on a local path the
-        ranks share the folder: DCP names each rank's file ``__<rank>_<n>.distcp``)."""
-        import torch.distributed.checkpoint as dcp
-
-        target = os.path.join(folder, ckpt.SHARDS_DIR)
-        state = {"model": staged["model"], "optim": staged["optim"]}
-        writer = dcp.FileSystemWriter(target, sync_files=False)  # as the synchronous save
-        dcp.save(state, storage_writer=writer, process_group=self._group)
-        mine = [
-            n
-            for n in os.listdir(target)
-            if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")
-        ]
-        return [os.path.join(ckpt.SHARDS_DIR, n) for n in sorted(mine)]
-
 
 def _same(tensor: Any) -> Any:
     return tensor
-
-
-def _is_sharded(staged: dict[str, Any]) -> bool:
-    return any(hasattr(v, "placements") for v in staged["model"].values())
 
 
 class _Gather:

@@ -3,7 +3,7 @@
 Runs in every training worker (one Ray Train worker process per rank). Worker-side callbacks
 (``runs_on="rank0"``/``"all_ranks"``) run here, synchronously, with the live model in the
 context. On rank 0, the events the callback actor needs are handed to a forwarder, which
-batches them to the actor without waiting (see ``forward.py``).
+batches them to the actor without waiting (see ``event_forwarder.py``).
 
 Control requests made by any callback accumulate in ``pending`` until the loop starts a step's
 all-reduce (just before the last micro-batch's backward), which agrees them across ranks for

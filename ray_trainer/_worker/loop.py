@@ -39,10 +39,13 @@ from callbacks import TrainerControl
 from ray_trainer._contract import RunSpec
 from ray_trainer._worker.agreement import Agreement
 from ray_trainer._worker.boundary import Schedule, decide
-from ray_trainer._worker.data import MicroBatch
+from ray_trainer._worker.loader import MicroBatch
 from ray_trainer._worker.resume import maybe_resume
-from ray_trainer._worker.saving import evaluate, gather_summary, save
-from ray_trainer._worker.setup import WorkerState, setup
+from ray_trainer._worker.saving import save
+from ray_trainer._worker.setup import setup
+from ray_trainer._worker.state import WorkerState
+from ray_trainer._worker.summary import gather_summary
+from ray_trainer._worker.validation import evaluate
 
 
 def run_worker(spec: RunSpec) -> None:

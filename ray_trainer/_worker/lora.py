@@ -1,6 +1,13 @@
-"""Training worker: the run's model wrapped with LoRA adapters (peft), and their exports.
+"""Training worker: what LoRA changes in a run, as one object built at setup (`adapt`).
 
-Runs in each training worker: at setup (`apply_lora`), and at each save of a LoRA run (the
+`adapt` is the one place that asks whether a run uses LoRA. It returns the run's adaptation:
+`WholeModel` (no LoRA) or `LoraAdapters`, which say what training updates (`trainable`), what a
+checkpoint holds and loads back, what the ``hf/`` export writes (`weights`, the adapter and/or
+the merged model), and a context in which the model computes without its adapters (`disabled`:
+the base, a reference model for preference tuning). The rest of the worker asks the object and
+never the run's args.
+
+Runs in each training worker: at setup (`adapt`), and at each save of a LoRA run (the
 exports). Every rank wraps the model it built with peft after the same seed, so the adapters
 start identical on every rank. A pretrained base built on the meta device (``loading.py``) gets
 adapters on the meta device too; the fill that `apply_lora` returns gives them memory with the
@@ -13,6 +20,7 @@ precision each block's parameters, base and adapters, are all-gathered in bf16 f
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,13 +28,109 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_trainer._checkpoint import HF_ADAPTER_DIR, HF_DIR, tied_aliases
 from ray_trainer._config import TrainingArgs
-from ray_trainer._lora import wrap
+from ray_trainer._errors import CheckpointError
+from ray_trainer._lora import trainable_names, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint, lora_state
 from ray_trainer._models import ModelSpec
+from ray_trainer._pretrained.safetensors import write_weights
+from ray_trainer._worker.export import ModelWeights, SavePretrained, untied
 
 ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_DIR = "hf_adapter"  # with lora_export="both": the adapter (the merged model is in hf/)
+
+
+class WholeModel:
+    """A run without LoRA: every parameter trains; checkpoints and exports hold the whole
+    model."""
+
+    record: dict[str, Any] | None = None  # nothing to record of a base
+    adapter_dir: str | None = None
+    exports_model = True
+
+    def trainable(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds of `state`: all of it."""
+        return state
+
+    def load(self, module: nn.Module, state: dict[str, Any], name: str) -> None:
+        """DDP: load a checkpoint's whole model into `module`."""
+        module.load_state_dict(state)
+
+    def exported(self, module: nn.Module) -> nn.Module:
+        """The module whose ``save_pretrained`` says whether the run exports."""
+        return module
+
+    def weights(self, module: nn.Module, state: dict[str, Any] | None, sharded: bool) -> Any:
+        """The export's weights: of `state` (staged copies), else of the live model (DDP: it
+        saves itself; FSDP: this rank's shards under the model's own names)."""
+        if state is None and not sharded:
+            return SavePretrained(module)
+        if state is None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            state = get_model_state_dict(module)
+        return ModelWeights(untied(module, state))
+
+    def disabled(self, module: nn.Module) -> Any:
+        """The model as it is: there are no adapters to disable."""
+        return contextlib.nullcontext()
+
+
+@dataclass
+class LoraAdapters:
+    """A LoRA run: the base frozen, the adapters train; checkpoints hold the adapters alone
+    (with `record`, the base they belong to); the export is the adapter and/or the merged
+    model, by ``lora_export`` (`kind`)."""
+
+    record: dict[str, Any]  # what checkpoints record of the base (base, fingerprint, config)
+    kind: str  # lora_export: "adapter", "merged" or "both"
+    base: Any  # the run's `model`, named in the adapter's config
+
+    @property
+    def adapter_dir(self) -> str | None:
+        """The checkpoint's folder of the PEFT adapter (None: the merged model alone)."""
+        return None if self.kind == "merged" else adapter_dir(self.kind)
+
+    @property
+    def exports_model(self) -> bool:
+        return self.kind != "adapter"
+
+    def trainable(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """The entries of `state` that training updates: the adapters."""
+        keep = set(trainable_names(module))
+        return {k: v for k, v in state.items() if k in keep}
+
+    def load(self, module: nn.Module, state: dict[str, Any], name: str) -> None:
+        """DDP: load a checkpoint's adapters, every one of them (the base is the run's own,
+        checked to be the same by the driver)."""
+        missing = [n for n in trainable_names(module) if n not in state]
+        if missing:
+            raise CheckpointError(f"{name} holds no {missing[0]}: not this run's adapters")
+        module.load_state_dict(state, strict=False)
+
+    def exported(self, module: nn.Module) -> nn.Module:
+        """The base's: a PeftModel saves itself whatever it wraps."""
+        return module.get_base_model()
+
+    def weights(self, module: nn.Module, state: dict[str, Any] | None, sharded: bool) -> Any:
+        """The export's weights, from `state` (trainable-only: staged copies) or the live
+        adapters."""
+        return lora_export(module, self.kind, self.base, state)
+
+    def disabled(self, module: nn.Module) -> Any:
+        """A context in which `module` computes as its base, without the adapters."""
+        return module.disable_adapter()
+
+
+def adapt(
+    model: nn.Module, materialize: Any, spec: ModelSpec, args: TrainingArgs
+) -> tuple[nn.Module, Any, WholeModel | LoraAdapters]:
+    """The run's model (wrapped with its adapters under LoRA), its fill (None when it is not on
+    the meta device) and its adaptation: the one place that asks whether a run uses LoRA."""
+    if args.lora is None:
+        return model, materialize, WholeModel()
+    model, materialize, record = apply_lora(model, materialize, spec, args)
+    return model, materialize, LoraAdapters(record, args.lora_export, args.model)
 
 
 def apply_lora(
@@ -169,8 +273,6 @@ def merge_plan(module: nn.Module, adapters: dict[str, Any] | None = None) -> Mer
     so they hold the same values whenever they are read), under the base model's names, each
     tied weight once, with `adapters` (a trainable-only state dict, e.g. staged copies; default
     the live parameters) added to the weights they adapt."""
-    from ray_trainer._checkpoint import tied_aliases
-
     inner = module.get_base_model()
     prefix = "base_model.model."
     adapters = adapters if adapters is not None else dict(module.named_parameters())
@@ -207,9 +309,6 @@ class LoraExport:
         `write_hf_files`'); a collective when `gather` is (every rank calls it)."""
         import os
 
-        from ray_trainer._checkpoint import HF_DIR
-        from ray_trainer._worker.hf_export import write_weights
-
         if self.plan is not None:
             write_weights(
                 os.path.join(folder, HF_DIR), self.plan.tensors, self.plan.whole(gather), writes
@@ -221,13 +320,15 @@ class LoraExport:
 
 def adapter_dir(kind: str) -> str:
     """The folder of a checkpoint that holds the PEFT adapter (``lora_export`` != "merged")."""
-    return "hf" if kind == "adapter" else ADAPTER_DIR
+    return HF_DIR if kind == "adapter" else HF_ADAPTER_DIR
 
 
-def lora_export(module: nn.Module, args: TrainingArgs, state: dict[str, Any] | None) -> LoraExport:
-    """The exports of a LoRA run's checkpoint, from `state` (its trainable-only state dict:
-    live, or staged copies; default the live parameters)."""
+def lora_export(
+    module: nn.Module, kind: str, base: Any, state: dict[str, Any] | None = None
+) -> LoraExport:
+    """The exports of a LoRA run's checkpoint (``lora_export`` `kind`; `base` the run's
+    ``model``), from `state` (its trainable-only state dict: live, or staged copies; default
+    the live parameters)."""
     state = state if state is not None else dict(module.named_parameters())
-    kind = args.lora_export
     plan = merge_plan(module, state) if kind != "adapter" else None
-    return LoraExport(kind, adapter_tensors(state), plan, module.peft_config["default"], args.model)
+    return LoraExport(kind, adapter_tensors(state), plan, module.peft_config["default"], base)

@@ -6,67 +6,23 @@ samples apart by building a [T, T] block mask from the restarting ``position_ids
 on a 2,048-token row of 8 samples that was 19x the attention time of the samples alone, here.
 So a packed run registers ``ray_trainer_packed`` with transformers' ``AttentionInterface`` and
 sets it on the model: the loader hands each packed row's layout (`PackedLayout`, planned on the
-host: which positions belong to which sample) as a keyword the model passes down to attention,
-which gathers the samples into a padded batch of similar lengths, runs SDPA causally (the fused
-kernels, no mask) and scatters the result back. With no layout (validation, padded batches) it
-is SDPA with the batch's padding mask. The check in ``attention.py`` runs the real model through
-this path before training.
+host by ``ray_trainer._data.packing``: which positions belong to which sample) as a keyword the
+model passes down to attention, which gathers the samples into a padded batch of similar
+lengths, runs SDPA causally (the fused kernels, no mask) and scatters the result back. With no
+layout (validation, padded batches) it is SDPA with the batch's padding mask. The check in
+``packing_check.py`` runs the real model through this path before training.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ray_trainer._data.packing import PackedLayout
+
 NAME = "ray_trainer_packed"
-#: A group's samples are padded to its longest; a sample joins a group while its length is at
-#: least this share of the group's longest (so padding at most doubles a sample's attention).
-GROUP_RATIO = 0.5
-
-
-@dataclass
-class PackedLayout:
-    """Where each sample of a packed row is, by groups of similar lengths: for each group of g
-    samples padded to L, the row positions to gather (``gather``, g*L), the entries that are
-    real (``keep``) and their row positions (``place``)."""
-
-    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]
-
-    def to(self, device: Any, non_blocking: bool = False) -> PackedLayout:
-        moved = [
-            (a.to(device, non_blocking=non_blocking), b.to(device, non_blocking=non_blocking),
-             c.to(device, non_blocking=non_blocking), g, n)
-            for a, b, c, g, n in self.groups
-        ]  # fmt: skip
-        return PackedLayout(moved)
-
-
-def layout(lengths: list[int]) -> PackedLayout:
-    """The layout of a row whose samples have `lengths`, in order (on the host, no sync)."""
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups, current = [], []
-    for i in order:
-        if current and lengths[i] < GROUP_RATIO * lengths[current[0]]:
-            groups.append(current)
-            current = []
-        current.append(i)
-    if current:
-        groups.append(current)
-    planned = []
-    for members in groups:
-        width = lengths[members[0]]
-        steps = torch.arange(width)
-        gather = torch.cat([starts[i] + steps.clamp(max=lengths[i] - 1) for i in members])
-        real = torch.cat([steps < lengths[i] for i in members])
-        keep = real.nonzero().flatten()
-        planned.append((gather, keep, gather[keep], len(members), width))
-    return PackedLayout(planned)
 
 
 def packed_attention(

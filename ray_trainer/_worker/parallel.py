@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_trainer._blocks import find_blocks
 from ray_trainer._config import TrainingArgs
-from ray_trainer._models import find_blocks
 
 
 @dataclass
@@ -146,7 +146,7 @@ def _compile(model: nn.Module, args: TrainingArgs) -> None:
     """`torch.compile` in place (`Module.compile`: parameter names stay as they are): each
     block under FSDP (it then shards compiled blocks), the whole model under DDP (DDP then
     wraps the compiled module)."""
-    from ray_trainer._models import missing_compile_toolchain
+    from ray_trainer._compile_probe import missing_compile_toolchain
 
     problem = missing_compile_toolchain(args.use_gpu)
     if problem:

@@ -9,34 +9,30 @@ callback actor).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 import ray.train
 import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._contract import RunSpec
-from ray_trainer._lora.config import trainable_names
-from ray_trainer._storage import locate
-from ray_trainer._worker.saving import load_shards
-
-if TYPE_CHECKING:
-    from ray_trainer._worker.setup import WorkerState
+from ray_trainer._storage import Location, locate
+from ray_trainer._worker.saving import sharded_state
+from ray_trainer._worker.state import WorkerState
 
 _META = ".ray_trainer"
 
 
-def agree_attempt(spec: RunSpec, rank: int, world: int) -> int:
+def agree_attempt(spec: RunSpec, run: Location, rank: int, world: int) -> int:
     """Rank 0 counts this start of the worker group; every rank learns the count."""
-    holder = [_bump_attempt(spec) if rank == 0 else None]
+    holder = [_bump_attempt(run, spec.launch_id) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(holder, src=0)
     return holder[0]
 
 
-def _bump_attempt(spec: RunSpec) -> int:
-    run = locate(spec.run_dir, spec.args.storage_filesystem)
-    counter = run.child(_META, f"attempts-{spec.launch_id}")
+def _bump_attempt(run: Location, launch_id: str) -> int:
+    counter = run.child(_META, f"attempts-{launch_id}")
     previous = int(counter.read_text() or -1)
     counter.write_text(str(previous + 1))  # written whole: a reader never sees half a file
     return previous + 1
@@ -50,17 +46,15 @@ def maybe_resume(s: WorkerState) -> None:
     Train registers a reported checkpoint only when its controller next polls (~2 s), so a crash
     right after a save would otherwise restart from an older one (or from scratch).
     """
-    spec = s.spec
-    fs = spec.args.storage_filesystem
     reported = ray.train.get_checkpoint()
-    path = ckpt.latest_checkpoint(spec.run_dir, fs)
-    if path is None and reported is not None:
-        path = locate(spec.run_dir, fs).child(os.path.basename(reported.path.rstrip("/"))).name
-    if path is None and spec.args.resume_from is not None:
-        path, fs = spec.args.resume_from, None  # a checkpoint of another run: its own storage
-    if path is None:
+    location = next(ckpt.complete_checkpoints(s.run), None)
+    if location is None and reported is not None:
+        location = s.run.child(os.path.basename(reported.path.rstrip("/")))
+    if location is None and s.args.resume_from is not None:
+        location = locate(s.args.resume_from)  # a checkpoint of another run: its own storage
+    if location is None:
         return
-    with ckpt.open_checkpoint(path, fs) as checkpoint:
+    with ckpt.open_checkpoint(location) as checkpoint:
         written_with = checkpoint.state.strategy
         if written_with != s.args.strategy:
             raise ckpt.CheckpointError(
@@ -68,9 +62,11 @@ def maybe_resume(s: WorkerState) -> None:
                 f"with strategy={written_with!r} (this run has {s.args.strategy!r})"
             )
         if s.parallel.sharded:
-            load_shards(s, checkpoint.shards_dir)  # a collective: every rank reads its shards
-        else:
-            load_whole(s, checkpoint.load(ckpt.MODEL_FILE, True), checkpoint.name)
+            # A collective: every rank reads its shards.
+            load_shards(s.parallel.model, s.optimizer, s.workload.adaptation, checkpoint.shards_dir)
+        else:  # a LoRA checkpoint holds the adapters alone: the adaptation loads them
+            model_state = checkpoint.load(ckpt.MODEL_FILE, True)
+            s.workload.adaptation.load(s.parallel.module(), model_state, checkpoint.name)
             optimizer = checkpoint.load(ckpt.OPTIMIZER_FILE)
             if optimizer is not None:
                 s.optimizer.load_state_dict(optimizer)
@@ -91,20 +87,7 @@ def maybe_resume(s: WorkerState) -> None:
     ctx = s.ctx
     ctx.global_step, ctx.epoch = p.global_step, p.epoch
     ctx.samples_seen, ctx.tokens_seen = p.samples_seen, p.tokens_seen
-    s.hooks.fire("on_load_checkpoint", checkpoint_path=path)
-
-
-def load_whole(s: WorkerState, state: dict, name: str) -> None:
-    """DDP: load the model's state; a LoRA checkpoint holds the adapters alone (the base is
-    the run's own, checked to be the same by the driver), every one of them."""
-    module = s.parallel.module()
-    if s.args.lora is None:
-        module.load_state_dict(state)
-        return
-    missing = [n for n in trainable_names(module) if n not in state]
-    if missing:
-        raise ckpt.CheckpointError(f"{name} holds no {missing[0]}: not this run's adapters")
-    module.load_state_dict(state, strict=False)
+    s.hooks.fire("on_load_checkpoint", checkpoint_path=location.name)
 
 
 def position_after(
@@ -123,3 +106,20 @@ def position_after(
     if step_in_epoch >= steps_per_epoch:
         return epoch + 1, 0
     return epoch, step_in_epoch
+
+
+def load_shards(model: Any, optimizer: Any, adaptation: Any, shards_dir: str) -> None:
+    """Read model and optimizer from DCP shards into this rank's shards (DCP reshards when the
+    checkpoint was written by another number of workers). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = sharded_state(model, optimizer, adaptation)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(shards_dir))
+    # A tied weight's other names fill themselves: they are the same parameter.
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -8,7 +8,6 @@ mixed precision); the data is sharded by our own resumable sampler.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -20,45 +19,16 @@ from ray_trainer import _checkpoint as ckpt
 from ray_trainer._config import TrainingArgs
 from ray_trainer._contract import RunSpec
 from ray_trainer._placement import build_manager, keep_for_worker, unpack
-from ray_trainer._worker.attention import check_packed_attention
-from ray_trainer._worker.data import StepLoader
+from ray_trainer._storage import locate
+from ray_trainer._worker.export import choose_export
 from ray_trainer._worker.hooks import Hooks
-from ray_trainer._worker.parallel import Replicated, Sharded, prepare
+from ray_trainer._worker.loader import StepLoader
+from ray_trainer._worker.packing_check import check_packed_attention
+from ray_trainer._worker.parallel import prepare
 from ray_trainer._worker.resume import agree_attempt
-from ray_trainer._worker.throughput import ModelShape, Window, model_shape, peak_flops
+from ray_trainer._worker.state import WorkerState
+from ray_trainer._worker.throughput import model_shape, peak_flops
 from ray_trainer._worker.workload import Workload, build_workload
-
-
-@dataclass
-class WorkerState:
-    """Everything the loop mutates, in one place (passed around, never global)."""
-
-    spec: RunSpec
-    args: TrainingArgs
-    rank: int
-    world_size: int
-    accelerator: Any
-    parallel: Replicated | Sharded  # DDP or FSDP2: how the model is spread over the ranks
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    workload: Workload
-    loader: StepLoader
-    hooks: Hooks
-    ctx: TrainingContext
-    total_steps: int
-    steps_per_epoch: int
-    progress: ckpt.TrainerState = field(default_factory=ckpt.TrainerState)
-    last_saved_step: int = -1
-    stop_reason: str | None = None
-    abort: bool = False
-    pending: Any = None  # the last step's agreement, read (and acted on) at the next boundary
-    grad_norm: Any = None  # the last step's gradient norm, a tensor until logged
-    window: Window = field(default_factory=Window)  # tokens and time since the last log
-    model_shape: ModelShape = field(default_factory=lambda: ModelShape(0))
-    peak_flops: float | None = None  # of one device, for MFU
-    copy_stream: Any = None  # on a GPU: the side stream that copies agreements to the host
-    saves: Any = None  # with async_checkpoint: the AsyncSaves (async_save.py)
 
 
 def setup(spec: RunSpec) -> WorkerState:
@@ -69,7 +39,8 @@ def setup(spec: RunSpec) -> WorkerState:
     args = spec.args
     train_ctx = ray.train.get_context()
     rank, world = train_ctx.get_world_rank(), train_ctx.get_world_size()
-    attempt = agree_attempt(spec, rank, world)
+    run = locate(spec.run_dir, args.storage_filesystem)  # every file of the run is below it
+    attempt = agree_attempt(spec, run, rank, world)
     forwarder = _forwarder(spec, rank, attempt)  # first: the actor counts this start at once
 
     lists = unpack(ray.get(spec.callbacks_ref))
@@ -161,6 +132,8 @@ def setup(spec: RunSpec) -> WorkerState:
         if accelerator.device.type == "cuda"
         else None,
         saves=saves,
+        export=choose_export(parallel, workload, args.save_hf_format),
+        run=run,
     )
 
 
@@ -213,7 +186,7 @@ def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:
     """Rank 0's event forwarder to the callback actor (None on the other ranks)."""
     if rank != 0:
         return None
-    from ray_trainer._worker.forward import EventForwarder
+    from ray_trainer._worker.event_forwarder import EventForwarder
 
     args = spec.args
     return EventForwarder(

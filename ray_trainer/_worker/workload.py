@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ray_trainer._config import TrainingArgs, is_builtin
-from ray_trainer._models import ModelSpec
+from ray_trainer._config import TrainingArgs
+from ray_trainer._models import ModelSpec, is_builtin, is_causal_lm
+from ray_trainer._storage import locate
 from ray_trainer._worker.loading import Materialize, build_model
+from ray_trainer._worker.lora import LoraAdapters, WholeModel, adapt
 
 
 @dataclass
@@ -54,8 +56,8 @@ class Workload:
     packed_layout: bool = False  # packed rows carry their layout to our packed attention
     # A pretrained model built on the meta device: fills it once placed (loading.py).
     materialize: Materialize | None = None
-    # A LoRA run: what its checkpoints record of the base (base model, fingerprint, config).
-    lora_state: dict[str, Any] | None = None
+    # What LoRA changes (trainable parameters, checkpoints, the export), or the whole model.
+    adaptation: WholeModel | LoraAdapters = field(default_factory=WholeModel)
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
@@ -85,11 +87,8 @@ def build_workload(
         return _demo_workload(args)
     spec = ModelSpec.of(args)
     model, materialize = build_model(spec)  # a pretrained model: on the meta device, unfilled
-    lora_state = None
-    if args.lora is not None:  # the base frozen, adapters added (on meta with the base)
-        from ray_trainer._worker.lora import apply_lora
-
-        model, materialize, lora_state = apply_lora(model, materialize, spec, args)
+    # Under LoRA the base frozen, adapters added (on meta with the base).
+    model, materialize, adaptation = adapt(model, materialize, spec, args)
     packed_layout = False
     if args.packing:  # each sample attends to itself alone, without a [T, T] mask
         from ray_trainer._worker.packed_attention import use_packed_attention
@@ -119,7 +118,7 @@ def build_workload(
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
         packed_layout=packed_layout,
         materialize=materialize,
-        lora_state=lora_state,
+        adaptation=adaptation,
     )
 
 
@@ -171,18 +170,10 @@ def takes_num_items(model: nn.Module) -> bool:
     return hasattr(model, "loss_function") and any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A model that predicts token t+1 at position t (its labels are shifted inside)."""
-    from ray_trainer._demo.model import TinyCausalLM
-
-    name = type(model).__name__
-    return isinstance(model, TinyCausalLM) or name.endswith(("ForCausalLM", "LMHeadModel"))
-
-
 def _end_of_turn(tokenizer: Any, chat_template: str | None) -> list[int] | None:
     if chat_template is None:
         return None
-    from ray_trainer._data.encode import end_of_turn_ids
+    from ray_trainer._data.template import end_of_turn_ids
 
     return list(end_of_turn_ids(tokenizer, chat_template))
 
@@ -190,16 +181,18 @@ def _end_of_turn(tokenizer: Any, chat_template: str | None) -> list[int] | None:
 def _pad_id(tokenizer: Any) -> int | None:
     if tokenizer is None:
         return None
-    from ray_trainer._data.text import _Encoder
+    from ray_trainer._data.encode import Encoder
 
-    return _Encoder(tokenizer).pad_id
+    return Encoder(tokenizer).pad_id
 
 
 def _dataset(field: str, args: TrainingArgs, caches: dict[str, str], pad_id: Any) -> Dataset:
     if field in caches:
-        from ray_trainer._worker.data import CachedDataset
+        from ray_trainer._worker.loader import CachedDataset
 
-        return CachedDataset.open(caches[field], args.storage_filesystem, pad_id or 0)
+        # The cache the driver named (a path or URI), on the run's storage.
+        cache = locate(caches[field], args.storage_filesystem)
+        return CachedDataset.open(cache, pad_id or 0)
     spec = getattr(args, field)
     if isinstance(spec, type) or (callable(spec) and not hasattr(spec, "__getitem__")):
         spec = spec()
@@ -222,11 +215,7 @@ def _demo_workload(args: TrainingArgs) -> Workload:
     from ray_trainer._demo import build_demo
 
     demo = build_demo(**args.demo)
-    model, lora_state = demo.model_factory(), None
-    if args.lora is not None:
-        from ray_trainer._worker.lora import apply_lora
-
-        model, _, lora_state = apply_lora(model, None, ModelSpec.of(args), args)
+    model, _, adaptation = adapt(demo.model_factory(), None, ModelSpec.of(args), args)
     return Workload(
         model=model,
         train_dataset=demo.train_dataset,
@@ -237,5 +226,5 @@ def _demo_workload(args: TrainingArgs) -> Workload:
         pad_id=demo.tokenizer.pad_id,
         sums_itself=args.loss_fn is None,
         norm=float(args.batch_size * args.grad_accum_steps * 8),
-        lora_state=lora_state,
+        adaptation=adaptation,
     )

@@ -1,8 +1,9 @@
 """Integration fixtures: one real local Ray session shared by every test in this folder.
 
 Starting Ray costs ~3 s and a TorchTrainer.fit ~11 s here, so the session is shared and the
-number of full training runs is kept small. Workers import this folder's modules (the recorder
-callbacks and the tiny model) through PYTHONPATH, as a user's own package would be imported.
+number of full training runs is kept small. Workers import the shared helpers (`tests/support`:
+the recorder callbacks and the tiny model) and this folder's modules through PYTHONPATH, as a
+user's own package would be imported.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
+from support_paths import pythonpath
+from waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,12 +30,11 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     # 4 logical CPUs on 2 cores: two training workers plus evaluation tasks.
     ray.init(
         num_cpus=4,
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath(str(HERE))}},
         log_to_driver=True,
     )
     yield ray
@@ -59,36 +61,39 @@ def _no_resources_left_behind(request):
 
     before = {p.pid for p in psutil.process_iter() if _is_gcs(p)}
     yield
-    import time
-
     import ray
 
-    deadline = time.monotonic() + 30
-    while extra := [p for p in psutil.process_iter() if _is_gcs(p) and p.pid not in before]:
-        if time.monotonic() > deadline:  # another cluster (`ray start`, an embedded Ray) is up
-            pytest.fail(f"{request.module.__name__} left Ray running: {_cmdlines(extra)}")
-        time.sleep(0.2)
+    def extra_clusters() -> list:  # another cluster (`ray start`, an embedded Ray) still up
+        return [p for p in psutil.process_iter() if _is_gcs(p) and p.pid not in before]
+
+    try:
+        wait_until(lambda: not extra_clusters(), 30, "its Ray clusters to stop", interval=0.2)
+    except AssertionError:
+        pytest.fail(f"{request.module.__name__} left Ray running: {_cmdlines(extra_clusters())}")
     if not ray.is_initialized():
         return
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
-        if time.monotonic() > deadline:
-            from ray.util.state import list_actors, list_placement_groups
 
-            alive = [
-                (a.class_name, a.name, a.required_resources)
-                for a in list_actors(filters=[("state", "=", "ALIVE")])
-            ]
-            groups = [
-                (g.name, g.state, g.bundles)
-                for g in list_placement_groups(filters=[("state", "!=", "REMOVED")])
-            ]
-            pytest.fail(
-                f"{request.module.__name__} left {ray.available_resources().get('CPU', 0)} of "
-                f"{ray.cluster_resources().get('CPU')} CPUs free: actors {alive}, "
-                f"placement groups {groups}"
-            )
-        time.sleep(0.2)
+    def cpus_free() -> bool:
+        return ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)
+
+    try:
+        wait_until(cpus_free, 30, "every CPU to be free", interval=0.2)
+    except AssertionError:
+        from ray.util.state import list_actors, list_placement_groups
+
+        alive = [
+            (a.class_name, a.name, a.required_resources)
+            for a in list_actors(filters=[("state", "=", "ALIVE")])
+        ]
+        groups = [
+            (g.name, g.state, g.bundles)
+            for g in list_placement_groups(filters=[("state", "!=", "REMOVED")])
+        ]
+        pytest.fail(
+            f"{request.module.__name__} left {ray.available_resources().get('CPU', 0)} of "
+            f"{ray.cluster_resources().get('CPU')} CPUs free: actors {alive}, "
+            f"placement groups {groups}"
+        )
 
 
 def _is_gcs(proc) -> bool:

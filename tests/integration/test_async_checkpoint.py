@@ -16,7 +16,7 @@ from rt_support import AllRanksRecorder, eval_hf_export, read_records
 from slow_storage import CompleteAtOnSave, slow_filesystem
 
 from callbacks import EvalOnSave
-from ray_trainer._models import TINY_WORDS
+from ray_trainer._demo.tiny_hf import TINY_WORDS
 from ray_trainer.demo import make_tiny_causal_lm
 
 

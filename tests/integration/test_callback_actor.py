@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 from rt_support import (
     ActorRecorder,
     ActorSaveCounter,
@@ -13,15 +12,16 @@ from rt_support import (
     AllRanksRecorder,
     GarbageReturner,
     HangingAsyncLogger,
+    HeldActorHook,
     LockLaterActor,
     LockLaterRank0,
     RaisingActorCallback,
     Rank0GarbageReturner,
-    SlowActorCallback,
     SlowSteps,
     read_records,
     tiny_run,
 )
+from waiting import wait_until
 
 # Documented bound (docs/behaviour.md, "Control from actor-side callbacks"): event_flush_interval_s (0.25 s)
 # + the actor's reply wait (0.05 s) + three steps (the agreement is read one step late); with
@@ -36,23 +36,15 @@ def _run(tmp_path, name, callbacks, **overrides):
     return run_training(**tiny_run(tmp_path, **fields))
 
 
-def _loop_seconds(records, rank=0):
-    """Time from on_train_begin to the last on_step_end on one rank (the training loop)."""
-    mine = [r for r in records if r["rank"] == rank]
-    begin = next(r["t"] for r in mine if r["event"] == "on_train_begin")
-    end = max(r["t"] for r in mine if r["event"] == "on_step_end")
-    return end - begin
-
-
 def test_slow_raising_and_garbage_callbacks_leave_training_alone(ray_session, tmp_path):
     folder = str(tmp_path / "records")
-    steps, sleep = 20, 0.5
+    steps = 20
     result = _run(
         tmp_path,
         "slow-raising",
         [
             AllRanksRecorder(folder),
-            SlowActorCallback(sleep),
+            HeldActorHook(folder, until_step=steps),  # the actor's step 1, held until step 20
             RaisingActorCallback(),
             GarbageReturner(),
             Rank0GarbageReturner(),
@@ -60,10 +52,10 @@ def test_slow_raising_and_garbage_callbacks_leave_training_alone(ray_session, tm
         max_steps=steps,
         save_every_steps=10,
     )
-    records = read_records(folder, "all_ranks")
     assert result.global_step == steps
-    # The loop did not wait for 20 x 0.5 s of callback work.
-    assert _loop_seconds(records) < steps * sleep / 2
+    # The loop did not wait for the actor's callbacks: it ended its last step while the
+    # actor's hook of step 1 was still held.
+    assert read_records(folder, "held") == [{"step": 1, "training_went_on": True}]
     # ... and yet the actor handled every event before run_training returned.
     assert result.events["on_step_end"] == steps
     errors = [e for e in result.callback_errors if e["callback"] == "RaisingActorCallback"]
@@ -120,13 +112,12 @@ def test_killed_actor_is_restarted_and_loses_no_save(ray_session, tmp_path):
     thread = threading.Thread(target=train)
     thread.start()
     # Wait (bounded) until the actor has handled a save, then kill it; Ray restarts it.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if any(r["event"] == "on_save" for r in _safe_read(folder)):
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the actor never handled an on_save")
+    wait_until(
+        lambda: any(r["event"] == "on_save" for r in _safe_read(folder)),
+        120,
+        "the actor to handle an on_save",
+        interval=0.05,
+    )
     ray.kill(ray.get_actor(actor_name("actor-kill"), namespace=NAMESPACE), no_restart=False)
     thread.join(timeout=300)
     assert not thread.is_alive()
@@ -153,6 +144,7 @@ def test_a_hung_async_hook_is_cancelled_and_recorded_and_unpicklable_state_is_le
     ray_session, tmp_path
 ):
     from ray_trainer import _checkpoint
+    from ray_trainer._storage import locate
 
     folder = str(tmp_path / "records")
     timeout = 2.0
@@ -188,6 +180,6 @@ def test_a_hung_async_hook_is_cancelled_and_recorded_and_unpicklable_state_is_le
         (e["callback"], e["event"]) for e in result.callback_errors if e["event"] == "state_dict"
     }
     assert state_errors == {("LockLaterRank0", "state_dict"), ("LockLaterActor", "state_dict")}
-    loaded = _checkpoint.load(result.checkpoint_path, 0)  # complete: verified on load
+    loaded = _checkpoint.load(locate(result.checkpoint_path), 0)  # complete: verified on load
     assert loaded.state.global_step == 10
     assert not any("LockLater" in key for key in loaded.callbacks)

@@ -9,17 +9,18 @@ tiny Ray job on the head). Every wait is bounded and says what it waited for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import pytest
 import yaml
 from local_cluster import LocalCluster
+from waiting import wait_until
 
 RUN = "cluster-demo"
 MAX_STEPS = 100  # ~5-15 s of training here: long enough to catch the run live with `status`
@@ -133,8 +134,9 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
     # While the job runs: ask `ray-trainer status` until it reports the live run past step 0.
     live: dict | None = None
     polls: list[str] = []
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while submit.poll() is None and time.monotonic() < deadline:
+
+    def job_ended() -> bool:
+        nonlocal live
         if live is None:
             done = _cli(cluster, "status", RUN, "--address", cluster.gcs_address, "--json")
             polls.append(f"rc={done.returncode} {done.stderr.strip()[-200:]}")
@@ -142,8 +144,10 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
                 status = json.loads(done.stdout)
                 if (status.get("global_step") or 0) > 0:
                     live = status
-                    continue
-        time.sleep(0.5)
+        return submit.poll() is not None
+
+    with contextlib.suppress(AssertionError):  # judged below, with the job's output
+        wait_until(job_ended, JOB_TIMEOUT_S, "the job to end", interval=0.5)
     if submit.poll() is None:
         submit.kill()
         reader.join(10)
@@ -155,9 +159,8 @@ def test_submit_wait_while_status_and_metrics_follow_the_run(cluster, tmp_path):
     remote.stop.set()
     remote.join(STATUS_TIMEOUT_S + 40)
     # Counters outlive the run on the endpoint; gauges lapse ~2 report intervals after it.
-    metrics_deadline = time.monotonic() + 20
-    while not metrics.lines and time.monotonic() < metrics_deadline:
-        time.sleep(0.5)
+    with contextlib.suppress(AssertionError):  # judged below
+        wait_until(lambda: metrics.lines, 20, "the run's metrics", interval=0.5)
     metrics.stop.set()
     metrics.join(10)
 

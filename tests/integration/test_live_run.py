@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import yaml
@@ -23,8 +22,9 @@ from rt_support import (
     TinyRegressor,
     read_records,
 )
+from support_paths import pythonpath
+from waiting import wait_until
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ERROR_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ E \d+ \d+\]|\bERROR\b|Traceback")
 
 
@@ -41,7 +41,7 @@ def _embedded_env() -> dict[str, str]:
         k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
     }
     env.update(
-        PYTHONPATH=os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p),
+        PYTHONPATH=pythonpath(env=env),
         AUTOSCALER_METRIC_PORT=str(_free_port()),
         DASHBOARD_METRIC_PORT=str(_free_port()),
         RAY_metrics_report_interval_ms="1000",
@@ -114,14 +114,6 @@ def _cli(*args, timeout=120):
     )
 
 
-def _wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
-
-
 def _steps(folder, rank=0):
     if not os.path.isdir(folder):
         return []
@@ -154,7 +146,7 @@ def test_save_then_stop_a_live_run_from_outside(ray_session, tmp_path):
         daemon=True,
     )
     run.start()
-    _wait_for(lambda: len(_steps(folder)) >= 5, 120, "the run to take 5 steps")
+    wait_until(lambda: len(_steps(folder)) >= 5, 120, "the run to take 5 steps")
     # No such run: a clear message and exit 1, with the live runs listed.
     missing = _cli("stop", "no-such-run", "--address", address)
     assert missing.returncode == 1 and "live runs: steered" in missing.stderr, missing.stderr
@@ -162,10 +154,10 @@ def test_save_then_stop_a_live_run_from_outside(ray_session, tmp_path):
     asked = _cli("save", "steered", "--address", address)
     assert asked.returncode == 0 and "will save" in asked.stdout, asked.stderr
     run_dir = tmp_path / "storage" / "steered"
-    _wait_for(lambda: _checkpoint_steps(run_dir), 60, "the save")
+    wait_until(lambda: _checkpoint_steps(run_dir), 60, "the save")
     saved = min(_checkpoint_steps(run_dir))
     # Training goes on after the save; status shows the request and where it took effect.
-    _wait_for(lambda: max(_steps(folder)) > saved + 3, 60, "steps after the save")
+    wait_until(lambda: max(_steps(folder)) > saved + 3, 60, "steps after the save")
     status = _cli("status", "steered", "--address", address, "--json")
     assert status.returncode == 0, status.stderr
     last = json.loads(status.stdout)["last_request"]
@@ -220,9 +212,9 @@ def test_sigterm_to_the_driver_saves_stops_and_the_run_continues(ray_session, tm
     }
     config.write_text(yaml.safe_dump(fields))
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath(env=env)
     # The job's runtime_env, as `ray job submit` hands it to the driver it starts: the workers
-    # import rt_support from here.
+    # import rt_support from tests/support.
     env["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps(
         {"runtime_env": {"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}}}
     )
@@ -234,7 +226,7 @@ def test_sigterm_to_the_driver_saves_stops_and_the_run_continues(ray_session, tm
         text=True,
     )
     try:
-        _wait_for(
+        wait_until(
             lambda: len(_steps(folder)) >= 10 or driver.poll() is not None,
             180,
             "the run to take 10 steps",

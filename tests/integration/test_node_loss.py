@@ -9,17 +9,18 @@ boundary; at the drain deadline Ray Train restarts the workers and the run resum
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from local_cluster import LocalCluster
 from rt_support import read_records
+from support_paths import SUPPORT
+from waiting import wait_until
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = "127.0.0.3"
 
 
@@ -45,14 +46,14 @@ def _train_then_kill(cluster, tmp_path, name, **fields):
         **fields,
     }
     driver = _start_driver(cluster, fields)
-    _wait_until(driver, lambda: os.path.isdir(tmp_path / name / "checkpoint_00000010"), "step 10")
+    _wait_for_run(driver, lambda: os.path.isdir(tmp_path / name / "checkpoint_00000010"), "step 10")
     cluster.raylet(NODE).kill()
     return _outcome(driver, "the node was lost")[0]
 
 
 def _start_driver(cluster, fields):
     return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "node_loss_driver.py"), cluster.gcs_address,
+        [sys.executable, os.path.join(SUPPORT, "node_loss_driver.py"), cluster.gcs_address,
          json.dumps(fields)],
         env=cluster.env(),
         stdout=subprocess.PIPE,
@@ -61,13 +62,13 @@ def _start_driver(cluster, fields):
     )  # fmt: skip
 
 
-def _wait_until(driver, reached, what, timeout_s=180):
-    deadline = time.monotonic() + timeout_s
-    while not reached():
-        if driver.poll() is not None or time.monotonic() > deadline:
-            driver.kill()
-            pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}")
-        time.sleep(0.2)
+def _wait_for_run(driver, reached, what, timeout_s=180):
+    """Until `reached()`; if the driver exits or the time runs out first, fail with its output."""
+    with contextlib.suppress(AssertionError):  # judged below, with the driver's output
+        wait_until(lambda: reached() or driver.poll() is not None, timeout_s, what, interval=0.2)
+    if not reached():
+        driver.kill()
+        pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}")
 
 
 def _outcome(driver, after):
@@ -145,7 +146,7 @@ def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(clust
         "_env": {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
     }
     driver = _start_driver(cluster, fields)
-    _wait_until(
+    _wait_for_run(
         driver, lambda: os.path.isdir(records) and len(_rank0_steps(records, 0)) >= 10, "step 10"
     )
     at = max(_rank0_steps(records, 0))

@@ -8,6 +8,7 @@ server) and WandbLogger (offline) log both launches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -15,6 +16,7 @@ import time
 import pytest
 from rt_support import KillRank1Once
 from tracker_support import wandb_offline_runs, wandb_run
+from waiting import wait_until
 
 from callbacks import EvalOnSave, MLflowLogger, TrainerCallback, WandbLogger
 from ray_trainer.demo import make_tiny_causal_lm
@@ -39,9 +41,8 @@ class ScoreByStep:
             later = os.path.join(
                 os.path.dirname(checkpoint_path), f"checkpoint_{self.until_step:08d}"
             )
-            deadline = time.monotonic() + 120
-            while not os.path.isdir(later) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            with contextlib.suppress(AssertionError):  # bounded; the test judges the metric
+                wait_until(lambda: os.path.isdir(later), 120, f"{later} to exist")
             metrics["still_there"] = float(
                 os.path.isfile(os.path.join(checkpoint_path, "rank0.complete"))
             )
@@ -65,13 +66,17 @@ class StatusProbe(TrainerCallback):
         from ray_trainer._contract import NAMESPACE, actor_name
 
         actor = ray.get_actor(actor_name(context.run_name), namespace=NAMESPACE)
-        started = time.monotonic()
-        while time.monotonic() < started + 120:  # the evaluation runs beside training
-            status = ray.get(actor.status.remote(), timeout=30)
+        status: dict = {}
+
+        def evaluated() -> bool:  # done, or failed: the test says
+            status.clear()
+            status.update(ray.get(actor.status.remote(), timeout=30))
             rows = {r["name"]: r for r in status.get("checkpoints", [])}
-            if rows.get(self.evaluated, {}).get("evaluations"):  # done, or failed: the test says
-                break
-            time.sleep(0.2)
+            return bool(rows.get(self.evaluated, {}).get("evaluations"))
+
+        started = time.monotonic()
+        with contextlib.suppress(AssertionError):  # the evaluation runs beside training
+            wait_until(evaluated, 120, f"{self.evaluated}'s evaluation", interval=0.2)
         status["probe"] = {
             "waited_s": time.monotonic() - started,
             "available": ray.available_resources(),

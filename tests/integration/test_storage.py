@@ -1,8 +1,9 @@
 """Every file of a run on shared or cloud storage (issue 13), with real Ray and real S3 calls.
 
 The bucket is moto's S3-compatible server on 127.0.0.1. The runs' drivers are processes of
-their own (`storage_driver.py`) whose Ray job carries the endpoint and credentials to every
-worker, the callback actor and every evaluation task, as a cluster's instance profile would.
+their own (`tests/support/storage_driver.py`) whose Ray job carries the endpoint and credentials
+to every worker, the callback actor and every evaluation task, as a cluster's instance profile
+would.
 The second test makes a real second "machine": a Ray node in a private mount namespace that
 sees an empty folder where the driver writes.
 """
@@ -18,8 +19,8 @@ import pytest
 from local_cluster import LocalCluster
 from rt_support import read_records
 from s3_server import S3Server
+from support_paths import SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BUCKET = "ray-trainer-tests"
 TEXTS = [f"the quick brown fox jumps over the lazy dog number {i}" for i in range(200)]
 TINY_LM = {"demo": {"d_model": 32, "n_layers": 1, "n_heads": 2}, "max_length": 32}
@@ -38,7 +39,7 @@ def s3():
 
 def _drive(address: str, scenario: dict, env: dict, cwd, timeout: float = 600) -> list:
     done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "storage_driver.py"), address, json.dumps(scenario)],
+        [sys.executable, os.path.join(SUPPORT, "storage_driver.py"), address, json.dumps(scenario)],
         env={**os.environ, **env},
         cwd=cwd,
         capture_output=True,

@@ -1,5 +1,6 @@
-"""The arithmetic of `bench/bench_memory.py`: what counts as a rank's bytes, how the ranks'
-reports become one configuration's figures, and the target (no process group, no Ray)."""
+"""The arithmetic of `bench/bench_memory.py`: what counts as a rank's bytes
+(`bench/_memory_counting.py`), how the ranks' reports become one configuration's figures, and
+the target (no process group, no Ray)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from bench_memory import PHASES, compare, local_bytes, state_bytes, summarise, target_ratio
+from _memory_counting import local_bytes, state_bytes
+from bench_memory import PHASES, compare, summarise, target_ratio
 
 
 class _Shard:

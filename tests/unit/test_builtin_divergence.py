@@ -5,7 +5,7 @@ import math
 import pytest
 
 from callbacks import CallbackManager, DivergenceDetector, TrainingContext
-from callbacks._builtin_divergence import ABORT_MARKER
+from callbacks.builtin.divergence import ABORT_MARKER
 
 
 def manager_for(*callbacks):

@@ -2,13 +2,8 @@
 
 import pytest
 
-from callbacks import (
-    CallbackManager,
-    EarlyStopping,
-    TrainingContext,
-    dumps_callbacks,
-    loads_callbacks,
-)
+from callbacks import CallbackManager, EarlyStopping, TrainingContext
+from callbacks._serialize import dumps_callbacks, loads_callbacks
 
 
 def manager_for(*callbacks):

@@ -6,13 +6,8 @@ import time
 
 import pytest
 
-from callbacks import (
-    CallbackManager,
-    JsonlLogger,
-    TrainingContext,
-    dumps_callbacks,
-    loads_callbacks,
-)
+from callbacks import CallbackManager, JsonlLogger, TrainingContext
+from callbacks._serialize import dumps_callbacks, loads_callbacks
 
 
 def manager_for(*callbacks):

@@ -10,9 +10,9 @@ import pickle
 
 import pytest
 
-import callbacks._builtin_lm_eval as lm
+import callbacks.builtin.lm_eval as lm
 from callbacks import LmEval
-from callbacks._builtin_lm_eval import flat_lm_eval_metrics
+from callbacks.builtin.lm_eval import flat_lm_eval_metrics
 
 
 def test_lm_eval_results_become_flat_names():

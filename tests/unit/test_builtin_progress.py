@@ -5,13 +5,8 @@ import sys
 
 import pytest
 
-from callbacks import (
-    CallbackManager,
-    ProgressBar,
-    TrainingContext,
-    dumps_callbacks,
-    loads_callbacks,
-)
+from callbacks import CallbackManager, ProgressBar, TrainingContext
+from callbacks._serialize import dumps_callbacks, loads_callbacks
 
 
 class FakeTTY(io.StringIO):

@@ -7,8 +7,9 @@ import types
 
 import pytest
 
-from callbacks import CallbackManager, RayMetrics, TrainingContext, dumps_callbacks, loads_callbacks
-from callbacks import _builtin_ray_metrics as rm
+from callbacks import CallbackManager, RayMetrics, TrainingContext
+from callbacks._serialize import dumps_callbacks, loads_callbacks
+from callbacks.builtin import ray_metrics as rm
 
 
 class FakeMetric:

@@ -5,14 +5,9 @@ import struct
 
 import pytest
 
-from callbacks import (
-    CallbackManager,
-    TensorBoardLogger,
-    TrainingContext,
-    dumps_callbacks,
-    loads_callbacks,
-)
-from callbacks import _builtin_tensorboard as tb
+from callbacks import CallbackManager, TensorBoardLogger, TrainingContext
+from callbacks._serialize import dumps_callbacks, loads_callbacks
+from callbacks.builtin import tensorboard as tb
 
 HAVE_WRITER = tb.find_backend() is not None
 needs_writer = pytest.mark.skipif(

@@ -12,8 +12,8 @@ from callbacks import (
     TrainerCallback,
     TrainingContext,
     global_callbacks,
-    runs_on_of,
 )
+from callbacks._hooks import runs_on_of
 
 
 @pytest.fixture(autouse=True)

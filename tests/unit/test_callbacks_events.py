@@ -2,7 +2,8 @@
 
 import pytest
 
-from callbacks import ALIASES, EVENTS, LOW_VALUE_EVENTS, NEVER_DROPPED_EVENTS, resolve_event
+from callbacks import ALIASES, EVENTS
+from callbacks._events import LOW_VALUE_EVENTS, NEVER_DROPPED_EVENTS, resolve_event
 
 CONTRACT_EVENTS = {
     "on_init_end",

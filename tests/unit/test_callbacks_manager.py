@@ -16,6 +16,7 @@ from callbacks import (
     TrainingContext,
     register_global_callback,
 )
+from callbacks._manager_async import AsyncCallbackManager
 
 
 def make_manager(*callbacks, **kwargs):
@@ -63,13 +64,11 @@ def test_events_lists_every_valid_event_as_in_megatron_bridge():
     assert manager.events == EVENTS
     assert make_manager().events == EVENTS
     assert all(manager.register(e, lambda ctx: None) is None for e in sorted(manager.events))
-    assert make_manager(asynchronous=True).events == EVENTS
+    assert AsyncCallbackManager(global_callbacks=[]).events == EVENTS
 
 
 def test_sync_and_async_dispatch_are_separate_classes():
-    from callbacks._manager_async import AsyncCallbackManager
-
-    sync, async_ = make_manager(), make_manager(asynchronous=True)
+    sync, async_ = make_manager(), AsyncCallbackManager(global_callbacks=[])
     assert type(sync) is CallbackManager and isinstance(async_, AsyncCallbackManager)
     assert not hasattr(sync, "_dispatcher")
     assert sync.fire("on_log") is not None and async_.fire("on_log") is None

@@ -15,10 +15,8 @@ from callbacks import (
     CallbackPicklingError,
     TrainerCallback,
     TrainingContext,
-    dumps_callbacks,
-    loads_callbacks,
-    validate_picklable,
 )
+from callbacks._serialize import dumps_callbacks, loads_callbacks, validate_picklable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +86,8 @@ def test_round_trip_of_a_main_module_class_in_a_fresh_interpreter(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     writer = textwrap.dedent(
         f"""
-        from callbacks import TrainerCallback, dumps_callbacks
+        from callbacks import TrainerCallback
+        from callbacks._serialize import dumps_callbacks
 
         class MainCallback(TrainerCallback):
             def __init__(self, greeting):
@@ -105,7 +104,8 @@ def test_round_trip_of_a_main_module_class_in_a_fresh_interpreter(tmp_path):
     )
     reader = textwrap.dedent(
         f"""
-        from callbacks import CallbackManager, TrainingContext, loads_callbacks
+        from callbacks import CallbackManager, TrainingContext
+        from callbacks._serialize import loads_callbacks
 
         cb, fn = loads_callbacks(open({str(payload)!r}, "rb").read())
         manager = CallbackManager([cb], global_callbacks=[])

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_trainer._data import ByteTokenizer, JsonlTextDataset
 from ray_trainer._data.chat import ChatTemplateError, RecordError, check_messages, check_record
-from ray_trainer._data.encode import IGNORE_INDEX, Encoder
+from ray_trainer._data.encode import IGNORE_INDEX, ByteTokenizer, Encoder
 from ray_trainer._data.template import resolve_chat_template
 from ray_trainer._demo.chat import chat_template, make_tiny_chat_tokenizer
 
@@ -112,22 +111,22 @@ def test_good_messages_pass():
 
 
 @pytest.mark.parametrize("hf", [True, False], ids=["hf", "bytes"])
-def test_prompt_completion_and_text_as_today(tok, tmp_path, hf):
+def test_prompt_completion_and_text_as_the_tokenizer_encodes_them(tok, hf):
     tokenizer = tok if hf else ByteTokenizer()
-    records = [{"prompt": "What is the sky?", "completion": " Blue."}, {"text": "The cat sat."}]
-    path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(__import__("json").dumps(r) for r in records))
-    today = JsonlTextDataset(path, tokenizer=tokenizer, max_length=64)
-    enc = Encoder(tokenizer, max_length=64)
-    for i, (record, fmt) in enumerate(zip(records, ["prompt_completion", "text"], strict=True)):
-        out = enc.encode(record, fmt)
-        assert out.input_ids == today[i]["input_ids"].tolist()
-        assert out.labels == today[i]["labels"].tolist()
-    pc = enc.encode(records[0], "prompt_completion")
     eos = tokenizer.eos_token_id if hf else tokenizer.eos_id
-    assert pc.input_ids[-1] == eos and pc.labels[-1] == eos
-    head = len(enc.encode({"text": "What is the sky?"}, "text").input_ids) - 1
-    assert pc.labels[:head] == [IGNORE_INDEX] * head and IGNORE_INDEX not in pc.labels[head:]
+
+    def ids(text, first):  # special tokens (e.g. a BOS) only at the start of the sequence
+        if hf:
+            return tokenizer(text, add_special_tokens=first)["input_ids"]
+        return tokenizer.encode(text)
+
+    enc = Encoder(tokenizer, max_length=64)
+    records = [{"prompt": "What is the sky?", "completion": " Blue."}, {"text": "The cat sat."}]
+    pc = enc.encode(records[0], "prompt_completion")
+    head, tail = ids("What is the sky?", True), [*ids(" Blue.", False), eos]
+    assert pc.input_ids == head + tail and pc.labels == [IGNORE_INDEX] * len(head) + tail
+    text = enc.encode(records[1], "text")
+    assert text.input_ids == text.labels == [*ids("The cat sat.", True), eos]
     every = Encoder(tokenizer, train_on="all").encode(records[0], "prompt_completion")
     assert every.labels == every.input_ids
 

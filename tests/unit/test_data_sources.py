@@ -7,10 +7,9 @@ import json
 
 import pytest
 
-from ray_trainer._data import DataFileError
 from ray_trainer._data import records as records_module
 from ray_trainer._data.records import scan
-from ray_trainer._data.sources import read_piece, resolve
+from ray_trainer._data.sources import DataFileError, read_piece, resolve
 
 CHAT = {
     "messages": [
@@ -91,6 +90,16 @@ def test_a_datasets_object_and_a_save_to_disk_folder(tmp_path):
 def test_a_missing_path_names_the_field_and_where_it_looked(tmp_path):
     with pytest.raises(DataFileError, match=r"val_data: .*nope.jsonl does not exist"):
         resolve(str(tmp_path / "nope.jsonl"), "val_data")
+    with pytest.raises(DataFileError, match=r"data: .* holds no data file \(nothing\)"):
+        resolve(str(tmp_path), "data")  # a folder with no data file in it
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_file_is_refused_with_its_name(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DataFileError, match=r"empty\.jsonl: no known record format .*\(none\)"):
+        resolve(str(path), "data")
 
 
 def test_every_bad_record_is_counted_and_the_first_named_with_its_line(tmp_path):
@@ -102,6 +111,34 @@ def test_every_bad_record_is_counted_and_the_first_named_with_its_line(tmp_path)
     msg = str(info.value)
     assert msg.startswith(f"{path}:2: invalid JSON") and "1 more bad record" in msg
     assert f"{path}:3: 'messages' must be a non-empty list" in msg
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ('{"body": "x"}', r"missing field 'text' \(found keys: 'body'\)"),
+        ('{"prompt": "q"}', r"missing field 'completion' \(found keys: 'prompt'\)"),
+        ("[1, 2]", "a record must be a JSON object, got a JSON array"),
+        ('"just text"', "a record must be a JSON object, got a JSON string"),
+        ('{"text": 3}', "field 'text' must be a string, got a JSON number"),
+        (
+            '{"prompt": "q", "completion": null}',
+            "field 'completion' must be a string, got a JSON null",
+        ),
+    ],
+)
+def test_a_record_of_the_wrong_shape_is_named_by_its_line(tmp_path, line, expected):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n" + line + "\n")
+    with pytest.raises(DataFileError, match=rf"d\.jsonl:2: {expected}"):
+        scan(resolve(str(path), "data"))
+
+
+def test_invalid_utf8_is_named_by_its_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataFileError, match=r"d\.jsonl:2: not valid UTF-8"):
+        scan(resolve(str(path), "data"))
 
 
 def test_a_bad_row_of_a_parquet_file_is_named_by_its_index(tmp_path):

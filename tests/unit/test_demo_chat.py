@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_trainer._data import collate_batch
 from ray_trainer._data.encode import Encoder
 from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_model
+from ray_trainer._worker.loader import collate_batch
 
 transformers = pytest.importorskip("transformers")
 

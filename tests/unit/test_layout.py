@@ -1,131 +1,161 @@
-"""The layout by process: who may import whom, module sizes, and which process each module names.
+"""The layout: no import circle anywhere, the rooms by process, and which process each module names.
 
-Reads every module's imports with `ast` (no import is executed), so a forbidden import fails
-here even when it sits inside a function.
+Reads every module's imports with `ast` (`tests/support/import_graph.py`; no import is
+executed), so an import inside a function or under `TYPE_CHECKING` counts like any other.
 """
 
 from __future__ import annotations
 
 import ast
+import textwrap
 from pathlib import Path
 
+import import_graph
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = import_graph.ROOT
 PACKAGE = ROOT / "ray_trainer"
 CALLBACKS = ROOT / "callbacks"
-MAX_LINES = 400
-MAX_TOP_MODULES = 8  # besides cli.py and __init__.py
+ROOMS = ("ray_trainer._driver", "ray_trainer._worker", "ray_trainer._actor")
 # The first line of every module's docstring names the process (or processes) that run it.
 PROCESS_WORDS = (
     "driver", "worker", "actor", "every process", "terminal", "eval task", "anywhere",
     "preparation task",
 )  # fmt: skip
+GRAPH = import_graph.build()
 
 
 def _modules(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-def _imports(path: Path) -> list[str]:
-    """Every module name imported by `path`, absolute, relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join([*base, node.module] if node.module else base)
-            else:
-                module = node.module or ""
-            names.append(module)
-            names += [f"{module}.{alias.name}" for alias in node.names]
-    return names
+def _imports_of(prefix: str) -> list[tuple[str, str]]:
+    """(importer, imported) for every project import made by the modules under `prefix`."""
+    return [
+        (src, dst)
+        for src, targets in GRAPH.edges.items()
+        if src == prefix or src.startswith(prefix + ".")
+        for dst in targets
+    ]
 
 
-def _forbidden(folder: Path, prefixes: tuple[str, ...]) -> list[str]:
+def test_no_import_circle_anywhere():
+    found = import_graph.circles(GRAPH)
+    assert not found, "\n\n".join(import_graph.describe(GRAPH, c) for c in found)
+
+
+def test_the_graph_counts_every_kind_of_import(tmp_path):
+    # The circle test would pass vacuously if imports were missed: build a small tree in a
+    # temporary folder (never inside the package) and check each rule of the graph.
+    files = {
+        "ray_trainer/__init__.py": "",
+        "ray_trainer/a.py": """
+            from typing import TYPE_CHECKING
+            if TYPE_CHECKING:
+                from ray_trainer.pkg import b
+        """,
+        "ray_trainer/pkg/__init__.py": "from ray_trainer.pkg.b import thing\n",
+        "ray_trainer/pkg/b.py": """
+            def f():
+                from .. import a
+            thing = 1
+        """,
+        "ray_trainer/pkg/c.py": "from ray_trainer.pkg import thing\nimport ray_trainer.pkg.b\n",
+        "callbacks/__init__.py": "",
+        "bench/_support.py": "",
+        "bench/bench_x.py": "import _support\nfrom _support import y\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    graph = import_graph.build(tmp_path)
+    edges = {src: set(dst) for src, dst in graph.edges.items()}
+    assert edges["ray_trainer.a"] == {"ray_trainer.pkg.b"}  # under TYPE_CHECKING, a submodule
+    assert edges["ray_trainer.pkg.b"] == {"ray_trainer.a"}  # inside a function, relative
+    # `thing` is no submodule: the package's __init__; the parent run implicitly is no edge.
+    assert edges["ray_trainer.pkg.c"] == {"ray_trainer.pkg", "ray_trainer.pkg.b"}
+    assert edges["bench.bench_x"] == {"bench._support"}  # plain imports resolve inside bench/
+    found = import_graph.circles(graph)
+    assert found == [["ray_trainer.a", "ray_trainer.pkg.b"]]
+    assert "ray_trainer/pkg/b.py:3 imports ray_trainer.a" in import_graph.describe(graph, found[0])
+
+
+def test_project_modules_are_never_imported_by_string():
+    # importlib.import_module("ray_trainer.x") would hide an edge from the circle test.
+    project = (*import_graph.PACKAGES, import_graph.BENCH)
     found = []
-    for path in _modules(folder):
-        for name in _imports(path):
-            if name.startswith(prefixes):
-                found.append(f"{path.relative_to(ROOT)} imports {name}")
-    return found
+    for path in GRAPH.files.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called not in ("import_module", "__import__"):
+                continue
+            strings = [n.value for n in ast.walk(node.args[0]) if isinstance(n, ast.Constant)]
+            if any(isinstance(s, str) and s.startswith(project) for s in strings):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
 
 
 def test_worker_and_actor_never_import_each_other():
-    assert _forbidden(PACKAGE / "_worker", ("ray_trainer._actor",)) == []
-    assert _forbidden(PACKAGE / "_actor", ("ray_trainer._worker",)) == []
+    assert [e for e in _imports_of("ray_trainer._worker") if e[1].startswith(ROOMS[2])] == []
+    assert [e for e in _imports_of("ray_trainer._actor") if e[1].startswith(ROOMS[1])] == []
 
 
-def test_driver_never_imports_the_worker():
-    assert _forbidden(PACKAGE / "_driver", ("ray_trainer._worker",)) == []
+def test_the_driver_reaches_the_worker_only_through_its_door():
+    # The entry module imports the loop inside the function Ray Train runs in the worker.
+    reached = {dst for _, dst in _imports_of("ray_trainer._driver") if dst.startswith(ROOMS[1])}
+    assert reached <= {"ray_trainer._worker.entry"}, reached
+    entry = ast.parse((PACKAGE / "_worker" / "entry.py").read_text())
+    top = [n for n in entry.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [n for n in top if (getattr(n, "module", "") or "").startswith("ray_trainer")]
+    assert set(GRAPH.edges["ray_trainer._worker.entry"]) == {"ray_trainer._worker.loop"}
 
 
-def test_shared_modules_import_no_process_package():
-    # What several processes share (config, contract, checkpoint format, placement...) must not
-    # pull one process's code into another.
-    shared = [p for p in PACKAGE.glob("*.py") if p.name not in ("cli.py", "__init__.py")]
-    rooms = ("ray_trainer._driver", "ray_trainer._worker", "ray_trainer._actor")
-    # The one exception: the worker's entry point, which imports the loop once it runs inside
-    # the worker process (the driver hands Ray Train this function, never the loop itself).
-    allowed = {
-        ("_contract.py", "ray_trainer._worker.loop"),
-        ("_contract.py", "ray_trainer._worker.loop.run_worker"),
-    }
+def test_shared_modules_import_no_process_room():
+    # What several processes share (config, contract, checkpoint format, storage, data,
+    # pretrained loading, LoRA's config...) must not pull one process's code into another.
+    shared = [
+        name
+        for name in GRAPH.files
+        if name.startswith("ray_trainer")
+        and not name.startswith(ROOMS)
+        and name not in ("ray_trainer", "ray_trainer.cli")
+    ]
     found = [
-        f"{p.name} imports {n}"
-        for p in shared
-        for n in _imports(p)
-        if n.startswith(rooms) and (p.name, n) not in allowed
+        f"{src} imports {dst}"
+        for src in shared
+        for dst in GRAPH.edges.get(src, {})
+        if dst.startswith(ROOMS)
     ]
     assert found == []
-    init = _imports(PACKAGE / "__init__.py")
-    assert not [n for n in init if n.startswith("ray_trainer._worker")]
+    assert not [dst for dst in GRAPH.edges["ray_trainer"] if dst.startswith(ROOMS[1:])]
 
 
-def test_data_preparation_and_data_formats_import_no_process_room():
-    # The preparation tasks run on any node, beside the driver, workers and actor; the data
-    # formats are shared by all of them.
-    rooms = ("ray_trainer._driver", "ray_trainer._worker", "ray_trainer._actor")
-    assert _forbidden(PACKAGE / "_prep", rooms) == []
-    assert _forbidden(PACKAGE / "_data", (*rooms, "ray_trainer._prep")) == []
+def test_the_data_pipeline_imports_no_ray():
+    # Shared by the driver, the preparation tasks and the workers: plain Python and numpy.
+    found = []
+    for path in _modules(PACKAGE / "_data"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.name}: {n}" for n in names if n == "ray" or n.startswith("ray.")]
+    assert found == []
 
 
 def test_callbacks_import_nothing_of_ray_trainer():
-    assert _forbidden(CALLBACKS, ("ray_trainer",)) == []
-
-
-def test_the_checker_sees_a_forbidden_import(tmp_path):
-    # The rules above would pass vacuously if `_imports` missed imports: check it on a sample.
-    sample = ROOT / "ray_trainer" / "_worker" / "_layout_probe.py"
-    sample.write_text(
-        "def f():\n    from ray_trainer._actor.actor import CallbackActor\n"
-        "from .. import _config\nfrom . import loop\n"
-    )
-    try:
-        names = _imports(sample)
-        assert "ray_trainer._actor.actor" in names
-        assert "ray_trainer._config" in names and "ray_trainer._worker.loop" in names
-        assert _forbidden(PACKAGE / "_worker", ("ray_trainer._actor",)) != []
-    finally:
-        sample.unlink()
-
-
-def test_top_level_holds_only_shared_modules():
-    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("cli.py", "__init__.py"))
-    assert len(top) <= MAX_TOP_MODULES, top
-    assert {"_driver", "_worker", "_actor"} <= {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    assert [e for e in _imports_of("callbacks") if e[1].startswith("ray_trainer")] == []
 
 
 @pytest.mark.parametrize(
     "path", _modules(PACKAGE) + _modules(CALLBACKS), ids=lambda p: str(p.relative_to(ROOT))
 )
-def test_module_size_and_process_named_first(path):
-    lines = path.read_text().splitlines()
-    assert len(lines) <= MAX_LINES, f"{len(lines)} lines"
+def test_every_module_names_its_process_first(path):
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc, "no module docstring"
     if PACKAGE in path.parents:
@@ -154,15 +184,25 @@ def test_the_training_step_reads_in_one_screen():
         assert f'"{event}"' in body, event
 
 
-def test_the_contract_imports_the_worker_loop_only_inside_the_entry_point():
-    tree = ast.parse((PACKAGE / "_contract.py").read_text())
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert not [n for n in top if (getattr(n, "module", "") or "").startswith("ray_trainer._w")]
-    entry = next(
-        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_loop_per_worker"
-    )
-    inner = [n for n in ast.walk(entry) if isinstance(n, ast.ImportFrom)]
-    assert [n.module for n in inner] == ["ray_trainer._worker.loop"]
+# Unit tests about the repository rather than one module of it.
+REPOSITORY_TESTS = {"layout", "cluster_yaml"}
+
+
+def test_a_modules_unit_tests_are_found_by_its_name():
+    # tests/unit/test_<name>[_<topic>].py, where <name> ends a module's or package's dotted path
+    # (underscores dropped, dots as "_"): `_worker/lora.py` -> test_worker_lora.py or
+    # test_lora_....py, `callbacks/builtin/jsonl.py` -> test_builtin_jsonl.py.
+    names = set()
+    for module in GRAPH.files:
+        parts = [p.lstrip("_") for p in module.split(".")]
+        names |= {"_".join(parts[k:]) for k in range(len(parts))} - {"ray_trainer"}
+    unnamed = [
+        p.name
+        for p in sorted((ROOT / "tests" / "unit").glob("test_*.py"))
+        if p.stem[5:] not in REPOSITORY_TESTS
+        and not any(p.stem[5:] == n or p.stem[5:].startswith(n + "_") for n in names)
+    ]
+    assert unnamed == [], f"name each after the module it tests: {unnamed}"
 
 
 def test_test_files_have_unique_basenames():

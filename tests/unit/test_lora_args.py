@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ray_trainer import TrainingArgs, TrainingArgsError, run_training
-from ray_trainer._models import make_tiny_causal_lm
+from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
 
 LORA = {"r": 4, "lora_alpha": 8}
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
@@ -102,7 +102,7 @@ def test_the_merged_export_computes_what_base_plus_adapter_computes(base, tmp_pa
     from ray_trainer._worker.lora import lora_export
 
     args, _, model, _ = _wrapped(base)
-    lora_export(model, args, None).write(str(tmp_path), lambda t: t, True)
+    lora_export(model, args.lora_export, args.model).write(str(tmp_path), lambda t: t, True)
     model.config.save_pretrained(tmp_path / "hf")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
@@ -124,8 +124,12 @@ def _checkpoint(folder, spec, model=None, record=None):
         state.extra["lora"] = record
         keep = set(trainable_names(model))
         weights = {k: v for k, v in model.state_dict().items() if k in keep}
+    files = []
+    if weights is not None:  # as a DDP save writes them
+        torch.save(weights, os.path.join(folder, ckpt.MODEL_FILE))
+        files.append(ckpt.MODEL_FILE)
     ckpt.write_rank_part(
-        str(folder), rank=0, world_size=1, callback_state={}, user_state={}, model=weights,
+        str(folder), rank=0, world_size=1, callback_state={}, user_state={}, extra_files=files,
         trainer_state=state, model_spec=spec,
     )  # fmt: skip
     return str(folder)
@@ -197,7 +201,7 @@ def test_lm_eval_opens_an_adapter_export_on_its_base_fetched_from_a_bucket(base,
 
     args, _, model, _ = _wrapped(base, export="adapter")
     uri = f"file://{base}"  # a base named by URI, as a run on a bucket names it
-    export = lora_export(model, args.model_copy(update={"model": uri}), None)
+    export = lora_export(model, args.lora_export, uri)
     export.write(str(tmp_path), lambda t: t, True)
     found = LmEval("t").model_arguments(str(tmp_path))
     assert found["peft"] == str(tmp_path / "hf")

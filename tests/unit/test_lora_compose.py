@@ -13,7 +13,7 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from ray_trainer._models import make_tiny_causal_lm
+    from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
 
     path = tmp_path_factory.mktemp("lora_compose") / "base"
     return str(make_tiny_causal_lm(path, n_layer=2, dropout=0.0))
@@ -41,7 +41,7 @@ def _loss_and_grads(model, ids):
 
 
 def test_compiled_lora_gives_the_eager_loss_and_adapter_gradients(base):
-    from ray_trainer._models import missing_compile_toolchain
+    from ray_trainer._compile_probe import missing_compile_toolchain
     from ray_trainer._worker.parallel import _compile
 
     if missing_compile_toolchain(False):

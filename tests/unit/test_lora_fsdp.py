@@ -6,7 +6,6 @@ sharded model computes."""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ LORA = {"r": 4, "lora_alpha": 8}
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from ray_trainer._models import make_tiny_causal_lm
+    from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
 
     return str(make_tiny_causal_lm(tmp_path_factory.mktemp("lora") / "base", n_layer=2))
 
@@ -40,40 +39,37 @@ def _sharded_lora(model_path: str, export: str = "both"):
     return args, model, record
 
 
-def _state(args, model):
+def _optimizer(args, model):
     from ray_trainer._worker.setup import _optimizer
 
-    optimizer = _optimizer(model, args, torch.device("cpu"))
-    from ray_trainer._checkpoint import TrainerState
-
-    return SimpleNamespace(
-        args=args, parallel=SimpleNamespace(model=model), optimizer=optimizer,
-        progress=TrainerState(),
-    )  # fmt: skip
+    return _optimizer(model, args, torch.device("cpu"))
 
 
 def save_zero_load(rank: int, world: int, model_path: str, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ray_trainer._worker.saving import load_shards, sharded_state
+    from ray_trainer._worker.lora import LoraAdapters
+    from ray_trainer._worker.resume import load_shards
+    from ray_trainer._worker.saving import sharded_state
 
-    args, model, _ = _sharded_lora(model_path)
-    s = _state(args, model)
+    args, model, record = _sharded_lora(model_path)
+    optimizer = _optimizer(args, model)
+    adapted = LoraAdapters(record, args.lora_export, args.model)
     # One step, so that the optimizer has state to save.
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     model(input_ids=ids, labels=ids).loss.backward()
-    s.optimizer.step()
+    optimizer.step()
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for i, p in enumerate(adapters.values()):  # a value of this rank's own, per adapter
             p.to_local().fill_(1000 * rank + i)
     expected = {n: p.to_local().clone() for n, p in adapters.items()}
-    state = sharded_state(s)
+    state = sharded_state(model, optimizer, adapted)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
     with torch.no_grad():
         for p in adapters.values():
             p.to_local().zero_()
-    load_shards(s, folder)
+    load_shards(model, optimizer, adapted, folder)
     found = {n: torch.equal(p.to_local(), expected[n]) for n, p in adapters.items()}
     keys = sorted(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
     local_rows = {n: p.to_local().shape[0] for n, p in adapters.items()}
@@ -92,7 +88,7 @@ def test_every_ranks_part_of_every_adapter_is_saved_and_found_back(base, tmp_pat
 
 
 def export_and_compare(rank: int, world: int, model_path: str, folder: str) -> dict:
-    from ray_trainer._worker.hf_export import _full
+    from ray_trainer._worker.export import full_tensor as _full
     from ray_trainer._worker.lora import lora_export
 
     args, model, _ = _sharded_lora(model_path)
@@ -101,7 +97,7 @@ def export_and_compare(rank: int, world: int, model_path: str, folder: str) -> d
             if ".lora_B." in name:
                 p.to_local().normal_(0, 0.05, generator=torch.Generator().manual_seed(rank))
     a_full = {n: _full(p) for n, p in model.named_parameters() if ".lora_A." in n}
-    lora_export(model, args, None).write(folder, _full, rank == 0)
+    lora_export(model, args.lora_export, args.model).write(folder, _full, rank == 0)
     if rank == 0:  # what write_hf_files adds: the config
         model.config.save_pretrained(os.path.join(folder, "hf"))
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])

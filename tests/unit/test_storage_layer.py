@@ -23,13 +23,14 @@ def _checkpoint(folder, step=3):
     folder.mkdir(parents=True)
     spec = ModelSpec(demo={"n_train": 64, "n_val": 8, "d_model": 32, "n_heads": 2})
     model = spec.build_model()
+    torch.save(model.state_dict(), folder / ckpt.MODEL_FILE)  # as a DDP save writes it
     ckpt.write_rank_part(
         str(folder),
         rank=0,
         world_size=1,
         callback_state={},
         user_state={},
-        model=model.state_dict(),
+        extra_files=[ckpt.MODEL_FILE],
         trainer_state=ckpt.TrainerState(global_step=step),
         model_spec=spec,
     )

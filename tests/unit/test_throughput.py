@@ -98,7 +98,7 @@ def test_fused_adamw_on_cuda_only():
 def test_a_missing_compiler_is_named_with_the_fix(monkeypatch):
     import shutil
 
-    from ray_trainer._models import missing_compile_toolchain
+    from ray_trainer._compile_probe import missing_compile_toolchain
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)

@@ -1,0 +1,104 @@
+"""Preparation task: encode one piece of a source into the run's token cache.
+
+:func:`encode_piece` is the body of the preparation tasks the driver launches
+(``ray_trainer._driver.data`` wraps it in the Ray task), one per piece, on any node; the tests
+of the encoding run it in their own process. It needs the source's records (read from its files
+or its table through ``pyarrow.fs``), the run's tokenizer (built as the workers build it) and
+the storage the cache lives on. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ray_trainer._data.cache import PieceResult, write_piece
+from ray_trainer._data.chat import RecordError
+from ray_trainer._data.encode import IGNORE_INDEX, Encoder
+from ray_trainer._data.sources import DataFileError, Piece, Source, read_piece, record_format
+from ray_trainer._storage import locate
+
+#: Records with no label left (truncated away, or no assistant turn) named in the result, at most.
+MAX_NAMED = 5
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """How records become samples: the run's tokenizer (as a `ModelSpec` builds it) and the
+    `TrainingArgs` fields that decide the encoding. Part of the cache's fingerprint."""
+
+    model_spec: Any  # ray_trainer._models.ModelSpec (for build_tokenizer)
+    chat_template: str | None
+    train_on: str
+    max_length: int
+    text_field: str
+
+
+def encode_piece(
+    source: Source,
+    index: int,
+    piece: Piece,
+    settings: EncodeSettings,
+    cache_name: str,
+    filesystem: Any = None,
+) -> PieceResult:
+    """Encode every record of `piece` and write them as piece `index` of the cache at
+    `cache_name`. Records that keep no label are left out and named in the result.
+
+    Raises:
+        DataFileError: a record the template cannot render as asked, with where it is.
+    """
+    cpu = time.process_time()
+    encoder = _encoder(settings, cache_name)
+    samples: list[tuple[list[int], list[int]]] = []
+    targets: list[int] = []
+    dropped: list[str] = []
+    records = truncated = dropped_count = 0
+    for where, record in read_piece(source, piece):
+        records += 1
+        try:
+            encoded = encoder.encode(record, record_format(record, source.fmt, settings.text_field))
+        except RecordError as e:
+            raise DataFileError(f"{where}: {e}") from None
+        truncated += bool(encoded.truncated)
+        scored = sum(1 for label in encoded.labels[1:] if label != IGNORE_INDEX)
+        if scored == 0:
+            dropped_count += 1
+            if len(dropped) < MAX_NAMED:
+                dropped.append(where)
+            continue
+        samples.append((list(encoded.input_ids), list(encoded.labels)))
+        targets.append(scored)
+    write_piece(locate(cache_name, filesystem), index, samples)
+    lengths = np.fromiter((len(ids) for ids, _ in samples), dtype=np.int32, count=len(samples))
+    return PieceResult(
+        index=index,
+        lengths=lengths,
+        targets=np.asarray(targets, dtype=np.int32),
+        records=records,
+        truncated=truncated,
+        dropped=dropped_count,
+        dropped_where=dropped,
+        cpu_s=time.process_time() - cpu,
+    )
+
+
+_ENCODERS: dict[str, Encoder] = {}
+
+
+def _encoder(settings: EncodeSettings, key: str) -> Encoder:
+    """One encoder per process and cache (a task process may encode several pieces)."""
+    if key in _ENCODERS:
+        return _ENCODERS[key]
+    _ENCODERS.clear()
+    _ENCODERS[key] = Encoder(
+        settings.model_spec.data_tokenizer(),
+        chat_template=settings.chat_template,
+        train_on=settings.train_on,
+        max_length=settings.max_length,
+        text_field=settings.text_field,
+    )
+    return _ENCODERS[key]

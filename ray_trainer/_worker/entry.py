@@ -1,0 +1,17 @@
+"""Training worker: the worker's door, the one module of ``_worker`` that the driver imports.
+
+The driver hands Ray Train ``train_loop_per_worker``; Ray Train runs it in every worker
+process. It imports the training loop only there, inside the function, so that the driver
+process never imports the loop or anything the loop stands on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Run one rank of the training loop on the ``RunSpec`` in ``config["spec"]`` (worker)."""
+    from ray_trainer._worker.loop import run_worker
+
+    run_worker(config["spec"])

@@ -1,0 +1,306 @@
+"""A real single-node Ray cluster for tests: `ray start --head`, then kill it by process id.
+
+Runs in the pytest process, which never joins the cluster (no `ray.init` here): tests talk to
+it through subprocesses (`ray-trainer submit` / `status`) and HTTP, so it cannot collide with
+the embedded Ray session that other integration tests share.
+
+Isolation from other Ray instances on the machine (see RAY_FACTS.md, "A real local cluster in
+tests"): the head listens on 127.0.0.2 (Ray would replace 127.0.0.1 by the network address),
+every port is explicit and free, `AUTOSCALER_METRIC_PORT` / `DASHBOARD_METRIC_PORT` move the
+two otherwise fixed ports, the session lives in a private `--temp-dir`, token auth is off
+(`RAY_AUTH_MODE=disabled`: a `~/.ray/auth_token` left by another test would turn it on), the
+cluster's own processes know their dashboard (`node_env`), and teardown kills only the
+processes whose command line names this temp dir or one of its ports, with their children.
+Never `ray stop`: it ends every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+
+import psutil
+from waiting import wait_until
+
+HOST = "127.0.0.2"
+_PORT_NAMES = (
+    "port",
+    "dashboard_port",
+    "metrics_export_port",
+    "node_manager_port",
+    "object_manager_port",
+    "dashboard_agent_listen_port",
+    "dashboard_agent_grpc_port",
+    "runtime_env_agent_port",
+    "ray_client_server_port",
+    "autoscaler_metric_port",
+    "dashboard_metric_port",
+)
+# The ports a second node (a raylet joining the head) needs of its own.
+_NODE_PORT_NAMES = (
+    "node_manager_port",
+    "object_manager_port",
+    "metrics_export_port",
+    "dashboard_agent_listen_port",
+    "dashboard_agent_grpc_port",
+    "runtime_env_agent_port",
+)
+_WORKER_PORTS = 100  # one per worker process; a demo run starts about a dozen
+
+
+def _free_port(taken: set[int]) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
+
+
+def _port_block(size: int, taken: set[int]) -> int:
+    """The first port of `size` consecutive free ports, below the ephemeral range."""
+    for _ in range(200):
+        base = random.randrange(20_000, 32_000 - size)
+        block = range(base, base + size)
+        if taken.intersection(block):
+            continue
+        try:
+            for port in block:
+                with socket.socket() as s:
+                    s.bind((HOST, port))
+        except OSError:
+            continue
+        taken.update(block)
+        return base
+    raise RuntimeError(f"no block of {size} free ports found on {HOST}")
+
+
+@dataclass
+class LocalCluster:
+    """One Ray head on 127.0.0.2 with its own ports and temp dir; `start()` then `stop()`."""
+
+    num_cpus: int = 4
+    resources: dict[str, float] = field(default_factory=dict)
+    # Detect a lost node in ~2 s instead of ~15 s (RAY_FACTS.md).
+    fast_failure_detection: bool = False
+    temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    ports: dict[str, int] = field(default_factory=dict)
+    node_ports: dict[str, dict[str, int]] = field(default_factory=dict)
+    worker_ports: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        # A short temp dir: Ray's unix socket paths live under it (limit ~107 characters).
+        taken: set[int] = set()
+        self.ports = {name: _free_port(taken) for name in _PORT_NAMES}
+        base = _port_block(_WORKER_PORTS, taken)
+        self.worker_ports = (base, base + _WORKER_PORTS - 1)
+
+    @property
+    def gcs_address(self) -> str:
+        return f"{HOST}:{self.ports['port']}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{HOST}:{self.ports['dashboard_port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{HOST}:{self.ports['metrics_export_port']}/metrics"
+
+    def env(self) -> dict[str, str]:
+        """The environment for the head and for every client process of this cluster."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+        }
+        return {
+            **env,
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_metrics_report_interval_ms": "1000",
+            "AUTOSCALER_METRIC_PORT": str(self.ports["autoscaler_metric_port"]),
+            "DASHBOARD_METRIC_PORT": str(self.ports["dashboard_metric_port"]),
+            **(
+                {
+                    "RAY_health_check_period_ms": "500",
+                    "RAY_health_check_timeout_ms": "500",
+                    "RAY_health_check_failure_threshold": "3",
+                }
+                if self.fast_failure_detection
+                else {}
+            ),
+        }
+
+    def node_env(self) -> dict[str, str]:
+        """The environment of this cluster's Ray processes, and so of every job, task and actor
+        on it: `env()` plus `RAY_API_SERVER_ADDRESS` = this dashboard. Ray's state API, which
+        Train's PlacementGroupCleaner calls with no address, otherwise looks for the one Ray on
+        the machine; with a second Ray running, as on test machines, its monitor thread dies
+        with "Found multiple active Ray instances" (a traceback in the job's logs; seen here).
+        A real cluster node runs one Ray and needs nothing: `ray-trainer submit` injects
+        nothing into the job for it."""
+        return {**self.env(), "RAY_API_SERVER_ADDRESS": self.dashboard_url}
+
+    def start_command(self) -> list[str]:
+        p = self.ports
+        return [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            f"--node-ip-address={HOST}",
+            f"--num-cpus={self.num_cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={self.temp_dir}",
+            f"--port={p['port']}",
+            "--include-dashboard=true",
+            f"--dashboard-host={HOST}",
+            f"--dashboard-port={p['dashboard_port']}",
+            f"--metrics-export-port={p['metrics_export_port']}",
+            f"--node-manager-port={p['node_manager_port']}",
+            f"--object-manager-port={p['object_manager_port']}",
+            f"--dashboard-agent-listen-port={p['dashboard_agent_listen_port']}",
+            f"--dashboard-agent-grpc-port={p['dashboard_agent_grpc_port']}",
+            f"--runtime-env-agent-port={p['runtime_env_agent_port']}",
+            f"--ray-client-server-port={p['ray_client_server_port']}",
+            f"--min-worker-port={self.worker_ports[0]}",
+            f"--max-worker-port={self.worker_ports[1]}",
+            "--disable-usage-stats",
+            *([f"--resources={json.dumps(self.resources)}"] if self.resources else []),
+        ]
+
+    def start(self, timeout_s: float = 90.0) -> None:
+        """Start the head and wait (bounded) until the dashboard's job API answers."""
+        done = subprocess.run(
+            self.start_command(),
+            env=self.node_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"`ray start --head` failed:\n{done.stdout}\n{done.stderr}")
+        last_error: Exception | None = None
+
+        def answers() -> bool:
+            nonlocal last_error
+            try:
+                with urllib.request.urlopen(f"{self.dashboard_url}/api/jobs/", timeout=5) as r:
+                    return r.status == 200
+            except OSError as e:
+                last_error = e
+                return False
+
+        try:
+            wait_until(answers, timeout_s, "the dashboard's job API", interval=0.5)
+        except AssertionError as e:
+            self.stop()
+            raise AssertionError(
+                f"{e} at {self.dashboard_url} (last error: {last_error}); logs in "
+                f"{self.temp_dir}/session_latest/logs"
+            ) from None
+
+    def add_node(
+        self,
+        ip: str,
+        num_cpus: int,
+        resources: dict[str, float] | None = None,
+        timeout_s: float = 60,
+        hide: str | None = None,
+    ) -> None:
+        """Start a second raylet on `ip` (127.0.0.3, ...) that joins this head; wait until it
+        is alive. Its ports are explicit and free, and its processes name this temp dir.
+
+        With `hide`, the node runs in a private mount namespace with an empty tmpfs over that
+        folder (`unshare --mount`; needs root): like a real second machine, it does not see
+        what the driver writes there."""
+        taken = set(self.ports.values())
+        ports = {name: _free_port(taken) for name in _NODE_PORT_NAMES}
+        base = _port_block(_WORKER_PORTS, taken)
+        self.node_ports[ip] = ports
+        cmd = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            f"--address={self.gcs_address}",
+            f"--node-ip-address={ip}",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--temp-dir={self.temp_dir}",
+            *(f"--{name.replace('_', '-')}={port}" for name, port in ports.items()),
+            f"--min-worker-port={base}",
+            f"--max-worker-port={base + _WORKER_PORTS - 1}",
+            "--disable-usage-stats",
+        ]
+        if resources:
+            cmd.append(f"--resources={json.dumps(resources)}")
+        if hide is not None:
+            os.makedirs(hide, exist_ok=True)
+            mount = f"mount -t tmpfs tmpfs {shlex.quote(hide)} && exec {shlex.join(cmd)}"
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
+        done = subprocess.run(
+            cmd, env=self.node_env(), capture_output=True, text=True, timeout=timeout_s
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"`ray start --address` for {ip} failed:\n{done.stdout}\n{done.stderr}"
+            )
+
+    def raylet(self, ip: str) -> psutil.Process:
+        """The raylet process of the node on `ip`."""
+        for proc in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                cmdline = " ".join(proc.cmdline())
+                if "raylet" in proc.name() and f"--node_ip_address={ip}" in cmdline:
+                    return proc
+        raise LookupError(f"no raylet on {ip} in this cluster")
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster: its command line names the temp dir or one of its
+        ports as `HOST:PORT` (the Ray client server names only `--address=HOST:PORT`), plus all their
+        children (workers rename themselves `ray::IDLE`)."""
+        markers = [self.temp_dir, *(f"{HOST}:{p}" for p in self.ports.values())]
+        for ip, ports in self.node_ports.items():
+            markers += [f"{ip}:{p}" for p in ports.values()]
+        found: dict[int, psutil.Process] = {}
+        me = os.getpid()
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if proc.info["pid"] != me and any(m in cmdline for m in markers):
+                found[proc.pid] = proc
+        for proc in list(found.values()):
+            try:
+                for child in proc.children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                pass
+        return list(found.values())
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Kill this cluster's processes by pid (SIGTERM, then SIGKILL after `timeout_s`), and
+        remove the temp dir."""
+        procs = self.processes()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.send_signal(sig)
+            _, procs = psutil.wait_procs(procs, timeout=timeout_s)
+            if not procs:
+                break
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,173 @@
+"""The loss of a step is the mean over every target token of the global batch: the gradients and
+the logged loss do not depend on how the samples are split into batch_size, grad_accum_steps
+and num_workers, nor on packing. Real gloo ranks (no Ray), the loop's own `train_step`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gloo_support import run_ranks
+
+from ray_trainer._data.cache import PieceResult, cache_location, write_meta, write_piece
+from ray_trainer._storage import locate
+
+MAX_LENGTH = 24
+# name: (batch_size, grad_accum_steps, num_workers, packing)
+SPLITS = {
+    "4x1x1": (4, 1, 1, False),
+    "1x4x1": (1, 4, 1, False),
+    "2x1x2": (2, 1, 2, False),
+    "4x1x1 packed": (4, 1, 1, True),
+    "1x4x1 packed": (1, 4, 1, True),
+    "2x1x2 packed": (2, 1, 2, True),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("split")
+    model = make_tiny_causal_lm(root / "model", n_positions=64)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(12):  # variable lengths, masked prompts: short and long samples mixed
+        n = int(rng.integers(3, MAX_LENGTH))
+        ids = rng.integers(3, 16, n).tolist()
+        cut = int(rng.integers(1, n))
+        samples.append((ids, [-100] * cut + ids[cut:]))
+    location = cache_location(locate(str(root)), "split")
+    write_piece(location, 0, samples)
+    lengths = np.array([len(i) for i, _ in samples], dtype=np.int32)
+    targets = np.array([sum(x != -100 for x in lab[1:]) for _, lab in samples], dtype=np.int32)
+    write_meta(location, {}, [PieceResult(0, lengths, targets, 12, 0, 0, [])])
+    return str(model), location.name
+
+
+def one_step(rank: int, world: int, model_path: str, cache: str) -> dict:
+    """Every split's first step on this rank: the gradients before the optimizer step and the
+    logged loss (W=1 splits run on rank 0 alone, without DDP)."""
+    out = {}
+    for name, (batch, accum, workers, packing) in SPLITS.items():
+        if rank < workers:
+            out[name] = _step(rank, workers, batch, accum, packing, model_path, cache)
+    return out
+
+
+def _step(rank, world, batch, accum, packing, model_path, cache):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from callbacks import CallbackManager, TrainerCallback, TrainingContext
+    from ray_trainer import TrainingArgs
+    from ray_trainer._worker.hooks import Hooks
+    from ray_trainer._worker.loader import CachedDataset, StepLoader
+    from ray_trainer._worker.loop import train_step
+    from ray_trainer._worker.packed_attention import use_packed_attention
+    from ray_trainer._worker.parallel import Replicated, prepare
+    from ray_trainer._worker.state import WorkerState
+    from ray_trainer._worker.workload import Workload, model_loss
+
+    class Grads(TrainerCallback):
+        runs_on = "all_ranks"
+
+        def on_before_optimizer_step(self, context, **kwargs):
+            self.grads = {n: p.grad.detach().clone() for n, p in context.model.named_parameters()}
+
+    args = TrainingArgs(
+        model=model_path, batch_size=batch, grad_accum_steps=accum, num_workers=world,
+        max_length=MAX_LENGTH, max_grad_norm=None, packing=packing,
+        max_tokens_per_batch=64 if packing else None,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    layout = packing and use_packed_attention(model)  # as build_workload does
+    acc = Accelerator(cpu=True)
+
+    def make_optimizer(m):
+        return torch.optim.SGD(m.parameters(), lr=0.0)
+
+    if world == 1:  # this rank alone, no DDP (and no KV cache, as `prepare` sets)
+        model.config.use_cache = False
+        parallel = Replicated(acc, model, make_optimizer(model))
+    else:
+        parallel = prepare(model, args, acc, make_optimizer, "no")
+    data = CachedDataset.open(locate(cache), pad_id=0)
+    norm = float(batch * accum * MAX_LENGTH)
+    workload = Workload(model, data, None, data.collate, model_loss, sums_itself=True, norm=norm)
+    loader = StepLoader(data, world=world, rank=rank, batch_size=batch, grad_accum=accum,
+                        seed=0, pad_id=0, max_tokens=args.tokens_per_micro_batch,
+                        layout=layout)  # fmt: skip
+    grads = Grads()
+    manager = CallbackManager()
+    manager.add(grads)
+    ctx = TrainingContext(rank=rank, world_size=world, model=parallel.module())
+    s = WorkerState(
+        spec=None, args=args, rank=rank, world_size=world, accelerator=acc, parallel=parallel,
+        model=parallel.model, optimizer=parallel.optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda _: 1.0),
+        workload=workload, loader=loader, hooks=Hooks(manager, ctx), ctx=ctx, total_steps=1,
+        steps_per_epoch=loader.steps_per_epoch,
+    )  # fmt: skip
+    micro_batches = next(loader.steps(0))
+    agreed = train_step(s, micro_batches).result()
+    return {
+        "loss": agreed.loss_sum * norm / agreed.targets,
+        "targets": agreed.targets,
+        "micro_batches": len(micro_batches),
+        "grads": grads.grads,
+    }
+
+
+def test_gradients_and_loss_do_not_depend_on_the_split_or_on_packing(setup):
+    model_path, cache = setup
+    ranks = run_ranks(one_step, 2, model_path, cache)
+    results = ranks[0]
+    assert set(results) == set(SPLITS)
+    base = results["4x1x1"]
+    assert base["targets"] > 0 and base["micro_batches"] == 1
+    assert results["1x4x1"]["micro_batches"] == 4
+    for name, result in results.items():
+        assert result["targets"] == base["targets"], name
+        assert result["loss"] == pytest.approx(base["loss"], abs=1e-5), name
+        for param, grad in base["grads"].items():
+            torch.testing.assert_close(result["grads"][param], grad, atol=1e-5, rtol=0, msg=name)
+    # Rank 1 of the 2-worker splits ends with the same gradients (DDP averaged them).
+    for name in ("2x1x2", "2x1x2 packed"):
+        for param, grad in results[name]["grads"].items():
+            torch.testing.assert_close(ranks[1][name]["grads"][param], grad, atol=1e-6, rtol=0)
+
+
+def test_the_worker_check_accepts_a_model_that_keeps_packed_samples_apart(setup):
+    from contextlib import nullcontext
+
+    from transformers import AutoModelForCausalLM
+
+    from ray_trainer._worker.packed_attention import use_packed_attention
+    from ray_trainer._worker.packing_check import PackingError, check_packed_attention
+
+    model = AutoModelForCausalLM.from_pretrained(setup[0]).train()
+    model.config.use_cache = False  # as training runs it
+    check_packed_attention(model, "cpu", nullcontext, pad_to=16)
+    assert model.training  # its mode is given back
+    # Through ray-trainer's packed attention (each sample on its own) too.
+    assert use_packed_attention(model)
+    check_packed_attention(model, "cpu", nullcontext, layout=True)
+    # Without the layout it would be plain causal attention: the check sees the mixing.
+    with pytest.raises(PackingError, match="lets a packed sample attend to the one before it"):
+        check_packed_attention(model, "cpu", nullcontext, layout=False)
+    model.set_attn_implementation("sdpa")
+    # With a KV cache transformers does not build the packed mask: the check sees that too.
+    model.config.use_cache = True
+    with pytest.raises(PackingError, match="lets a packed sample attend to the one before it"):
+        check_packed_attention(model, "cpu", nullcontext, pad_to=16)
+
+
+def test_the_worker_check_refuses_a_model_without_position_ids():
+    from contextlib import nullcontext
+
+    from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
+    from ray_trainer._worker.packing_check import PackingError, check_packed_attention
+
+    with pytest.raises(PackingError, match="does not take position_ids"):
+        check_packed_attention(TinyCausalLM(TinyLMConfig(vocab_size=20)), "cpu", nullcontext, 12)
