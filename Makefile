@@ -1,26 +1,61 @@
-# The README's commands. Each target installs what it needs first, so a fresh clone works.
+# The README's commands. Each target installs what it needs into a project virtualenv (.venv/)
+# first, so a fresh clone works, also where the system Python is externally managed (Debian 12,
+# Ubuntu 24.04 refuse `pip install` into it). A stamp file per install makes the next run skip it;
+# editing pyproject.toml makes it install again.
 PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+# torch is installed first and pinned: the project's torch requirement is a range, and what a
+# plain install gets depends on the index (see the README). TORCH_INDEX_URL picks another index,
+# e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for PyTorch's CPU-only wheels.
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+TORCH_FLAGS := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
+# The venv's commands first on PATH, for the recipes and every process they start: the tests
+# run `ray`, `mlflow` and `ray-trainer`, as a user of the activated venv would.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install test test-unit demo bench lint
+.PHONY: install install-dev test test-unit demo bench lint clean-venv
 
-install:
-	@# Install torch first: a bare `torch` requirement on a machine without torch pulls a multi-GB CUDA build.
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_PIN)"
-	@$(PYTHON) -m pip install -q -e ".[dev]"
+$(VPY):
+	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { \
+	  echo "error: '$(PYTHON) -m venv' is unavailable (no ensurepip). On Debian or Ubuntu install it with:"; \
+	  echo "  sudo apt install python3-venv   (or python3.$$($(PYTHON) -c 'import sys; print(sys.version_info[1])')-venv)"; \
+	  exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	@$(VPY) -m pip install -q --upgrade pip || true  # an old pip still works
 
-test: install
+# The core and what the demo needs (nothing more: the demo downloads nothing).
+$(VENV)/.installed-core: pyproject.toml | $(VPY)
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH_FLAGS) "$(TORCH_PIN)"
+	$(VPY) -m pip install -q -e .
+	@touch $@
+
+# The core, and what the tests, the benchmarks and lint need (trackers, lm-eval, moto, ...).
+$(VENV)/.installed-dev: pyproject.toml | $(VPY)
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH_FLAGS) "$(TORCH_PIN)"
+	$(VPY) -m pip install -q -e ".[dev]"
+	@touch $@ $(VENV)/.installed-core
+
+install: $(VENV)/.installed-core
+
+install-dev: $(VENV)/.installed-dev
+
+test: install-dev
 	@# Fast unit tests first, then the integration tests (real Ray, local clusters).
-	$(PYTHON) -m pytest tests/unit tests/integration
+	$(VPY) -m pytest tests/unit tests/integration
 
-test-unit: install
-	$(PYTHON) -m pytest tests/unit -m "not integration"
+test-unit: install-dev
+	$(VPY) -m pytest tests/unit -m "not integration"
 
 demo: install
-	$(PYTHON) -m ray_trainer.cli demo --num-workers 2
+	$(VPY) -m ray_trainer.cli demo --num-workers 2
 
-bench: install
-	$(PYTHON) bench/run_all.py
+bench: install-dev
+	$(VPY) bench/run_all.py
 
-lint: install
-	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+lint: install-dev
+	$(VPY) -m ruff check . && $(VPY) -m ruff format --check .
+
+clean-venv:
+	rm -rf $(VENV)

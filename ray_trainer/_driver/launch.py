@@ -45,7 +45,7 @@ from ray_trainer._driver.data import DataPlan, prepare_data
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
-from ray_trainer._driver.signals import run_with_graceful_signals
+from ray_trainer._driver.signals import resume_hint, run_with_graceful_signals
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
 from ray_trainer._storage import Location, locate
 from ray_trainer._worker.entry import train_loop_per_worker
@@ -76,6 +76,8 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
     lists = collect_callbacks(args)
     plans = check_inputs(args)
     run = check_storage(args)
+    # The name to resume with, before anything can go wrong (again on Ctrl-C: signals.py).
+    print(resume_hint(args.run_name), flush=True)
 
     import ray
 
@@ -211,7 +213,7 @@ def _fit(
     )
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
-    error = run_with_graceful_signals(trainer.fit, launch.actor)
+    error = run_with_graceful_signals(trainer.fit, launch.actor, args.run_name)
     summary = finish_actor(launch, args, error)
     if error is not None:
         capacity = ""

@@ -6,7 +6,10 @@ SIGINT. Ray Train's own SIGINT handler aborts the workers with nothing saved, so
 ``TorchTrainer.fit`` in a thread (Ray Train then installs no handler) and keeps the main thread
 for its own: the first signal asks the run's callback actor to stop, exactly as ``ray-trainer
 stop`` does (a checkpoint at the next agreed boundary, ``on_train_end``, then ``run_training``
-returns); a second one raises ``KeyboardInterrupt`` at once, which aborts.
+returns); a second one raises ``KeyboardInterrupt`` at once, which aborts. The driver prints
+the run's name at the start and again on the first signal (`resume_hint`): a run continues from
+its newest checkpoint only when started again under the same ``run_name``, and the default name
+is new on every call.
 """
 
 from __future__ import annotations
@@ -33,9 +36,21 @@ def exit_code_of(stop_reason: str | None) -> int | None:
     return None
 
 
-def run_with_graceful_signals(fit: Callable[[], Any], actor: Any) -> BaseException | None:
+def resume_hint(run_name: str) -> str:
+    """How to continue the run `run_name` from its newest checkpoint, in one line. The name is
+    never reused silently: a rerun of an edited config would then resume the old run."""
+    return (
+        f"ray-trainer: run {run_name}; to continue it after a stop or a crash, start it again "
+        f"with run_name={run_name!r} (ray-trainer run/demo: --set run_name={run_name})"
+    )
+
+
+def run_with_graceful_signals(
+    fit: Callable[[], Any], actor: Any, run_name: str | None = None
+) -> BaseException | None:
     """Run `fit()`; the error it raised, or None. In the main thread, SIGTERM/SIGINT ask
-    `actor` (the run's callback actor) to stop; a second signal raises KeyboardInterrupt."""
+    `actor` (the run's callback actor) to stop, and print `resume_hint(run_name)` when given; a
+    second signal raises KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         return _call(fit)  # no signal handlers outside the main thread: just run it
     received: list[str] = []
@@ -51,6 +66,8 @@ def run_with_graceful_signals(fit: Callable[[], Any], actor: Any) -> BaseExcepti
             file=sys.stderr,
             flush=True,
         )
+        if run_name is not None:
+            print(resume_hint(run_name), file=sys.stderr, flush=True)
         actor.request.remote("stop", f"{name} to the driver")  # fire-and-forget
 
     previous = {sig: signal.signal(sig, handle) for sig in HANDLED}
