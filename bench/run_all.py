@@ -184,6 +184,14 @@ BENCHES: dict[str, Bench] = {
         target_note="on slow storage, the pause of an asynchronous save at most 0.2x the "
         "synchronous one",
     ),
+    "elastic": Bench(
+        "bench_elastic.py",
+        "Elastic training: a node lost and back, on a local cluster with a CPU-less head",
+        "an uninterrupted run on both nodes, same seed and global batch (num_workers=[1, 2])",
+        quick=["--quick"],
+        target_note="the loss of every step after a change within 1e-4 relative of the "
+        "uninterrupted run's; times and steps trained again are reported, without a target",
+    ),
 }
 
 

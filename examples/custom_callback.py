@@ -40,7 +40,7 @@ class WeightNorm(TrainerCallback):
     runs_on = "rank0"
 
     def on_evaluate(self, context, **kwargs):
-        norm = sum(float(p.norm()) ** 2 for p in context.model.parameters()) ** 0.5
+        norm = sum(float(p.detach().norm()) ** 2 for p in context.model.parameters()) ** 0.5
         print(f"[rank0] step {context.global_step}: weight norm {norm:.2f}, {context.val_metrics}")
 
 

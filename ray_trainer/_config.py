@@ -20,6 +20,10 @@ from ray_trainer._errors import TrainingArgsError
 
 HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
 
+#: An elastic run's default `max_failures`: Ray Train counts a node lost without a preemption
+#: notice as a worker-group failure, and each lost spot node costs one.
+ELASTIC_MAX_FAILURES = 10
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -34,7 +38,8 @@ class TrainingArgs(BaseModel):
             or a callable returning one.
         max_steps: optimizer steps to train for (``None``: ``num_epochs`` passes over the data).
         batch_size: micro-batch size per worker; the global batch is
-            ``batch_size * grad_accum_steps * num_workers``.
+            ``batch_size * grad_accum_steps * num_workers`` (with an elastic
+            ``num_workers=(min, max)``, of ``max`` at every size).
         callbacks: callback instances or functions; ``on_<event>`` fields take a function or a list.
 
     Example:
@@ -99,8 +104,11 @@ class TrainingArgs(BaseModel):
     # The peak FLOP/s of one device, for MFU in the logs (default: a table of known GPUs).
     peak_flops: float | None = Field(None, gt=0)
 
-    # Scaling.
-    num_workers: int = Field(2, gt=0)
+    # Scaling. A fixed size, or elastic: (min, max) workers, as many as the cluster can place
+    # (docs/cluster.md, "Elastic training"); the global batch is always that of `max`.
+    num_workers: int | tuple[int, int] = 2
+    # Elastic runs: how often Ray Train looks for room to grow the worker group.
+    elastic_resize_interval_s: float = Field(60.0, gt=0)
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -133,11 +141,15 @@ class TrainingArgs(BaseModel):
     event_max_in_flight: int = Field(4, gt=0)
 
     # Cluster and faults.
-    max_failures: int = Field(0, ge=0)
+    # Worker-group failures to recover from (None: 0 for a fixed size; for an elastic size,
+    # ELASTIC_MAX_FAILURES, so that losing a node does not end the run).
+    max_failures: int | None = Field(None, ge=-1)
     # Starting a worker group that cannot be placed (a node was lost, the cluster shrank) fails
-    # after this long, and is retried `max_start_retries` times, then the run fails clearly.
+    # after this long, and is retried `max_start_retries` times, then the run fails clearly
+    # (None: 2 for a fixed size; for an elastic size ELASTIC_MAX_FAILURES, since Ray Train's
+    # first start after a node loss may still count the lost node, and fail once).
     worker_start_timeout_s: float = Field(60.0, gt=0)
-    max_start_retries: int = Field(2, ge=0)
+    max_start_retries: int | None = Field(None, ge=-1)
     ray_address: str | None = None
     # The embedded local Ray starts its dashboard on 127.0.0.1 (its URL is printed at the start).
     dashboard: bool = True
@@ -175,6 +187,23 @@ class TrainingArgs(BaseModel):
                 f"run_name {v!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
                 "letter or digit (it names a folder and a Ray actor)"
             )
+        return v
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _check_num_workers(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ValueError("num_workers takes a number or [min, max] (two whole numbers)")
+            low, high = v
+            if low < 1 or low > high:
+                raise ValueError(
+                    f"num_workers=[{low}, {high}]: an elastic size needs 1 <= min <= max; "
+                    "e.g. num_workers=[1, 4] trains on 1 to 4 workers"
+                )
+            return (low, high) if low < high else low
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError("num_workers must be at least 1")
         return v
 
     @field_validator("data", "val_data")
@@ -253,8 +282,45 @@ class TrainingArgs(BaseModel):
                 f"{self.max_length}: a sample of max_length tokens would not fit; raise it "
                 "(or lower max_length)"
             )
+        if self.elastic and self.placement_strategy.startswith("STRICT_"):
+            raise ValueError(
+                f"placement_strategy={self.placement_strategy!r} with an elastic num_workers="
+                f"{list(self.num_workers)}: a strict placement cannot follow nodes that come "
+                "and go (the group would wait for its exact shape); use 'PACK' or 'SPREAD', or "
+                "a fixed num_workers"
+            )
         _check_ranking(self)
         return self
+
+    # ---- scaling --------------------------------------------------------------------------
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count follows the cluster: ``num_workers=(min, max)``."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers; a step always takes the samples of this many (the global batch)."""
+        return self.num_workers[1] if self.elastic else self.num_workers
+
+    @property
+    def failures_allowed(self) -> int:
+        """`max_failures`, resolved (-1: no bound)."""
+        if self.max_failures is not None:
+            return self.max_failures
+        return ELASTIC_MAX_FAILURES if self.elastic else 0
+
+    @property
+    def start_retries_allowed(self) -> int:
+        """`max_start_retries`, resolved (-1: no bound). Ray Train never resets the count."""
+        if self.max_start_retries is not None:
+            return self.max_start_retries
+        return ELASTIC_MAX_FAILURES if self.elastic else 2
 
     @property
     def tokens_per_micro_batch(self) -> int | None:
@@ -322,6 +388,8 @@ class TrainingArgs(BaseModel):
         for k, v in self.__dict__.items():
             if v is None or isinstance(v, (str, int, float, bool)):
                 out[k] = v
+            elif isinstance(v, tuple) and k == "num_workers":
+                out[k] = list(v)
             elif isinstance(v, dict):
                 out[k] = dict(v)
             elif k == "callbacks" or k in EVENTS or k in ALIASES:

@@ -25,7 +25,10 @@ class EvalOnSave(TrainerCallback):
 
     Args:
         eval_fn: ``(checkpoint_path: str, step: int) -> dict`` of metrics; must be picklable.
-        num_gpus, num_cpus, resources: the Ray resources of each evaluation task.
+        num_gpus, num_cpus, resources: the Ray resources of each evaluation task. When no node
+            has them, a run on a cluster without an autoscaler is refused before training
+            (``num_gpus=0`` evaluates on CPU); with an autoscaler each task waits for a node,
+            bounded by ``timeout_s``.
         max_in_flight: at most this many evaluations at once; the actor (not the training loop)
             waits for a free slot.
         timeout_s: cancel an evaluation that runs longer, and record it as timed out.

@@ -25,6 +25,7 @@ _TRAIN_GAUGES = {
     "loss": "Training loss (cross-rank average) at the last log",
     "learning_rate": "Learning rate at the last log",
     "tokens_per_s": "Training throughput at the last log, tokens/s",
+    "workers": "Training workers of the current attempt (an elastic run's size)",
 }
 
 
@@ -48,7 +49,8 @@ class RayMetrics(TrainerCallback):
     Exported names (with the default ``prefix``), every series tagged ``run=<run_name>``:
 
     - gauges ``ray_trainer_step``, ``ray_trainer_loss``, ``ray_trainer_learning_rate``,
-      ``ray_trainer_tokens_per_s`` (set at each ``on_log``);
+      ``ray_trainer_tokens_per_s`` (set at each ``on_log``), and ``ray_trainer_workers`` (set
+      at each attempt's ``on_train_begin``: an elastic run's size);
     - a gauge ``ray_trainer_eval_<metric>`` per evaluation metric name, the name sanitized to
       ``[a-zA-Z0-9_]`` (set at each ``on_evaluate``; at most ``MAX_EVAL_GAUGES`` names);
     - a gauge ``ray_trainer_callback_errors`` when the actor provides
@@ -131,8 +133,10 @@ class RayMetrics(TrainerCallback):
     # -- hooks: every one counts the event and may re-set the gauges -------------------------
 
     def on_train_begin(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor before training: creates the metrics."""
-        self._event(context, "on_train_begin", {"step": context.global_step})
+        """Called on the callback actor before each attempt: creates the metrics, and sets the
+        worker count (it changes when an elastic run loses or regains workers)."""
+        values = {"step": context.global_step, "workers": context.world_size}
+        self._event(context, "on_train_begin", values)
 
     def on_log(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor at each log: sets the training gauges."""

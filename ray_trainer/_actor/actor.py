@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,9 @@ from ray_trainer._storage import locate
 
 logger = logging.getLogger("ray_trainer")
 
+#: How often an elastic run's actor looks for nodes that joined.
+NODE_POLL_S = 1.0
+
 _STATUS_FIELDS = (
     "global_step",
     "max_steps",
@@ -51,6 +55,7 @@ _STATUS_FIELDS = (
     "throughput",
     "samples_seen",
     "attempt",
+    "world_size",
 )
 
 
@@ -72,8 +77,13 @@ class CallbackActor:
         push_wait_s: float = 0.05,
         filesystem: Any = None,
         retention: Retention | None = None,
+        max_workers: int | None = None,
     ) -> None:
         lists = unpack(packed)
+        # An elastic run (`max_workers` given): its evaluations hold what they reserved (one
+        # at a time unless bounded), and a node that joins gets a save before the group grows.
+        evals = [c for c in lists["user"] + lists["global"] if keep_for_actor(c)]
+        self.reservation = _reserve(run_name, evals) if max_workers else None
         run = locate(run_dir, filesystem)  # the run folder, located once in this process
         self.writer = ActorStateWriter(run)
         self.keeper = CheckpointKeeper(retention, run) if retention else None
@@ -107,6 +117,10 @@ class CallbackActor:
         self.worker_summary: WorkerSummary | None = None
         self.restored_from = restore(self.manager, run)
         self.restarted = _was_restarted()
+        if max_workers:
+            threading.Thread(
+                target=self._save_when_a_node_joins, args=(max_workers,), daemon=True
+            ).start()
         self.requests = OutsideRequests()
         self._last_seq: dict[int, int] = {}
         self._status: dict[str, Any] = {"started_at": time.time()}
@@ -115,9 +129,23 @@ class CallbackActor:
         """Called once by the driver: the actor was built and its callbacks unpickled."""
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def start_attempt(self, attempt: int) -> None:
-        """Called by rank 0 when a worker group starts (fire-and-forget)."""
+    def start_attempt(self, attempt: int, world_size: int | None = None) -> None:
+        """Called by rank 0 when a worker group starts (fire-and-forget), with its size: a
+        change of size (an elastic run that lost or regained workers) is printed, and kept
+        for `ray-trainer status`."""
         self.attempts = max(self.attempts, attempt + 1)
+        if world_size is None:
+            return
+        sizes = self._status.setdefault("worker_sizes", [])
+        if sizes and sizes[-1]["world_size"] != world_size:
+            print(
+                f"[{self.run_name}] attempt {attempt}: training on {world_size} worker(s), "
+                f"was {sizes[-1]['world_size']}",
+                flush=True,
+            )
+        sizes.append({"attempt": attempt, "world_size": world_size, "at": time.time()})
+        del sizes[:-20]  # the recent changes are enough to show
+        self._status["world_size"] = world_size
 
     def push(self, batch: EventBatch) -> BatchReply:
         """Handle one batch of rank-0 events, in order; reply with the ack and any control."""
@@ -274,7 +302,28 @@ class CallbackActor:
             context.best_checkpoint_path, context.best_metrics = self.keeper.best()
         self.manager.fire("on_train_end", context, **kwargs)  # waits, bounded by end_timeout
         self.ended = True
+        if self.reservation is not None:
+            self.reservation.cancel()
         self.storage.close()  # the callbacks synced their files in on_train_end
+
+    def _save_when_a_node_joins(self, max_workers: int) -> None:
+        """An elastic run below its `max_workers`: when a node joins the cluster, ask for a
+        save at once. Ray Train grows the group at its next resize check by restarting it from
+        the latest checkpoint; this one is then recent, and few steps are trained twice."""
+        known: set[str] | None = None
+        while not self.ended:
+            try:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            except Exception:  # the GCS busy or restarting: look again
+                alive = known or set()
+            size = self._status.get("world_size")
+            if known is not None and alive - known and size is not None and size < max_workers:
+                step = self._status.get("global_step")
+                self.requests.add(
+                    "save", "elastic run: a node joined, saving before it grows", step
+                )
+            known = alive
+            time.sleep(NODE_POLL_S)
 
     def _context(self, wire: dict[str, Any]) -> TrainingContext:
         """The context actor-side callbacks get: the wire fields, plus what only the actor
@@ -362,6 +411,16 @@ def _was_restarted() -> bool:
         return bool(info) and info.get("NumRestarts", 0) != 0
     except Exception:  # no GCS answer: assume a first start
         return False
+
+
+def _reserve(run_name: str, callbacks: list[Any]) -> Any:
+    from callbacks.builtin.eval_on_save import EvalOnSave
+    from ray_trainer._actor.reservation import reserve
+
+    for cb in callbacks:
+        if isinstance(cb, EvalOnSave) and cb.max_in_flight is None:
+            cb.max_in_flight = 1
+    return reserve(run_name, callbacks)
 
 
 def start_actor(packed: bytes, run_name: str, run_dir: str, **options: Any) -> tuple[Any, Any]:

@@ -4,8 +4,10 @@ Runs inside the callback actor process. `EvalOnSave.on_save` (on the actor's dis
 calls `EvalTracker.launch`, which starts ``eval_fn(checkpoint_path, step)`` as a Ray task with
 the requested resources and returns at once. A watcher thread collects finished tasks, cancels
 the ones past their timeout, records every outcome, and fires ``on_evaluate`` on the actor-side
-callbacks for each success. Each outcome reaches the `listener` (the checkpoint ranking)
-before the evaluation stops counting as in flight (`pending_paths`).
+callbacks for each success. A task that no live node can run is submitted all the same when the
+cluster has an autoscaler (its pending demand is what makes the autoscaler start a node), and
+otherwise recorded as "cannot be scheduled" at once. Each outcome reaches the `listener` (the
+checkpoint ranking) before the evaluation stops counting as in flight (`pending_paths`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import ray
 
 from callbacks import CallbackManager, TrainingContext
+from ray_trainer._cluster import can_grow, live_nodes, missing
 
 logger = logging.getLogger("ray_trainer")
 
@@ -227,18 +230,13 @@ _REMOTE_EVAL: Any = None
 
 
 def _unavailable(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> str | None:
-    """Why no node of the cluster could ever run the task, or None if some node can."""
-    need = {"CPU": num_cpus, "GPU": num_gpus, **resources}
-    need = {k: v for k, v in need.items() if v}
-    for node in ray.nodes():
-        if node.get("Alive") and all(node["Resources"].get(k, 0) >= v for k, v in need.items()):
-            return None
-    total = ray.cluster_resources()
-    return (
-        f"asks for {need}, but no node has that (cluster: "
-        + ", ".join(f"{k}={total.get(k, 0):g}" for k in need)
-        + ")"
-    )
+    """Why the task can never run, or None: some live node can run it, or the cluster can
+    grow (an autoscaler sees the pending task's demand and may start a node that has the
+    resources; `EvalOnSave`'s timeout, else the end of the run, bounds the wait)."""
+    reason = missing({"CPU": num_cpus, "GPU": num_gpus, **resources}, live_nodes())
+    if reason is None or can_grow():
+        return None
+    return reason + " and the cluster has no autoscaler to add one"
 
 
 def _short(e: BaseException) -> str:

@@ -57,7 +57,7 @@ class TrainerState:
     step_in_epoch: int = 0  # optimizer steps already taken in `epoch`
     samples_seen: int = 0
     tokens_seen: int = 0
-    world_size: int = 1
+    world_size: int = 1  # the workers a step's samples were counted for (elastic: its max)
     stop_reason: str | None = None
     strategy: str = "ddp"  # how the model and optimizer are stored: "ddp" whole, "fsdp" sharded
     extra: dict[str, Any] = field(default_factory=dict)

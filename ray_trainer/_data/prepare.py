@@ -3,8 +3,9 @@
 :func:`encode_piece` is the body of the preparation tasks the driver launches
 (``ray_trainer._driver.data`` wraps it in the Ray task), one per piece, on any node; the tests
 of the encoding run it in their own process. It needs the source's records (read from its files
-or its table through ``pyarrow.fs``), the run's tokenizer (built as the workers build it) and
-the storage the cache lives on. Nothing here imports Ray.
+or its table through ``pyarrow.fs``, or the piece's content as the driver read it), the run's
+tokenizer (built as the workers build it) and the storage the cache lives on. Nothing here
+imports Ray.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def encode_piece(
     settings: EncodeSettings,
     cache_name: str,
     filesystem: Any = None,
+    content: Any = None,
 ) -> PieceResult:
     """Encode every record of `piece` and write them as piece `index` of the cache at
-    `cache_name`. Records that keep no label are left out and named in the result.
+    `cache_name`. Records that keep no label are left out and named in the result. With
+    `content` (``sources.piece_content`` of the piece, read by the driver), the piece's file
+    is not opened here.
 
     Raises:
         DataFileError: a record the template cannot render as asked, with where it is.
@@ -57,7 +61,7 @@ def encode_piece(
     targets: list[int] = []
     dropped: list[str] = []
     records = truncated = dropped_count = 0
-    for where, record in read_piece(source, piece):
+    for where, record in read_piece(source, piece, content):
         records += 1
         try:
             encoded = encoder.encode(record, record_format(record, source.fmt, settings.text_field))

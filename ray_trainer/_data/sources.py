@@ -5,8 +5,10 @@ them, a folder written by ``datasets.Dataset.save_to_disk``, local or on a bucke
 ``gs://``: read through ``pyarrow.fs``, never assuming a shared disk), or an in-memory
 ``datasets.Dataset``. :func:`resolve` (driver, before Ray starts) finds the files and detects the
 format from the columns; :func:`scan` (driver) checks every record and cuts the source into
-:class:`Piece` s; :func:`read_piece` (a preparation task, on any node) yields a piece's records.
-Every record comes with where it is (``file:line``, or ``file[row]``), so an error names it.
+:class:`Piece` s; :func:`read_piece` (a preparation task, on any node) yields a piece's records,
+read from the file, or from the piece's content that the driver read (:func:`piece_content`)
+when the file is on the driver's disk only. Every record comes with where it is
+(``file:line``, or ``file[row]``), so an error names it.
 """
 
 from __future__ import annotations
@@ -211,35 +213,53 @@ def _first_record(file: DataFile) -> tuple[list[str], dict[str, Any]]:
     if file.kind in ("parquet", "arrow"):
         table = _read_table(file, 0, 1)
         return list(table.column_names), (table.to_pylist() or [{}])[0]
-    for _, record in _records(file, Piece(file, 0, file.size)):
+    for _, record in _records(Piece(file, 0, file.size)):
         if isinstance(record, dict):
             return list(record), record
         break
     return [], {}
 
 
-def read_piece(source: Source, piece: Piece) -> Iterator[tuple[str, Any]]:
+def read_piece(source: Source, piece: Piece, content: Any = None) -> Iterator[tuple[str, Any]]:
     """(where, record) for every record of a piece, in order; ``record`` is whatever the line
     parsed to (checking its shape is `check_record`'s job). Runs in the driver and in
-    preparation tasks. A JSON line that does not parse raises :class:`RecordLineError`."""
+    preparation tasks. With `content` (what :func:`piece_content` read from the piece's file),
+    the file is not opened: it may be on another machine. A JSON line that does not parse
+    raises :class:`RecordLineError`."""
     if piece.file is None:
         table = source.table
         for offset, row in enumerate(table.slice(piece.start, piece.end - piece.start).to_pylist()):
             yield f"{source.name}[{piece.start + offset}]", _drop_nulls(row)
         return
-    yield from _records(piece.file, piece)
+    yield from _records(piece, content)
+
+
+def piece_content(piece: Piece) -> Any:
+    """What a file piece holds, read here (the driver) to travel to a preparation task that
+    cannot see the file: its bytes (JSONL, JSON), or its rows as a pyarrow Table (Parquet,
+    Arrow). At most `PIECE_BYTES` of a JSONL file, `PIECE_RECORDS` rows of a table."""
+    file = piece.file
+    if file is None:
+        raise ValueError("piece_content: an in-memory table's piece has no file to read")
+    if file.kind in ("parquet", "arrow"):
+        return _read_table(file, piece.start, piece.end)
+    return _read_bytes(file, piece.start, piece.end)
 
 
 class RecordLineError(DataFileError):
     """A line that is not one JSON object (the message names file and line)."""
 
 
-def _records(file: DataFile, piece: Piece) -> Iterator[tuple[str, Any]]:
+def _records(piece: Piece, content: Any = None) -> Iterator[tuple[str, Any]]:
+    file = piece.file
+    assert file is not None  # an in-memory table's rows are read by `read_piece`
+    if content is None:
+        content = piece_content(piece)
     if file.kind in ("parquet", "arrow"):
-        for offset, row in enumerate(_read_table(file, piece.start, piece.end).to_pylist()):
+        for offset, row in enumerate(content.to_pylist()):
             yield f"{file.name}[{piece.start + offset}]", _drop_nulls(row)
         return
-    data = _read_bytes(file, piece.start, piece.end)
+    data = content
     if piece.start == 0 and data.startswith(_UTF8_BOM):  # as editors on Windows write it
         data = data[len(_UTF8_BOM) :]
     if file.kind == "json" and data.lstrip()[:1] == b"[":  # one JSON array of records

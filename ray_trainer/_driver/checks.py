@@ -2,27 +2,30 @@
 
 Runs in the driver. Everything that can be checked without Ray is checked before ``ray.init()``
 (`collect_callbacks`, `check_inputs`, `check_storage`); what needs the cluster's size before a
-worker starts (`check_resources`).
+worker starts (`check_resources`, and `check_evaluations` for `EvalOnSave`'s tasks).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 from typing import Any
 
-from callbacks import ALIASES, EVENTS, global_callbacks
+from callbacks import ALIASES, EVENTS, EvalOnSave, global_callbacks
 from callbacks._serialize import unpicklable_state, validate_picklable
 from callbacks._state import is_stateful
 from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
 from ray_trainer._checkpoint.names import checkpoint_names
+from ray_trainer._cluster import SKIP_RESOURCE_CHECK, can_grow, live_nodes, missing
 from ray_trainer._config import TrainingArgs
 from ray_trainer._errors import CheckpointError, TrainingArgsError
 from ray_trainer._models import is_builtin
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, is_uri, locate
 
+logger = logging.getLogger("ray_trainer")
 RUN_RECORD = "run.json"
 
 
@@ -172,7 +175,7 @@ def _check_enough_data(args: TrainingArgs, records: int, hold_out: bool) -> None
     """At least one optimizer step per epoch: every worker needs batch_size x grad_accum_steps
     samples of its own (after the 5% held out for validation when no val_data is given)."""
     held_out = max(1, records // 20) if hold_out else 0
-    needed = args.batch_size * args.grad_accum_steps * args.num_workers
+    needed = args.batch_size * args.grad_accum_steps * args.max_workers
     if records - held_out >= needed:
         return
     source = args.data if isinstance(args.data, str) else "the training data"
@@ -180,7 +183,7 @@ def _check_enough_data(args: TrainingArgs, records: int, hold_out: bool) -> None
     raise TrainingArgsError(
         f"data: {source} has {records} sample(s){held}, too few for one optimizer step of "
         f"batch_size={args.batch_size} x grad_accum_steps={args.grad_accum_steps} x "
-        f"num_workers={args.num_workers} = {needed}; add data, or lower batch_size"
+        f"num_workers={args.max_workers} = {needed}; add data, or lower batch_size"
     )
 
 
@@ -292,30 +295,80 @@ def per_worker(args: TrainingArgs) -> dict[str, float]:
 
 
 def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = None) -> None:
-    """Fail fast when the cluster can never place `num_workers` workers of the requested size.
+    """Fail fast when the cluster can never place `num_workers` workers of the requested size
+    (an elastic run: its `min` workers).
 
     ``nodes`` are the resources of each node (default: the live nodes of the Ray cluster this
-    driver joined; for the embedded local Ray, `embedded_resources()` before it starts).
+    driver joined; for the embedded local Ray, `embedded_resources()` before it starts). On a
+    cluster that can grow (`_cluster.can_grow`: an autoscaler, or
+    ``RAY_TRAINER_SKIP_RESOURCE_CHECK=1``) a shortfall is not refused: the workers' request is
+    what makes the autoscaler add nodes, bounded by ``worker_start_timeout_s``.
     """
-    if os.environ.get("RAY_TRAINER_SKIP_RESOURCE_CHECK") == "1":  # autoscaling clusters
+    if os.environ.get(SKIP_RESOURCE_CHECK) == "1":  # said by the user: no need to look
         return
-    if nodes is None:
-        import ray
-
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    joined = nodes is None
+    nodes = live_nodes() if nodes is None else nodes
     need = per_worker(args)
     fits = 0
     for res in nodes:
         fits += int(min(res.get(k, 0.0) / v for k, v in need.items() if v > 0))
-    if fits >= args.num_workers:
+    if fits >= args.min_workers:
+        return
+    if joined and can_grow():
+        logger.info(
+            "the cluster has room for %d of %d worker(s) now; its autoscaler is asked for the "
+            "rest (bounded by worker_start_timeout_s=%gs)",
+            fits, args.min_workers, args.worker_start_timeout_s,
+        )  # fmt: skip
         return
     have = ", ".join(f"{k}={sum(n.get(k, 0.0) for n in nodes):g}" for k in need)
+    size = f"the elastic minimum {args.min_workers}" if args.elastic else args.num_workers
     raise ResourceRequestError(
-        f"num_workers={args.num_workers} x resources_per_worker={need} cannot be placed: "
+        f"num_workers={size} x resources_per_worker={need} cannot be placed: "
         f"the cluster has {have} over {len(nodes)} node(s), room for {fits} such worker(s). "
         "Lower num_workers, or resources_per_worker (e.g. {'CPU': 0.5} puts two workers on "
         "a core), set use_gpu=False, or add nodes."
     )
+
+
+def check_evaluations(
+    lists: CallbackLists,
+    nodes: list[dict[str, float]] | None = None,
+    grows: bool | None = None,
+) -> None:
+    """Refuse a run whose `EvalOnSave` asks for resources that no node has, on a cluster that
+    cannot grow: every one of its evaluations would be recorded as "cannot be scheduled".
+
+    ``nodes`` are the resources of each node (default: the live nodes of the cluster this
+    driver joined); ``grows`` whether nodes may still come (default: `_cluster.can_grow`, an
+    autoscaler or ``RAY_TRAINER_SKIP_RESOURCE_CHECK=1``). With an autoscaler, the evaluation
+    tasks are submitted and wait for a node, bounded by `EvalOnSave`'s ``timeout_s``.
+    """
+    entries = [u[1] if isinstance(u, tuple) else u for u in lists["user"]] + lists["global"]
+    evals = [cb for cb in entries if isinstance(cb, EvalOnSave)]
+    for cb in evals:
+        need = {"CPU": cb.num_cpus, "GPU": cb.num_gpus, **cb.resources}
+        nodes = live_nodes() if nodes is None else nodes
+        reason = missing(need, nodes)
+        if reason is None:
+            continue
+        grows = can_grow() if grows is None else grows
+        if grows:
+            return
+        extra = f", resources={cb.resources}" if cb.resources else ""
+        call = f"{type(cb).__name__}(num_gpus={cb.num_gpus:g}, num_cpus={cb.num_cpus:g}{extra})"
+        gpu_short = cb.num_gpus and missing({**need, "GPU": 0}, nodes) is None
+        fix = (
+            f"pass num_gpus=0 to evaluate on CPU ({type(cb).__name__}(eval_fn, num_gpus=0)), "
+            "or add a node with a GPU"
+            if gpu_short
+            else "ask for what a node has (num_gpus, num_cpus, resources), or add such a node"
+        )
+        raise ResourceRequestError(
+            f"{call} could never run its evaluations: each task {reason}, and the cluster has "
+            f"no autoscaler to add one. {fix[0].upper()}{fix[1:]}. (On a cluster whose "
+            "autoscaler ray-trainer does not see, set RAY_TRAINER_SKIP_RESOURCE_CHECK=1.)"
+        )
 
 
 def embedded_resources(count_gpus: bool) -> dict[str, float]:

@@ -9,11 +9,24 @@ cache of that fingerprint is complete on storage, nothing is read again; otherwi
 is checked here (file and line of the first bad one). :func:`prepare_data` (after ``ray.init``,
 before any worker starts) launches one preparation task per piece, wherever the cluster has a
 free CPU, and completes the cache. Torch ``Dataset`` objects and callables pass through untouched.
+
+Where a piece's records come from (`ships_content`): a real cluster shares no disk, so a local
+file may exist on the driver's machine only, and the driver's node may offer no CPU (a head
+node with ``CPU: 0``, where a submitted job's driver runs). The driver reads each piece of a
+local file itself (it takes no CPU: it is the driver process, which has already read every
+record to check it) and sends the piece's content through Ray's object store to a task that
+runs on any node with a free CPU. Pinning the tasks to the driver's node instead would fail
+where that node has no CPU, or, with ``num_cpus=0``, put the whole tokenization on a head meant
+to train nothing. At most `pieces_in_flight` pieces (of at most 32 MiB each) are in the object
+store at once, each freed when its task is done: a file larger than the driver's object store
+passes through it piece by piece. A bucket's files are read by each task from the bucket, and an
+in-memory ``datasets.Dataset`` goes into the object store once, whole.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -24,13 +37,16 @@ from ray_trainer._config import TrainingArgs
 from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
 from ray_trainer._data.prepare import EncodeSettings, encode_piece
 from ray_trainer._data.records import scan
-from ray_trainer._data.sources import DataFileError, Source, resolve
+from ray_trainer._data.sources import DataFileError, Source, piece_content, resolve
 from ray_trainer._errors import TrainingArgsError
 from ray_trainer._models import ModelSpec
 from ray_trainer._storage import Location, locate
 
 logger = logging.getLogger("ray_trainer")
 _CHAT_FORMATS = ("messages", "conversational")
+#: At most this many pieces of a local file are in the object store at once (each at most
+#: `PIECE_BYTES`, 32 MiB, or `PIECE_RECORDS` rows): what the driver's node holds of the file.
+MAX_SHIPPED_PIECES = 16
 
 
 @dataclass
@@ -141,34 +157,52 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
 
     started = time.perf_counter()
     source = plan.source
-    table = source.table
-    options: dict[str, Any] = {"num_cpus": 1, "max_retries": 1}
-    if source.files and _local_files(source) and len(ray.nodes()) > 1:
-        # A local file may exist on the driver's node only: read it there.
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        node = ray.get_runtime_context().get_node_id()
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    task = ray.remote(_encode_task).options(**options)
-    shipped = {**source.__dict__, "table": None}
-    table_ref = ray.put(table) if table is not None else None
-    fs, settings = args.storage_filesystem, plan.settings
-    refs = [
-        task.remote(Source(**shipped), i, piece, settings, plan.cache.name, fs, table_ref)
-        for i, piece in enumerate(source.pieces)
-    ]
+    ship = ships_content(source)
+    # One CPU per task, on whichever node has one: never pinned to the driver's node.
+    task = ray.remote(_encode_task).options(num_cpus=1, max_retries=1)
+    bare = Source(**{**source.__dict__, "table": None})
+    table_ref = ray.put(source.table) if source.table is not None else None
+    limit = pieces_in_flight(ship, ray.cluster_resources().get("CPU", 0), len(source.pieces))
+    fs, settings, cache = args.storage_filesystem, plan.settings, plan.cache.name
+    todo = iter(enumerate(source.pieces))
+    running: set[Any] = set()
     results: list[PieceResult] = []
-    for ref in refs:
-        try:
-            results.append(ray.get(ref))
-        except Exception as e:  # the task's DataFileError, wrapped by Ray
-            for other in refs:
-                ray.cancel(other, force=True)
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, DataFileError):
-                raise DataFileError(str(cause)) from None
-            raise
+    while True:
+        for i, piece in itertools.islice(todo, limit - len(running)):
+            content = piece_content(piece) if ship else None  # read here, on the driver
+            running.add(task.remote(bare, i, piece, settings, cache, fs, table_ref, content))
+        if not running:
+            break
+        done, _ = ray.wait(list(running), num_returns=1)
+        for ref in done:
+            running.discard(ref)  # its content leaves the object store with the task
+            try:
+                results.append(ray.get(ref))
+            except Exception as e:  # the task's DataFileError, wrapped by Ray
+                for other in running:
+                    ray.cancel(other, force=True)
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, DataFileError):
+                    raise DataFileError(str(cause)) from None
+                raise
     return finish_cache(plan, args, results, time.perf_counter() - started)
+
+
+def ships_content(source: Source) -> bool:
+    """Whether the driver reads `source`'s pieces and sends their content to the preparation
+    tasks: yes for local files (a path on the driver's machine, which no other node need see);
+    no for a bucket's files, which each task reads from the bucket, and for an in-memory
+    dataset, which goes into the object store once, whole."""
+    return bool(source.files) and _local_files(source)
+
+
+def pieces_in_flight(ship: bool, cluster_cpus: float, pieces: int) -> int:
+    """How many preparation tasks of a source are submitted at once. Shipped content waits in
+    the driver's object store until its task runs: one piece per CPU of the cluster, at least 2
+    and at most `MAX_SHIPPED_PIECES`. Tasks that read their piece themselves: all at once."""
+    if not ship:
+        return max(1, pieces)
+    return int(min(MAX_SHIPPED_PIECES, max(2, cluster_cpus)))
 
 
 def finish_cache(
@@ -193,11 +227,12 @@ def finish_cache(
 
 
 def _encode_task(source: Source, index: int, piece: Any, settings: Any, cache: str, fs: Any,
-                 table: Any) -> PieceResult:  # fmt: skip
-    """The body of a preparation task (on any node): one piece into the cache."""
+                 table: Any, content: Any) -> PieceResult:  # fmt: skip
+    """The body of a preparation task (on any node): one piece into the cache, from the
+    source's table, the piece's content as the driver read it, or the piece's file."""
     if table is not None:
         source.table = table
-    return encode_piece(source, index, piece, settings, cache, fs)
+    return encode_piece(source, index, piece, settings, cache, fs, content)
 
 
 def _local_files(source: Source) -> bool:

@@ -24,6 +24,7 @@ from ray_trainer._contract import NAMESPACE, ActorSummary, RunSpec, actor_name, 
 from ray_trainer._driver.checks import (
     ResourceRequestError,
     check_enough_samples,
+    check_evaluations,
     check_inputs,
     check_resources,
     check_storage,
@@ -88,6 +89,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
     train_import.join()
     try:
         check_resources(args)
+        check_evaluations(lists)
         return _fit(args, lists, run, plans)
     finally:
         if started_ray:
@@ -156,6 +158,7 @@ def prepare_launch(
         eval_timeout_s=args.eval_timeout_s,
         filesystem=args.storage_filesystem,
         retention=retention_of(args),
+        max_workers=args.max_workers if args.elastic else None,
     )
     # The args travel as a plain pydantic object; the callbacks only through `callbacks_ref`.
     worker_args = args.model_copy(
@@ -198,6 +201,7 @@ def _fit(
             use_gpu=args.use_gpu,
             resources_per_worker=per_worker(args),
             placement_strategy=args.placement_strategy,
+            elastic_resize_monitor_interval_s=args.elastic_resize_interval_s,
         ),
         run_config=RunConfig(
             name=args.run_name,
@@ -205,12 +209,17 @@ def _fit(
             storage_filesystem=args.storage_filesystem,
             # Ray Train retries a worker group that cannot start forever by default: bound it.
             failure_config=FailureConfig(
-                max_failures=args.max_failures, controller_failure_limit=args.max_start_retries
+                max_failures=args.failures_allowed,
+                controller_failure_limit=args.start_retries_allowed,
             ),
             # No num_to_keep: the callback actor ranks and deletes (_driver/retention.py).
             checkpoint_config=CheckpointConfig(),
         ),
     )
+    if args.elastic:  # the actor's evaluation reservation comes before the workers' request
+        import ray
+
+        ray.get(launch.actor_ready, timeout=args.callback_timeout_s)
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
     error = run_with_graceful_signals(trainer.fit, launch.actor, args.run_name)
@@ -223,7 +232,7 @@ def _fit(
             capacity = f" The cluster can no longer place the workers: {lost}"
         raise RunFailedError(
             f"run {args.run_name!r} failed after {summary.attempts} attempt(s) "
-            f"(max_failures={args.max_failures}): {root_message(error)}.{capacity} "
+            f"(max_failures={args.failures_allowed}): {root_message(error)}.{capacity} "
             f"Latest checkpoint: {summary.last_checkpoint}"
         ) from error
     return build_result(args.run_name, run.name, summary)

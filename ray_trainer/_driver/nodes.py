@@ -4,8 +4,9 @@ Runs in the driver after Ray is up and before any worker starts. A real cluster 
 a local ``storage_path`` must be a mount every node sees (NFS, EFS...). On a cluster of more
 than one node the driver writes a marker into storage and a tiny Ray task on every node
 (``num_cpus=0``, pinned to the node) checks that it reads the same marker. (A local data file
-the driver reads may exist nowhere else: it is encoded on the driver's node into the run's token
-cache on that storage, which every worker reads; ``_driver/data.py``.)
+the driver reads may exist nowhere else: the driver sends its pieces to the preparation tasks
+through the object store, and they encode it into the run's token cache on that storage, which
+every worker reads; ``_driver/data.py``.)
 """
 
 from __future__ import annotations

@@ -286,6 +286,19 @@ def answer(opts: argparse.Namespace, question: str) -> tuple[int, dict[str, Any]
     return EXIT_OK, reply["status"]
 
 
+def format_workers(status: dict[str, Any]) -> list[str]:
+    """The worker count, and its changes when an elastic run lost or regained workers."""
+    sizes = status.get("worker_sizes") or []
+    if not sizes:
+        return []
+    line = f"  workers     {sizes[-1]['world_size']} (attempt {sizes[-1]['attempt']})"
+    counts = [s["world_size"] for s in sizes]
+    changes = [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c]
+    if len(changes) > 1:
+        line += "; sizes " + " -> ".join(str(c) for c in changes)
+    return [line]
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A readable summary of a ``CallbackActor.status()`` dict."""
 
@@ -306,6 +319,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"   lr {num(status.get('learning_rate'), '.2e')}"
         f"   {num(status.get('throughput'), '.0f')} tokens/s",
     ]
+    lines += format_workers(status)
     evals = status.get("evaluations") or []
     in_flight = status.get("evaluations_in_flight") or 0
     line = f"  evaluations {status.get('num_evaluations', len(evals))}"

@@ -63,6 +63,7 @@ class EventForwarder:
         *,
         attempt: int,
         namespace: str,
+        world_size: int = 1,
         max_batch: int = 256,
         flush_interval_s: float = 0.25,
         max_in_flight: int = 4,
@@ -89,7 +90,8 @@ class EventForwarder:
         self._last_send = time.monotonic()
         self._control: TrainerControl | None = None
         self.dead = False
-        self.actor.start_attempt.remote(attempt)  # the actor counts worker-group starts
+        # The actor counts worker-group starts, and their sizes (an elastic run's change).
+        self.actor.start_attempt.remote(attempt, world_size)
 
     def push(self, event: str, context: TrainingContext, kwargs: dict[str, Any]) -> None:
         """Queue one event (called by the loop); may send a batch, never waits."""

@@ -106,11 +106,19 @@ class StepLoader:
     pad_to: int = 1
     prefetch: bool = False
     layout: bool = False  # packed rows carry their `PackedLayout` (the model's attention uses it)
+    #: The worker count a step's samples are counted for (an elastic run's `max`; default:
+    #: `world`). Fewer workers than that take more micro-batches each: the step is the same.
+    logical_world: int | None = None
+
+    @property
+    def step_world(self) -> int:
+        """The worker count a step's samples are counted for."""
+        return self.logical_world or self.world
 
     @property
     def per_step(self) -> int:
         """Samples a step takes from the epoch, across every rank."""
-        return self.batch_size * self.grad_accum * self.world
+        return self.batch_size * self.grad_accum * self.step_world
 
     @property
     def steps_per_epoch(self) -> int:
@@ -131,10 +139,12 @@ class StepLoader:
     def micro_batches(self, samples: list[int]) -> list[MicroBatch]:
         """This rank's micro-batches of one step's `samples`."""
         if self.max_tokens is None:
-            return [
+            mine = [
                 self._padded(ids)
                 for ids in round_robin(samples, self.world, self.rank, self.batch_size)
             ]
+            most = padded_micro_batches(len(samples), self.world, self.batch_size)
+            return mine + [_no_loss(mine[-1])] * (most - len(mine))
         plan = pack_step(samples, self.dataset.lengths, self.world, self.max_tokens)
         mine = [self._packed(b) for b in plan[self.rank]]
         return mine + [self._filler()] * (micro_batches_per_rank(plan) - len(mine))
@@ -169,6 +179,27 @@ class StepLoader:
         filler = np.full(max(2, self.pad_to), self.pad_id, dtype=np.int64)
         batch, _ = pack_row([], self.pad_id, len(filler), self.layout)
         return MicroBatch(batch, 0, len(filler), 0)
+
+
+def _no_loss(micro: MicroBatch) -> MicroBatch:
+    """A filler for a padded step where this rank has fewer micro-batches than another (an
+    elastic run on fewer workers than its `max`): a real micro-batch with every label ignored,
+    so it takes no loss but runs the same collectives."""
+    batch = dict(micro.batch)
+    if "labels" not in batch:
+        raise ValueError(
+            "an elastic run on fewer workers than its max needs batches with 'labels' (a filler "
+            "micro-batch takes no loss by ignoring them); give the data a 'labels' field"
+        )
+    batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    return MicroBatch(batch, 0, micro.positions, 0)
+
+
+def padded_micro_batches(samples: int, world: int, batch_size: int) -> int:
+    """The micro-batches every rank takes at a padded step of `samples` samples dealt
+    round-robin over `world` ranks (the most any rank has)."""
+    most = -(-samples // world)
+    return -(-most // batch_size)
 
 
 def pack_row(

@@ -80,13 +80,20 @@ def maybe_resume(s: WorkerState) -> None:
     s.hooks.manager.load_state_dict(part["callbacks"])
     s.hooks.manager.user_state.update(part["user_state"])
     s.last_saved_step = p.global_step
+    step_world = s.loader.step_world  # an elastic run's max: its steps are the same at any size
     p.epoch, p.step_in_epoch = position_after(
-        p.epoch, p.step_in_epoch, s.steps_per_epoch, p.world_size, s.world_size
+        p.epoch, p.step_in_epoch, s.steps_per_epoch, p.world_size, step_world
     )
-    p.world_size = s.world_size
+    p.world_size = step_world
     ctx = s.ctx
     ctx.global_step, ctx.epoch = p.global_step, p.epoch
     ctx.samples_seen, ctx.tokens_seen = p.samples_seen, p.tokens_seen
+    if s.rank == 0:  # on the console: where this attempt continues from
+        print(
+            f"[{s.args.run_name}] attempt {ctx.attempt} on {s.world_size} worker(s): resumed "
+            f"from {location.name} (step {p.global_step})",
+            flush=True,
+        )
     s.hooks.fire("on_load_checkpoint", checkpoint_path=location.name)
 
 

@@ -41,7 +41,7 @@ def setup(spec: RunSpec) -> WorkerState:
     rank, world = train_ctx.get_world_rank(), train_ctx.get_world_size()
     run = locate(spec.run_dir, args.storage_filesystem)  # every file of the run is below it
     attempt = agree_attempt(spec, run, rank, world)
-    forwarder = _forwarder(spec, rank, attempt)  # first: the actor counts this start at once
+    forwarder = _forwarder(spec, rank, attempt, world)  # first: the actor counts this start at once
 
     lists = unpack(ray.get(spec.callbacks_ref))
     manager = build_manager(lists, keep_for_worker(rank))
@@ -62,7 +62,7 @@ def setup(spec: RunSpec) -> WorkerState:
         raise ValueError(
             f"data: {len(workload.train_dataset)} samples are too few for one optimizer step of "
             f"batch_size={args.batch_size} x grad_accum_steps={args.grad_accum_steps} x "
-            f"num_workers={world}; add data or lower batch_size"
+            f"num_workers={loader.step_world}; add data or lower batch_size"
         )
     total_steps = args.max_steps or steps_per_epoch * args.num_epochs
 
@@ -125,7 +125,7 @@ def setup(spec: RunSpec) -> WorkerState:
         ctx=ctx,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
-        progress=ckpt.TrainerState(world_size=world),
+        progress=ckpt.TrainerState(world_size=loader.step_world),
         model_shape=model_shape(model),
         peak_flops=peak_flops(accelerator.device, args.peak_flops),
         copy_stream=torch.cuda.Stream(accelerator.device)
@@ -138,13 +138,15 @@ def setup(spec: RunSpec) -> WorkerState:
 
 
 def _loader(args: TrainingArgs, workload: Workload, world: int, rank: int) -> StepLoader:
-    """This rank's step loader: every step takes batch_size x grad_accum_steps x world samples
-    of the epoch (drop_last: every rank takes the same number of steps, collectives match)."""
+    """This rank's step loader: every step takes batch_size x grad_accum_steps x num_workers
+    samples of the epoch (an elastic run's `max`, whatever the size of this worker group;
+    drop_last: every rank takes the same number of steps, collectives match)."""
     max_tokens = args.tokens_per_micro_batch
     cache = getattr(workload.train_dataset, "cache", None)
     return StepLoader(
         workload.train_dataset,
         world=world,
+        logical_world=args.max_workers,
         rank=rank,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum_steps,
@@ -182,7 +184,7 @@ def preemption_notice() -> Any:
     return noticed
 
 
-def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:
+def _forwarder(spec: RunSpec, rank: int, attempt: int, world: int) -> Any:
     """Rank 0's event forwarder to the callback actor (None on the other ranks)."""
     if rank != 0:
         return None
@@ -194,6 +196,7 @@ def _forwarder(spec: RunSpec, rank: int, attempt: int) -> Any:
         spec.forward_events,
         attempt=attempt,
         namespace=spec.actor_namespace,
+        world_size=world,
         max_batch=args.event_batch_size,
         flush_interval_s=args.event_flush_interval_s,
         max_in_flight=args.event_max_in_flight,

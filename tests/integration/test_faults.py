@@ -12,7 +12,6 @@ from rt_support import (
     SlowSteps,
     hanging_eval,
     raising_eval,
-    read_checkpoint_step,
     read_records,
     tiny_run,
 )
@@ -68,7 +67,6 @@ def test_failing_evaluations_are_recorded_and_do_not_block_the_end(ray_session, 
                 SlowSteps(0.02),
                 EvalOnSave(raising_eval, num_gpus=0),
                 EvalOnSave(hanging_eval, num_gpus=0, timeout_s=2),
-                EvalOnSave(read_checkpoint_step, num_gpus=1),  # no GPU in this cluster
                 EvalOnSave(CallableEval(1000), num_gpus=0),  # a callable object works too
             ],
         )
@@ -78,10 +76,9 @@ def test_failing_evaluations_are_recorded_and_do_not_block_the_end(ray_session, 
     ok = [e for e in result.evaluations if "error" not in e]
     assert [e["metrics"]["offset_step"] for e in ok] == [1005, 1010]
     errors = [e["error"] for e in result.evaluations if "error" in e]
-    assert len(errors) == 6  # 3 failing evaluations x 2 checkpoints, each recorded once
+    assert len(errors) == 4  # 2 failing evaluations x 2 checkpoints, each recorded once
     assert sum("eval of step" in e and "broke" in e for e in errors) == 2
     assert sum("timed out" in e or "not finished" in e for e in errors) == 2
-    assert sum("cannot be scheduled" in e and "GPU" in e for e in errors) == 2
-    assert [e["step"] for e in result.evaluations] == [5] * 4 + [10] * 4
+    assert [e["step"] for e in result.evaluations] == [5] * 3 + [10] * 3
     # The hanging evaluation held the end for at most its timeout, not its 300 s.
     assert elapsed < 120

@@ -9,17 +9,14 @@ boundary; at the drain deadline Ray Train restarts the workers and the run resum
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+from driver_process import driver_outcome, start_driver, wait_for_run
 from local_cluster import LocalCluster
 from rt_support import read_records
-from support_paths import SUPPORT
-from waiting import wait_until
 
 NODE = "127.0.0.3"
 
@@ -45,42 +42,10 @@ def _train_then_kill(cluster, tmp_path, name, **fields):
         "run_name": name,
         **fields,
     }
-    driver = _start_driver(cluster, fields)
-    _wait_for_run(driver, lambda: os.path.isdir(tmp_path / name / "checkpoint_00000010"), "step 10")
+    driver = start_driver(cluster, fields)
+    wait_for_run(driver, lambda: os.path.isdir(tmp_path / name / "checkpoint_00000010"), "step 10")
     cluster.raylet(NODE).kill()
-    return _outcome(driver, "the node was lost")[0]
-
-
-def _start_driver(cluster, fields):
-    return subprocess.Popen(
-        [sys.executable, os.path.join(SUPPORT, "node_loss_driver.py"), cluster.gcs_address,
-         json.dumps(fields)],
-        env=cluster.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-
-
-def _wait_for_run(driver, reached, what, timeout_s=180):
-    """Until `reached()`; if the driver exits or the time runs out first, fail with its output."""
-    with contextlib.suppress(AssertionError):  # judged below, with the driver's output
-        wait_until(lambda: reached() or driver.poll() is not None, timeout_s, what, interval=0.2)
-    if not reached():
-        driver.kill()
-        pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}")
-
-
-def _outcome(driver, after):
-    """The driver's OUTCOME line (a JSON object), once it exits; never a hang."""
-    try:
-        out, _ = driver.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        driver.kill()
-        pytest.fail(f"the run hung after {after}")
-    line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, out[-4000:]
-    return json.loads(line[len("OUTCOME ") :]), out
+    return driver_outcome(driver, "the node was lost")[0]
 
 
 def test_lost_node_restarts_on_the_remaining_node(cluster, tmp_path):
@@ -145,8 +110,8 @@ def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(clust
         "_records": records,
         "_env": {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
     }
-    driver = _start_driver(cluster, fields)
-    _wait_for_run(
+    driver = start_driver(cluster, fields)
+    wait_for_run(
         driver, lambda: os.path.isdir(records) and len(_rank0_steps(records, 0)) >= 10, "step 10"
     )
     at = max(_rank0_steps(records, 0))
@@ -162,7 +127,7 @@ def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(clust
         timeout=60,
     )  # fmt: skip
     assert drain.returncode == 0, drain.stdout + drain.stderr
-    outcome, out = _outcome(driver, "the preemption notice")
+    outcome, out = driver_outcome(driver, "the preemption notice")
     # One unscheduled save after the notice, then the restart at the deadline resumed from it.
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / name).glob("checkpoint_0*"))
     assert len(saved) == 2 and saved[-1] == 150, saved

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 from waiting import wait_until
@@ -93,8 +94,13 @@ class LocalCluster:
 
     num_cpus: int = 4
     resources: dict[str, float] = field(default_factory=dict)
-    # Detect a lost node in ~2 s instead of ~15 s (RAY_FACTS.md).
+    # Detect a lost node in ~2 s instead of ~15 s (RAY_FACTS.md), and poll Train's workers
+    # every 0.25 s instead of 2 s.
     fast_failure_detection: bool = False
+    # With node types ({"gpu_workers": {"resources": {...}, "min_workers": 0, "max_workers": 1}}),
+    # the head runs a real autoscaler (Ray's monitor with a cluster config) whose node provider
+    # is Ray's fake multi-node one: it starts a raylet on this host for each node it launches.
+    autoscaler_node_types: dict[str, Any] | None = None
     temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     ports: dict[str, int] = field(default_factory=dict)
     node_ports: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -138,6 +144,10 @@ class LocalCluster:
                     "RAY_health_check_period_ms": "500",
                     "RAY_health_check_timeout_ms": "500",
                     "RAY_health_check_failure_threshold": "3",
+                    # Ray Train's controller (started by the driver, which passes RAY_TRAIN_*
+                    # on) polls its workers every 2 s by default: a dead worker, a resize and
+                    # a checkpoint reported within 2 s of the one before wait for that poll.
+                    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
                 }
                 if self.fast_failure_detection
                 else {}
@@ -152,7 +162,47 @@ class LocalCluster:
         with "Found multiple active Ray instances" (a traceback in the job's logs; seen here).
         A real cluster node runs one Ray and needs nothing: `ray-trainer submit` injects
         nothing into the job for it."""
-        return {**self.env(), "RAY_API_SERVER_ADDRESS": self.dashboard_url}
+        env = {**self.env(), "RAY_API_SERVER_ADDRESS": self.dashboard_url}
+        if self.autoscaler_node_types is not None:  # the fake provider's and a fast monitor
+            env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
+        return env
+
+    def autoscaling_config(self) -> str:
+        """Write the cluster config of `autoscaler_node_types` (the shape of `cluster.yaml`:
+        a head that offers no CPU) into the temp dir; its path."""
+        head = {"resources": {"CPU": self.num_cpus}, "node_config": {}, "max_workers": 0}
+        config = {
+            "cluster_name": "ray-trainer-test",
+            "max_workers": sum(t.get("max_workers", 1) for t in self.autoscaler_node_types.values()),
+            "provider": {
+                "type": "fake_multinode",
+                "gcs_address": self.gcs_address,
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+            },
+            "available_node_types": {
+                "ray.head.default": head,
+                **{
+                    name: {"node_config": {}, "min_workers": 0, "max_workers": 1, **spec}
+                    for name, spec in self.autoscaler_node_types.items()
+                },
+            },
+            "head_node_type": "ray.head.default",
+            "idle_timeout_minutes": 5,
+            "upscaling_speed": 1.0,
+            "auth": {},
+            "docker": {},
+            "file_mounts": {},
+            **{k: [] for k in ("initialization_commands", "setup_commands",
+                               "head_setup_commands", "worker_setup_commands",
+                               "head_start_ray_commands", "worker_start_ray_commands",
+                               "cluster_synced_files", "rsync_exclude", "rsync_filter")},
+        }  # fmt: skip
+        path = os.path.join(self.temp_dir, "autoscaling.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        return path
 
     def start_command(self) -> list[str]:
         p = self.ports
@@ -181,6 +231,11 @@ class LocalCluster:
             f"--max-worker-port={self.worker_ports[1]}",
             "--disable-usage-stats",
             *([f"--resources={json.dumps(self.resources)}"] if self.resources else []),
+            *(
+                [f"--autoscaling-config={self.autoscaling_config()}"]
+                if self.autoscaler_node_types is not None
+                else []
+            ),
         ]
 
     def start(self, timeout_s: float = 90.0) -> None:

@@ -19,12 +19,29 @@ def main() -> None:
     address, fields = sys.argv[1], json.loads(sys.argv[2])
     # Test-only fields: environment for the job's processes, a folder for every rank's events.
     env, records = fields.pop("_env", {}), fields.pop("_records", None)
+    # An EvalOnSave scoring every save: on one CPU (True), or with these EvalOnSave arguments.
+    evaluate = fields.pop("_eval", False)
+    hold = fields.pop("_hold_while_small", None)  # [step, size]: see HoldWhileSmall
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": SUPPORT, **env}})
-    from rt_support import AllRanksRecorder, SlowSteps, TinyDataset, TinyRegressor
+    from rt_support import (
+        AllRanksRecorder,
+        HoldWhileSmall,
+        SlowSteps,
+        TinyDataset,
+        TinyRegressor,
+        constant_score_eval,
+    )
 
+    from callbacks import EvalOnSave
     from ray_trainer import RunFailedError, run_training
 
-    callbacks = [SlowSteps(0.1)] + ([AllRanksRecorder(records)] if records else [])
+    step_s = fields.pop("_step_s", 0.1)  # each step paced to this long
+    callbacks = [SlowSteps(step_s)] + ([AllRanksRecorder(records)] if records else [])
+    if hold:
+        callbacks.append(HoldWhileSmall(*hold))
+    if evaluate:
+        options = evaluate if isinstance(evaluate, dict) else {"num_gpus": 0, "num_cpus": 1}
+        callbacks.append(EvalOnSave(constant_score_eval, **options))
     try:
         result = run_training(
             model=TinyRegressor,
@@ -36,7 +53,20 @@ def main() -> None:
     except RunFailedError as e:
         print("OUTCOME " + json.dumps({"error": str(e)}), flush=True)
         return
-    outcome = {"global_step": result.global_step, "attempts": result.attempts}
+    from ray_trainer import _cluster
+
+    outcome = {
+        "global_step": result.global_step,
+        "attempts": result.attempts,
+        # What the autoscaler's monitor reports at the end, and what the runner concludes.
+        "node_types": sorted(set(_cluster.reported_node_types())),
+        "autoscaler": _cluster.has_autoscaler(),
+    }
+    if evaluate:
+        ok = [e for e in result.evaluations if not e.get("error")]
+        outcome["evaluated"] = sorted(e["step"] for e in ok)
+        outcome["eval_gpus"] = sorted({e["metrics"]["gpus"] for e in ok})
+        outcome["eval_errors"] = [e["error"] for e in result.evaluations if e.get("error")]
     print("OUTCOME " + json.dumps(outcome), flush=True)
 
 

@@ -339,7 +339,11 @@ class HeldEval:
 
 
 def constant_score_eval(checkpoint_path: str, step: int) -> dict[str, Any]:
-    return {"score": 1.0, **read_checkpoint_step(checkpoint_path, step)}
+    """Scores every checkpoint 1.0; also says how many GPUs Ray gave the task."""
+    import ray
+
+    gpus = float(len(ray.get_gpu_ids()))
+    return {"score": 1.0, "gpus": gpus, **read_checkpoint_step(checkpoint_path, step)}
 
 
 class GarbageReturner(TrainerCallback):
@@ -569,3 +573,22 @@ class DashboardProbe(TrainerCallback):
         found["without_token"] = get(f"{base}/api/v0/actors?limit=1", auth=False)
         with open(self.path, "w") as f:
             json.dump(found, f)
+
+
+class HoldWhileSmall(TrainerCallback):
+    """Rank 0, in the training process: from step `at` on, while the worker group is smaller
+    than `size`, hold each step (up to `timeout_s` in all), so that an elastic run cannot end
+    before Ray Train has grown its group back (the growth restarts the group and ends the hold).
+    """
+
+    runs_on = "rank0"
+
+    def __init__(self, at: int, size: int, timeout_s: float = 120.0) -> None:
+        self.at, self.size, self.timeout_s = at, size, timeout_s
+
+    def on_step_end(self, context, **kwargs):
+        if context.global_step < self.at or context.world_size >= self.size:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)  # the group is restarted from outside while this step is held

@@ -235,3 +235,12 @@ def test_refresher_is_not_pickled_and_restarts_where_the_callback_runs(fake_metr
     cb.close()
     copy.close()
     assert cb._refresher is None and copy._refresher is None
+
+
+def test_each_attempt_sets_the_worker_count(fake_metrics):
+    _, clock, m = make()
+    m.fire("on_train_begin", TrainingContext(global_step=0, run_name="r1", world_size=2))
+    assert last(fake_metrics["trainer_workers"]) == (2.0, {"run": "r1"})
+    clock.now += 1  # an elastic run restarted on fewer workers
+    m.fire("on_train_begin", TrainingContext(global_step=40, run_name="r1", world_size=1))
+    assert last(fake_metrics["trainer_workers"]) == (1.0, {"run": "r1"})

@@ -110,7 +110,8 @@ def test_every_node_gets_the_same_exact_pins_and_this_project(prepared):
     for name in ("torch", "ray[default,train]", "transformers", "accelerate"):
         assert name in pins, f"{name} is not pinned exactly (==) in setup_commands"
     remote = next(k for k, v in prepared["file_mounts"].items() if v == ".")
-    assert f'-e "$HOME/{remote.removeprefix("~/")}[hf]"' in setup  # the synced repository
+    # The synced repository, with the extras the documented features need.
+    assert f'-e "$HOME/{remote.removeprefix("~/")}[hf,lora,eval,mlflow]"' in setup
     installs = [c for c in prepared["setup_commands"] if "pip install" in c and "==" in c]
     assert len(installs) == 1  # one resolver run: the pins and the project agree
 

@@ -166,3 +166,40 @@ def test_yaml_config_with_overrides_and_callbacks(tmp_path):
     cfg.write_text("max_stepz: 3\n")
     with pytest.raises(TrainingArgsError, match="did you mean 'max_steps'"):
         TrainingArgs.from_yaml(cfg)
+
+
+def test_an_elastic_size_is_min_and_max_with_the_global_batch_of_max(tmp_path):
+    args = TrainingArgs(num_workers=[1, 4], elastic_resize_interval_s=5)
+    assert args.num_workers == (1, 4) and args.elastic
+    assert (args.min_workers, args.max_workers) == (1, 4)
+    assert args.failures_allowed == 10  # a lost node does not end an elastic run
+    assert args.to_public_dict()["num_workers"] == [1, 4]
+    fixed = TrainingArgs(num_workers=3)
+    assert not fixed.elastic and fixed.min_workers == fixed.max_workers == 3
+    assert fixed.failures_allowed == 0 and TrainingArgs(max_failures=-1).failures_allowed == -1
+    # Each node loss may cost one failed start (Ray Train first retries the old size).
+    assert args.start_retries_allowed == 10 and fixed.start_retries_allowed == 2
+    assert TrainingArgs(num_workers=[1, 2], max_start_retries=0).start_retries_allowed == 0
+    assert TrainingArgs(num_workers=[2, 2]).num_workers == 2  # min == max: a fixed size
+    config = tmp_path / "run.yaml"
+    config.write_text("num_workers: [1, 2]\n")
+    assert TrainingArgs.from_yaml(config).num_workers == (1, 2)
+    assert TrainingArgs.from_yaml(config, ["num_workers=[2, 3]"]).num_workers == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"num_workers": [0, 2]}, "an elastic size needs 1 <= min <= max"),
+        ({"num_workers": [3, 1]}, "an elastic size needs 1 <= min <= max"),
+        ({"num_workers": [1, 2, 3]}, "a number or [min, max]"),
+        ({"num_workers": [1.5, 2]}, "a number or [min, max]"),
+        ({"num_workers": 0}, "num_workers must be at least 1"),
+        ({"num_workers": [1, 2], "placement_strategy": "STRICT_PACK"}, "use 'PACK' or 'SPREAD'"),
+        ({"elastic_resize_interval_s": 0}, "elastic_resize_interval_s"),
+    ],
+)
+def test_a_bad_elastic_size_is_refused_with_the_fix(fields, needle):
+    with pytest.raises(TrainingArgsError) as e:
+        TrainingArgs.coerce(**fields)
+    assert needle in str(e.value)

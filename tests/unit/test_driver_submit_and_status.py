@@ -504,3 +504,17 @@ def test_status_address_defaults(monkeypatch):
     assert status_cmd.resolve_address(None) == "http://10.0.0.1:8265"  # what submit uses
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
     assert status_cmd.resolve_address(None) == "auto"
+
+
+def test_format_status_shows_the_worker_count_and_an_elastic_runs_changes():
+    assert "workers" not in format_status(STATUS)  # a status from before sizes were kept
+    sizes = [
+        {"attempt": 0, "world_size": 2, "at": 1.0},
+        {"attempt": 1, "world_size": 1, "at": 2.0},
+        {"attempt": 2, "world_size": 1, "at": 3.0},
+        {"attempt": 3, "world_size": 2, "at": 4.0},
+    ]
+    text = format_status({**STATUS, "worker_sizes": sizes})
+    assert "  workers     2 (attempt 3); sizes 2 -> 1 -> 2" in text
+    fixed = format_status({**STATUS, "worker_sizes": sizes[:1]})
+    assert "  workers     2 (attempt 0)\n" in fixed + "\n" and "sizes" not in fixed

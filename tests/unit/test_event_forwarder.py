@@ -30,7 +30,7 @@ class FakeActor:
                 return _Ref(batch.seq)
 
         class _StartAttempt:
-            def remote(self, attempt):
+            def remote(self, attempt, world_size=1):
                 outer.attempts.append(attempt)
 
         self.attempts: list[int] = []

@@ -79,8 +79,14 @@ def test_loading_never_downloads_by_default(tiny_hf_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("loader", [check_model_ref, load_hf_causal_lm, load_hf_tokenizer])
-def test_an_unknown_name_is_a_clear_error(loader):
+def test_an_unknown_name_is_a_clear_error(loader, monkeypatch):
     pytest.importorskip("transformers")
+    # Hugging Face's offline mode, as on a machine without the hub: transformers' adapter probe
+    # ignores local_files_only and would retry the hub for ~23 s before the same error.
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError) as err:
         loader("no-such-org/no-such-model-xyz")
     msg = str(err.value)

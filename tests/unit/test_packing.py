@@ -137,3 +137,36 @@ def test_a_rank_short_of_micro_batches_gets_a_filler_without_loss():
     for micro in step(0, max_tokens=12, pad_to=12):
         assert micro.batch["input_ids"].shape == (1, 12) and micro.positions == 12
         assert micro.tokens == 9
+
+
+def test_an_elastic_step_on_fewer_workers_takes_the_same_samples_with_fillers():
+    data = Lengths([4] * 40)
+
+    def ranks(world, logical):
+        def collate(items):
+            return collate_batch(items, 0)
+
+        options = dict(batch_size=1, grad_accum=1, seed=5, pad_id=0, collate=collate)
+        return [
+            StepLoader(data, world=world, rank=r, logical_world=logical, **options)
+            for r in range(world)
+        ]
+
+    full, smaller = ranks(3, 3), ranks(2, 3)
+    assert smaller[0].per_step == full[0].per_step == 3
+    assert smaller[0].steps_per_epoch == full[0].steps_per_epoch == 13
+    for max_tokens in (None, 4):
+        for loaders in (full, smaller):
+            for loader in loaders:
+                loader.max_tokens = max_tokens
+        want = sorted(
+            int(m.batch["input_ids"][0, 0]) for lo in full for m in next(lo.steps(1)) if m.targets
+        )
+        steps = [next(lo.steps(1)) for lo in smaller]
+        # Every rank takes as many micro-batches; the one short of a sample gets a filler.
+        assert [len(s) for s in steps] == [2, 2]
+        real = [m for s in steps for m in s if m.targets]
+        fillers = [m for s in steps for m in s if not m.targets]
+        assert sorted(int(m.batch["input_ids"][0, 0]) for m in real) == want  # the same samples
+        assert len(fillers) == 1 and fillers[0].tokens == 0
+        assert (fillers[0].batch["labels"] == -100).all()

@@ -1,6 +1,7 @@
 """The loss of a step is the mean over every target token of the global batch: the gradients and
 the logged loss do not depend on how the samples are split into batch_size, grad_accum_steps
-and num_workers, nor on packing. Real gloo ranks (no Ray), the loop's own `train_step`."""
+and num_workers, nor on packing, nor on an elastic run's size (fewer workers than its max take
+more micro-batches each). Real gloo ranks (no Ray), the loop's own `train_step`."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from ray_trainer._data.cache import PieceResult, cache_location, write_meta, wri
 from ray_trainer._storage import locate
 
 MAX_LENGTH = 24
-# name: (batch_size, grad_accum_steps, num_workers, packing)
+# name: (batch_size, grad_accum_steps, workers, packing, the elastic max (None: fixed))
 SPLITS = {
-    "4x1x1": (4, 1, 1, False),
-    "1x4x1": (1, 4, 1, False),
-    "2x1x2": (2, 1, 2, False),
-    "4x1x1 packed": (4, 1, 1, True),
-    "1x4x1 packed": (1, 4, 1, True),
-    "2x1x2 packed": (2, 1, 2, True),
+    "4x1x1": (4, 1, 1, False, None),
+    "1x4x1": (1, 4, 1, False, None),
+    "2x1x2": (2, 1, 2, False, None),
+    "4x1x1 packed": (4, 1, 1, True, None),
+    "1x4x1 packed": (1, 4, 1, True, None),
+    "2x1x2 packed": (2, 1, 2, True, None),
+    # Elastic: the global batch of the max, on fewer workers.
+    "2x1 of max 2 on 1": (2, 1, 1, False, 2),
+    "1x1 of max 4 on 2": (1, 1, 2, False, 4),
+    "1x1 of max 4 on 2 packed": (1, 1, 2, True, 4),
 }
 
 
@@ -49,13 +54,13 @@ def one_step(rank: int, world: int, model_path: str, cache: str) -> dict:
     """Every split's first step on this rank: the gradients before the optimizer step and the
     logged loss (W=1 splits run on rank 0 alone, without DDP)."""
     out = {}
-    for name, (batch, accum, workers, packing) in SPLITS.items():
+    for name, (batch, accum, workers, packing, elastic_max) in SPLITS.items():
         if rank < workers:
-            out[name] = _step(rank, workers, batch, accum, packing, model_path, cache)
+            out[name] = _step(rank, workers, batch, accum, packing, model_path, cache, elastic_max)
     return out
 
 
-def _step(rank, world, batch, accum, packing, model_path, cache):
+def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=None):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -76,7 +81,8 @@ def _step(rank, world, batch, accum, packing, model_path, cache):
             self.grads = {n: p.grad.detach().clone() for n, p in context.model.named_parameters()}
 
     args = TrainingArgs(
-        model=model_path, batch_size=batch, grad_accum_steps=accum, num_workers=world,
+        model=model_path, batch_size=batch, grad_accum_steps=accum,
+        num_workers=(min(world, elastic_max - 1), elastic_max) if elastic_max else world,
         max_length=MAX_LENGTH, max_grad_norm=None, packing=packing,
         max_tokens_per_batch=64 if packing else None,
     )  # fmt: skip
@@ -97,7 +103,7 @@ def _step(rank, world, batch, accum, packing, model_path, cache):
     workload = Workload(model, data, None, data.collate, model_loss, sums_itself=True, norm=norm)
     loader = StepLoader(data, world=world, rank=rank, batch_size=batch, grad_accum=accum,
                         seed=0, pad_id=0, max_tokens=args.tokens_per_micro_batch,
-                        layout=layout)  # fmt: skip
+                        layout=layout, logical_world=args.max_workers)  # fmt: skip
     grads = Grads()
     manager = CallbackManager()
     manager.add(grads)
@@ -127,13 +133,15 @@ def test_gradients_and_loss_do_not_depend_on_the_split_or_on_packing(setup):
     base = results["4x1x1"]
     assert base["targets"] > 0 and base["micro_batches"] == 1
     assert results["1x4x1"]["micro_batches"] == 4
+    assert results["2x1 of max 2 on 1"]["micro_batches"] == 2  # the absent worker's too
+    assert results["1x1 of max 4 on 2"]["micro_batches"] == 2
     for name, result in results.items():
         assert result["targets"] == base["targets"], name
         assert result["loss"] == pytest.approx(base["loss"], abs=1e-5), name
         for param, grad in base["grads"].items():
             torch.testing.assert_close(result["grads"][param], grad, atol=1e-5, rtol=0, msg=name)
     # Rank 1 of the 2-worker splits ends with the same gradients (DDP averaged them).
-    for name in ("2x1x2", "2x1x2 packed"):
+    for name in ("2x1x2", "2x1x2 packed", "1x1 of max 4 on 2", "1x1 of max 4 on 2 packed"):
         for param, grad in results[name]["grads"].items():
             torch.testing.assert_close(ranks[1][name]["grads"][param], grad, atol=1e-6, rtol=0)
 

@@ -1,0 +1,58 @@
+"""A run's driver as its own process on a test cluster: `node_loss_driver.py`, started, waited
+for, and its ``OUTCOME`` line read back.
+
+The pytest process (or a benchmark's) never joins the test cluster: it holds the shared embedded
+Ray session, or none. Every wait is bounded and fails with the driver's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from support_paths import SUPPORT
+from waiting import wait_until
+
+
+def start_driver(cluster: Any, fields: dict[str, Any], env: dict[str, str] | None = None):
+    """`node_loss_driver.py` joined to `cluster` (a `LocalCluster`) with these run `fields`
+    (and its test-only ``_`` fields); stdout and stderr together, as text."""
+    return subprocess.Popen(
+        [sys.executable, os.path.join(SUPPORT, "node_loss_driver.py"), cluster.gcs_address,
+         json.dumps(fields)],
+        env=cluster.env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+
+def wait_for_run(driver, reached: Callable[[], bool], what: str, timeout_s: float = 180) -> None:
+    """Until `reached()`; if the driver exits or the time runs out first, fail with its output."""
+    import pytest
+
+    with contextlib.suppress(AssertionError):  # judged below, with the driver's output
+        wait_until(lambda: reached() or driver.poll() is not None, timeout_s, what, interval=0.2)
+    if not reached():
+        driver.kill()
+        pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}")
+
+
+def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str, Any], str]:
+    """The driver's OUTCOME line (a JSON object) and its whole output, once it exits; a driver
+    still running after `timeout_s` is killed and the test fails, naming `after`."""
+    import pytest
+
+    try:
+        out, _ = driver.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        pytest.fail(f"the run hung after {after}")
+    line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
+    assert line, out[-4000:]
+    return json.loads(line[len("OUTCOME ") :]), out
