@@ -36,8 +36,12 @@ backward, clip, AdamW step). Then:
   full fine-tune of the same model, DDP and FSDP on 2 workers: per-rank state, checkpoint size
   and save time, step time.
 
+* **the chunked loss** (``--phases loss``; `_memory_loss.py`): one long sequence's peak
+  memory with the chunked loss against the model's own full-logits loss, a Llama-shaped model
+  with a 128k vocabulary, 1k to 8k tokens; and the share of chat positions that need logits.
+
 Usage: python bench/bench_memory.py [--quick] [--workers 2,4] [--n-layer 8] [--saves 3]
-       [--rounds 2] [--phases state,load,lora] [--json OUT]
+       [--rounds 2] [--phases state,load,lora,loss] [--json OUT]
 """
 
 from __future__ import annotations
@@ -357,7 +361,9 @@ def main() -> dict:
         "--rounds", type=int, default=2, help="process groups per configuration, in ABBA order"
     )
     parser.add_argument(
-        "--phases", default="state,load,lora", help="state (and checkpoints), load, lora"
+        "--phases",
+        default="state,load,lora,loss",
+        help="state (and checkpoints), load, lora, loss (the chunked loss)",
     )
     parser.add_argument("--json", default=None)
     cli = parser.parse_args()
@@ -365,6 +371,12 @@ def main() -> dict:
     model = dict(QUICK_MODEL) if cli.quick else {**FULL_MODEL, "n_layer": cli.n_layer}
     opts = {"model": model, "batch": 2, "seq": 128, "saves": cli.saves, "rounds": cli.rounds}
     loading = None
+    if "loss" in phases:  # the chunked loss against the full logits (_memory_loss.py)
+        from _memory_loss import run_loss_phase
+
+        loss = run_loss_phase(quick=cli.quick)
+        if phases == ["loss"]:
+            return emit({"machine": machine(), **loss, "opts": opts}, cli.json)
     if "load" in phases:  # the load phase: _memory_load.py
         from _memory_load import run_load_phase
 
@@ -393,6 +405,10 @@ def main() -> dict:
         report["table"] += "\n\n" + loading["table"]
         report["ratios"].update(loading["ratios"])
         report["load"] = loading
+    if "loss" in phases:
+        report["table"] += "\n\n" + loss["table"]
+        report["ratios"].update(loss["ratios"])
+        report["loss"] = {k: v for k, v in loss.items() if k != "table"}
     if "lora" in phases:
         report["table"] += "\n\n" + lora["table"]
         report["ratios"].update(lora["ratios"])

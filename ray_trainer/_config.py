@@ -71,6 +71,11 @@ class TrainingArgs(BaseModel):
     # (default: batch_size x max_length).
     packing: bool = False
     max_tokens_per_batch: int | None = Field(None, gt=0)
+    # A Hugging Face causal LM of a checked family computes its loss over the positions that
+    # have a target only, `loss_chunk_size` positions at a time, never holding the full logits
+    # (docs/large-models.md); default: a chunk's fp32 logits near 32 MiB, at least 256 positions.
+    chunked_loss: bool = True
+    loss_chunk_size: int | None = Field(None, gt=0)
 
     # How long and how.
     max_steps: int | None = Field(None, gt=0)
@@ -92,6 +97,9 @@ class TrainingArgs(BaseModel):
     fsdp_shard_modules: list[str] | None = None
     fsdp_reshard_after_forward: bool = True
     activation_checkpointing: bool = False
+    # Move what forward saves for backward to pinned host memory (a GPU only; with activation
+    # checkpointing, the checkpointed blocks' inputs), and back for backward.
+    offload_activations: bool = False
     # Every checkpoint of a Hugging Face model holds <checkpoint>/hf/ (from_pretrained loads it).
     save_hf_format: bool = True
     # torch.compile the model: each block under FSDP, the whole model under DDP.
@@ -288,6 +296,16 @@ class TrainingArgs(BaseModel):
                 f"{list(self.num_workers)}: a strict placement cannot follow nodes that come "
                 "and go (the group would wait for its exact shape); use 'PACK' or 'SPREAD', or "
                 "a fixed num_workers"
+            )
+        if self.offload_activations and self.compile:
+            raise ValueError(
+                "offload_activations=True with compile=True: the offload hooks run in eager "
+                "autograd and are not checked under torch.compile; drop one of them (with a "
+                "compiled model, activation_checkpointing=True saves memory instead)"
+            )
+        if self.loss_chunk_size is not None and not self.chunked_loss:
+            raise ValueError(
+                "loss_chunk_size sizes the chunked loss: drop it, or set chunked_loss=True"
             )
         _check_ranking(self)
         return self

@@ -13,6 +13,7 @@ which the checkpoints, the merged export or the meta-device start do not handle 
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 from ray_trainer._errors import TrainingArgsError
@@ -161,12 +162,42 @@ def lora_config(fields: dict[str, Any], model: Any, shard_modules: list[str] | N
                 f"lora.target_modules: {type(model).__name__} has no module named "
                 f"{', '.join(map(repr, missing))}; {candidates(model)}"
             )
+    head = tied_head(model)
+    if head is not None and _targets(targets, head):
+        raise LoraSetupError(
+            f"lora.target_modules: {head!r} is the output layer of {type(model).__name__}, "
+            "whose weight is tied to the input embeddings: merged into it, the adapter would "
+            f"change the input embeddings too, and the export would be another model. Leave "
+            f"{head!r} out of target_modules, or untie the weights (tie_word_embeddings=False "
+            "in the model's config)"
+        )
     from ray_trainer._models import is_causal_lm
 
     # peft's causal-LM task wraps a Hugging Face model only (one that saves itself).
     if "task_type" not in fields and hasattr(model, "save_pretrained") and is_causal_lm(model):
         fields["task_type"] = "CAUSAL_LM"
     return peft.LoraConfig(**fields)
+
+
+def tied_head(model: Any) -> str | None:
+    """The name of the model's output layer when its weight is the input embeddings' (GPT-2,
+    Qwen2's small models...), else None."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    if get_out is None or get_in is None:
+        return None
+    out, embed = get_out(), get_in()
+    if out is None or embed is None or getattr(out, "weight", None) is not embed.weight:
+        return None
+    return next((name for name, module in model.named_modules() if module is out), None)
+
+
+def _targets(targets: Any, name: str) -> bool:
+    """Whether peft's ``target_modules`` (a list of name suffixes, or one regular expression)
+    selects the module called `name`."""
+    if isinstance(targets, str):
+        return targets == name or re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith(f".{t}") for t in targets or ())
 
 
 def wrap(

@@ -114,7 +114,11 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
         with contextlib.nullcontext() if last else s.parallel.no_sync():
             hooks.fire("on_before_forward", batch=batch, micro_step=i)
             with acc.autocast():
-                outputs, loss = wl.forward(s.model, batch, micro.targets)
+                if s.offload is None:
+                    outputs, loss = wl.forward(s.model, batch, micro.targets)
+                else:  # offload_activations: what forward saves goes to the host
+                    with s.offload:
+                        outputs, loss = wl.forward(s.model, batch, micro.targets)
             hooks.fire("on_after_forward", batch=batch, outputs=outputs, micro_step=i)
             hooks.fire("on_before_backward", batch=batch, outputs=outputs, micro_step=i)
             loss_sum = loss_sum + loss.detach()

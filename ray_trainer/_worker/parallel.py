@@ -145,7 +145,8 @@ def prepare(
 def _compile(model: nn.Module, args: TrainingArgs) -> None:
     """`torch.compile` in place (`Module.compile`: parameter names stay as they are): each
     block under FSDP (it then shards compiled blocks), the whole model under DDP (DDP then
-    wraps the compiled module)."""
+    wraps the compiled module), or its body when the chunked loss computes the loss (its
+    number of target positions changes at every step: compiled, it would recompile)."""
     from ray_trainer._compile_probe import missing_compile_toolchain
 
     problem = missing_compile_toolchain(args.use_gpu)
@@ -154,8 +155,10 @@ def _compile(model: nn.Module, args: TrainingArgs) -> None:
     if args.strategy == "fsdp":
         for block in find_blocks(model, args.fsdp_shard_modules):
             block.compile()
-    else:
-        model.compile()
+    else:  # with the chunked loss, its body only: the chunk loop stays eager
+        from ray_trainer._worker.chunked_loss import chunked_body
+
+        (chunked_body(model) or model).compile()
 
 
 def _shard(model: nn.Module, args: TrainingArgs, device: torch.device, precision: str) -> None:

@@ -23,6 +23,7 @@ from ray_trainer._storage import locate
 from ray_trainer._worker.export import choose_export
 from ray_trainer._worker.hooks import Hooks
 from ray_trainer._worker.loader import StepLoader
+from ray_trainer._worker.offload import build_offload
 from ray_trainer._worker.packing_check import check_packed_attention
 from ray_trainer._worker.parallel import prepare
 from ray_trainer._worker.resume import agree_attempt
@@ -131,6 +132,7 @@ def setup(spec: RunSpec) -> WorkerState:
         copy_stream=torch.cuda.Stream(accelerator.device)
         if accelerator.device.type == "cuda"
         else None,
+        offload=build_offload(args.offload_activations, accelerator.device, rank),
         saves=saves,
         export=choose_export(parallel, workload, args.save_hf_format),
         run=run,

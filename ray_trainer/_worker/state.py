@@ -54,6 +54,7 @@ class WorkerState:
     model_shape: ModelShape = field(default_factory=lambda: ModelShape(0))
     peak_flops: float | None = None  # of one device, for MFU
     copy_stream: Any = None  # on a GPU: the side stream that copies agreements to the host
+    offload: Any = None  # offload_activations on a GPU: the ActivationOffload (offload.py)
     saves: Any = None  # with async_checkpoint: the AsyncSaves (async_save.py)
     export: Export | None = None  # the hf/ export of every checkpoint (export.py), or None
     run: Location | None = None  # the run folder on storage, located once (spec.run_dir)

@@ -22,6 +22,7 @@ contributes an exact zero, not the NaN of a mean over nothing.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ from ray_trainer._models import ModelSpec, is_builtin, is_causal_lm
 from ray_trainer._storage import locate
 from ray_trainer._worker.loading import Materialize, build_model
 from ray_trainer._worker.lora import LoraAdapters, WholeModel, adapt
+
+logger = logging.getLogger("ray_trainer")
 
 
 @dataclass
@@ -94,6 +97,14 @@ def build_workload(
         from ray_trainer._worker.packed_attention import use_packed_attention
 
         packed_layout = use_packed_attention(model)
+    if args.loss_fn is None and args.chunked_loss and is_causal_lm(model) and _is_hf(model):
+        from ray_trainer._worker.chunked_loss import use_chunked_loss
+
+        reason = use_chunked_loss(model, args.loss_chunk_size)
+        if reason is not None:  # said once per worker
+            logger.info(
+                "chunked loss off: %s; the model computes its loss from full logits", reason
+            )
     tokenizer = spec.data_tokenizer()
     pad_id = _pad_id(tokenizer)
     caches = caches or {}
@@ -176,6 +187,11 @@ def _end_of_turn(tokenizer: Any, chat_template: str | None) -> list[int] | None:
     from ray_trainer._data.template import end_of_turn_ids
 
     return list(end_of_turn_ids(tokenizer, chat_template))
+
+
+def _is_hf(model: nn.Module) -> bool:
+    """A Hugging Face model (it has a config), or a peft model around one."""
+    return getattr(model, "config", None) is not None
 
 
 def _pad_id(tokenizer: Any) -> int | None:

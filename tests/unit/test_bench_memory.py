@@ -131,3 +131,30 @@ def test_a_save_pause_is_the_boundaries_excess_over_a_run_without_saves():
     # A save every 3 steps: boundary 3 took 0.9 s more than usual; nothing was published later.
     assert pause_per_save(gaps, 0.1, 3) == pytest.approx((0.9, 0.0))
     assert pause_per_save([0.1, 0.5, 0.1, 0.1], 0.1, 3) == pytest.approx((0.0, 0.4))
+
+
+def test_the_loss_phase_compares_the_rise_with_the_logits_and_finds_the_fitting_length():
+    from _memory_loss import VOCAB, MiB, summarise_loss
+
+    def row(length, chunked, added_mib, step_s=1.0, chunk=None):
+        return {"length": length, "chunked": chunked, "added": added_mib * MiB,
+                "step_s": step_s, "chunk": chunk}  # fmt: skip
+
+    logits = VOCAB * 4 / MiB  # MiB of fp32 logits per token
+    rows = [
+        row(1024, False, 1000), row(2048, False, 1000 + 4 * 1024 * logits),
+        row(4096, False, 1000 + 12 * 1024 * logits),
+        row(1024, True, 400, chunk=65), row(2048, True, 410, chunk=65),
+        row(4096, True, 430, chunk=65), row(8192, True, 470, chunk=65),
+    ]  # fmt: skip
+    share = {"conversations": 2, "positions": 100, "targets": 25, "share": 0.25}
+    sweep = [row(1024, True, 400, step_s=1.5, chunk=16), row(1024, True, 400, chunk=256)]
+    out = summarise_loss(rows, share, sweep)
+    # From 1k to 4k: the full loss rose 12 x 1k tokens of logits over 3 x 1k of growth: 4x.
+    assert out["ratios"]["loss_rise_full_x_logits"] == pytest.approx(4.0)
+    assert out["ratios"]["loss_rise_chunked_x_logits"] == pytest.approx(30 / (3 * 1024 * logits))
+    # Every chunked length stays under the full loss's peak at 2k: 8k fits, 4x the length.
+    assert out["ratios"]["loss_length_at_budget_x"] == 4.0
+    assert out["ratios"]["loss_chunk_16_step_x"] == 1.5
+    assert out["ratios"]["loss_chunk_256_step_x"] == 1.0
+    assert "target <= 0.3x: met" in out["table"] and "25.0%" in out["table"]

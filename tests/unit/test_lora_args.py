@@ -170,6 +170,12 @@ def test_a_model_peft_cannot_wrap_and_missing_target_modules_are_refused(base, t
         tmp_path, r"no module named 'q_proj'.*c_attn, c_fc, c_proj, lm_head",
         model=base, lora={"target_modules": ["q_proj"]}, **common,
     )  # fmt: skip
+    # GPT-2 ties lm_head to the input embeddings: an adapter merged into it would change both.
+    for targets in (["c_attn", "lm_head"], r".*(c_attn|lm_head)"):
+        _refused(
+            tmp_path, r"'lm_head' is the output layer of GPT2LMHeadModel, whose weight is tied",
+            model=base, lora={"target_modules": targets}, **common,
+        )  # fmt: skip
 
 
 def test_resuming_across_lora_and_onto_another_base_is_refused(base, tmp_path):

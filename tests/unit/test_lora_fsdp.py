@@ -128,3 +128,37 @@ def test_merged_and_adapter_exports_of_a_sharded_model_compute_what_it_computes(
         torch.testing.assert_close(peft(input_ids=ids).logits, r0["logits"], atol=1e-5, rtol=0)
     base_logits = AutoModelForCausalLM.from_pretrained(base)(input_ids=ids).logits
     assert (base_logits - r0["logits"]).abs().max() > 1e-3  # the adapters changed something
+
+
+def chunked_against_own(rank: int, world: int, model_path: str) -> dict:
+    """The same sharded LoRA model, with its own loss and with the chunked loss: each rank's
+    loss and every adapter's whole gradient (gathered)."""
+    from ray_trainer._worker.chunked_loss import use_chunked_loss
+
+    generator = torch.Generator().manual_seed(rank)  # each rank its own rows
+    ids = torch.randint(3, 16, (2, 12), generator=generator)  # the tiny vocabulary
+    labels = ids.clone()
+    labels[:, :4] = -100  # a prompt that takes no loss
+    out = {}
+    for name in ("own", "chunked"):
+        torch.manual_seed(0)  # the same adapters both times
+        _, model, _ = _sharded_lora(model_path)
+        if name == "chunked":
+            assert use_chunked_loss(model, 5) is None
+        result = model(input_ids=ids, labels=labels, num_items_in_batch=20.0)
+        loss = result["loss"] if isinstance(result, dict) else result.loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        out[name] = {"loss": loss.item(), "grads": grads}
+    return out
+
+
+def test_the_chunked_loss_under_fsdp2_equals_the_models_own(base):
+    """FSDP2's root unit holds the head: the chunked loss runs inside the model's forward and
+    recomputes the head's chunks in backward with the root's parameters still gathered."""
+    for rank in run_ranks(chunked_against_own, 2, base):
+        own, chunked = rank["own"], rank["chunked"]
+        assert chunked["loss"] == pytest.approx(own["loss"], rel=1e-6)
+        assert set(chunked["grads"]) == set(own["grads"]) and own["grads"]
+        for name, grad in own["grads"].items():
+            assert (chunked["grads"][name] - grad).norm() <= 1e-6 * grad.norm() + 1e-12, name

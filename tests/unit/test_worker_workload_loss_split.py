@@ -1,7 +1,8 @@
 """The loss of a step is the mean over every target token of the global batch: the gradients and
 the logged loss do not depend on how the samples are split into batch_size, grad_accum_steps
 and num_workers, nor on packing, nor on an elastic run's size (fewer workers than its max take
-more micro-batches each). Real gloo ranks (no Ray), the loop's own `train_step`."""
+more micro-batches each), nor on the chunked loss. Real gloo ranks (no Ray), the loop's own
+`train_step`."""
 
 from __future__ import annotations
 
@@ -14,18 +15,24 @@ from ray_trainer._data.cache import PieceResult, cache_location, write_meta, wri
 from ray_trainer._storage import locate
 
 MAX_LENGTH = 24
-# name: (batch_size, grad_accum_steps, workers, packing, the elastic max (None: fixed))
+# name: (batch_size, grad_accum_steps, workers, packing, the elastic max (None: fixed),
+#        the chunked loss's chunk (None: the model's own full-logits loss))
 SPLITS = {
-    "4x1x1": (4, 1, 1, False, None),
-    "1x4x1": (1, 4, 1, False, None),
-    "2x1x2": (2, 1, 2, False, None),
-    "4x1x1 packed": (4, 1, 1, True, None),
-    "1x4x1 packed": (1, 4, 1, True, None),
-    "2x1x2 packed": (2, 1, 2, True, None),
+    "4x1x1": (4, 1, 1, False, None, None),
+    "1x4x1": (1, 4, 1, False, None, None),
+    "2x1x2": (2, 1, 2, False, None, None),
+    "4x1x1 packed": (4, 1, 1, True, None, None),
+    "1x4x1 packed": (1, 4, 1, True, None, None),
+    "2x1x2 packed": (2, 1, 2, True, None, None),
     # Elastic: the global batch of the max, on fewer workers.
-    "2x1 of max 2 on 1": (2, 1, 1, False, 2),
-    "1x1 of max 4 on 2": (1, 1, 2, False, 4),
-    "1x1 of max 4 on 2 packed": (1, 1, 2, True, 4),
+    "2x1 of max 2 on 1": (2, 1, 1, False, 2, None),
+    "1x1 of max 4 on 2": (1, 1, 2, False, 4, None),
+    "1x1 of max 4 on 2 packed": (1, 1, 2, True, 4, None),
+    # The chunked loss (docs/large-models.md): the same sums, whatever the split.
+    "4x1x1 chunked": (4, 1, 1, False, None, 5),
+    "2x1x2 chunked": (2, 1, 2, False, None, 5),
+    "1x4x1 packed chunked": (1, 4, 1, True, None, 3),
+    "1x1 of max 4 on 2 packed chunked": (1, 1, 2, True, 4, 7),  # with a filler micro-batch
 }
 
 
@@ -54,13 +61,15 @@ def one_step(rank: int, world: int, model_path: str, cache: str) -> dict:
     """Every split's first step on this rank: the gradients before the optimizer step and the
     logged loss (W=1 splits run on rank 0 alone, without DDP)."""
     out = {}
-    for name, (batch, accum, workers, packing, elastic_max) in SPLITS.items():
+    for name, (batch, accum, workers, packing, elastic_max, chunk) in SPLITS.items():
         if rank < workers:
-            out[name] = _step(rank, workers, batch, accum, packing, model_path, cache, elastic_max)
+            out[name] = _step(
+                rank, workers, batch, accum, packing, model_path, cache, elastic_max, chunk
+            )
     return out
 
 
-def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=None):
+def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=None, chunk=None):
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -88,6 +97,10 @@ def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=Non
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_path)
     layout = packing and use_packed_attention(model)  # as build_workload does
+    if chunk is not None:
+        from ray_trainer._worker.chunked_loss import use_chunked_loss
+
+        assert use_chunked_loss(model, chunk) is None
     acc = Accelerator(cpu=True)
 
     def make_optimizer(m):
@@ -141,7 +154,9 @@ def test_gradients_and_loss_do_not_depend_on_the_split_or_on_packing(setup):
         for param, grad in base["grads"].items():
             torch.testing.assert_close(result["grads"][param], grad, atol=1e-5, rtol=0, msg=name)
     # Rank 1 of the 2-worker splits ends with the same gradients (DDP averaged them).
-    for name in ("2x1x2", "2x1x2 packed", "1x1 of max 4 on 2", "1x1 of max 4 on 2 packed"):
+    two = ("2x1x2", "2x1x2 packed", "1x1 of max 4 on 2", "1x1 of max 4 on 2 packed",
+           "2x1x2 chunked", "1x1 of max 4 on 2 packed chunked")  # fmt: skip
+    for name in two:
         for param, grad in results[name]["grads"].items():
             torch.testing.assert_close(ranks[1][name]["grads"][param], grad, atol=1e-6, rtol=0)
 
