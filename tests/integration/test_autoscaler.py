@@ -43,6 +43,7 @@ def test_the_runs_requests_start_the_nodes_it_needs_and_each_checkpoint_is_evalu
         "run_name": "autoscaled",
         "worker_start_timeout_s": 120,  # a node's start here takes a few seconds
         "_eval": {"timeout_s": 120},  # EvalOnSave's defaults: num_gpus=1, num_cpus=1
+        "_cluster_report": True,
     }
     # No RAY_TRAINER_SKIP_RESOURCE_CHECK: the driver must find the autoscaler itself.
     env = {k: v for k, v in cluster.env().items() if k != "RAY_TRAINER_SKIP_RESOURCE_CHECK"}

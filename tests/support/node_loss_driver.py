@@ -36,6 +36,7 @@ def main() -> None:
     from ray_trainer import RunFailedError, run_training
 
     step_s = fields.pop("_step_s", 0.1)  # each step paced to this long
+    report_cluster = fields.pop("_cluster_report", False)  # the node types, the autoscaler
     callbacks = [SlowSteps(step_s)] + ([AllRanksRecorder(records)] if records else [])
     if hold:
         callbacks.append(HoldWhileSmall(*hold))
@@ -53,15 +54,12 @@ def main() -> None:
     except RunFailedError as e:
         print("OUTCOME " + json.dumps({"error": str(e)}), flush=True)
         return
-    from ray_trainer import _cluster
+    outcome = {"global_step": result.global_step, "attempts": result.attempts}
+    if report_cluster:  # what the autoscaler's monitor reports at the end, and the conclusion
+        from ray_trainer import _cluster
 
-    outcome = {
-        "global_step": result.global_step,
-        "attempts": result.attempts,
-        # What the autoscaler's monitor reports at the end, and what the runner concludes.
-        "node_types": sorted(set(_cluster.reported_node_types())),
-        "autoscaler": _cluster.has_autoscaler(),
-    }
+        outcome["node_types"] = sorted(set(_cluster.reported_node_types()))
+        outcome["autoscaler"] = _cluster.has_autoscaler()
     if evaluate:
         ok = [e for e in result.evaluations if not e.get("error")]
         outcome["evaluated"] = sorted(e["step"] for e in ok)
