@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from ray_trainer._data.encode import IGNORE_INDEX
+
 #: A chunk's fp32 logits are kept near this many bytes (256 positions at a 32k vocabulary) ...
 CHUNK_BYTES = 32 * 2**20
 #: ... and a chunk has at least this many positions. Each chunk writes and adds a whole
