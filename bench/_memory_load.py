@@ -3,8 +3,9 @@
 A Llama-shaped model (253M parameters with the defaults: 16 layers, width 1024, MLP 2816, 16
 heads of which 8 key/value, vocabulary 32000, untied head) is saved once with
 ``save_pretrained`` in bf16 (as checkpoints usually are), over several safetensors files. Then
-each configuration is N spawned processes in a gloo group (no Ray) that load it as a runner
-worker does and take one training step:
+each configuration is N spawned processes in a gloo group (no Ray; nccl, each on its own GPU,
+where the machine has one per process) that load it as a runner worker does and take one
+training step:
 
 * **meta** (the runner now): ``loading.build_model`` builds it on the meta device and
   ``parallel.prepare`` shards it (FSDP) and fills each rank's shards from the files, each rank
@@ -131,7 +132,7 @@ def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) ->
 
     path = opts["path"]
     args = TrainingArgs(model=path, strategy=strategy, num_workers=world, mixed_precision="no")
-    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     with torch.device("meta"):  # import the model's code now: it is not part of the load
         config = transformers.AutoConfig.from_pretrained(path)
         transformers.AutoModelForCausalLM.from_config(config)
@@ -156,6 +157,7 @@ def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) ->
     load_peak = sampler.stop()
     after_load = anon_bytes()
     ids = torch.randint(opts["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(rank))
+    ids = ids.to(accelerator.device)
     loss = parallel.model(input_ids=ids, labels=ids).loss
     loss.backward()
     parallel.optimizer.step()

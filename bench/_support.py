@@ -14,6 +14,8 @@ from typing import Any
 
 from callbacks import TrainerCallback
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 class StepTimer(TrainerCallback):
     """Rank 0, in the training process: the time of each step begin, written at the end with
@@ -119,7 +121,11 @@ def init_ray(num_cpus: int) -> None:
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}},
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
+            }
+        },
     )
 
 

@@ -17,7 +17,12 @@ names are printed against the figures. Without a GPU it prints that it skipped a
 report saying so; `--smoke-cpu` runs every configuration on the CPU with a tiny model instead,
 to check the script itself (its figures mean nothing).
 
-Usage: python bench/bench_gpu.py [--steps 300] [--skip 50] [--json OUT] [--smoke-cpu]
+Tables 2 to 8 (`--table 2,3,5`; `_gpu_tables.py`): FSDP against DDP, packed against padded,
+LoRA against a full fine-tune, saves and loads, long sequences, DPO, evaluations. `--table all`
+runs every one; a table whose feature has not landed says so and is skipped. With `--json`, the
+report is rewritten after each table, so a run cut short keeps what it finished.
+
+Usage: python bench/bench_gpu.py [--table 1] [--steps 300] [--skip 50] [--json OUT] [--smoke-cpu]
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _support import SlowActorCallback, emit, machine, table  # noqa: E402
+from _support import SlowActorCallback, emit, init_ray, machine, table  # noqa: E402
 
 FULL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 512, "batch": 16}
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 64, "batch": 4}
@@ -239,24 +244,25 @@ def targets(s: dict[str, float]) -> list[tuple[str, float, float]]:
     ]  # fmt: skip
 
 
-def main() -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--skip", type=int, default=50)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--smoke-cpu", action="store_true", help="tiny model on the CPU")
-    opts = parser.parse_args()
+def _release_device_memory() -> None:
+    """What this process cached on the GPU goes back, for the next configuration's process."""
+    import gc
+
     import torch
 
-    cpu = opts.smoke_cpu
-    if not cpu and not torch.cuda.is_available():
-        report = {"machine": machine(), "skipped": "no GPU", "table": "skipped: no GPU found"}
-        return emit(report, opts.json)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def table_1(opts: argparse.Namespace, cpu: bool) -> dict:
+    """The speed table: every configuration of CONFIGS against the compiled bare loop."""
     shape = TINY if cpu else FULL
     steps, skip = (20, 10) if cpu else (opts.steps, opts.skip)
     seconds = {}
     for key, (label, run) in CONFIGS.items():
         seconds[key] = run((shape, steps, skip), cpu)
+        _release_device_memory()
         print(f"{label}: {seconds[key] * 1e3:.1f} ms/step", flush=True)
     base = seconds["bare_compiled"]
     rows = []
@@ -276,14 +282,53 @@ def main() -> dict:
         {"target": what, "ratio": f"{ratio:.3f}", "limit": f"{limit}"}
         for what, ratio, limit in targets(seconds)
     ]
-    device = "CPU (smoke run)" if cpu else torch.cuda.get_device_name(0)
-    report = {
-        "machine": f"{machine()}, {device}",
-        "device": device,
+    return {
         "seconds": seconds,
         "baseline": CONFIGS["bare_compiled"][0],
         "table": table(rows) + "\n\nTargets:\n\n" + table(checks),
     }
+
+
+def main() -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", default="1", help="which tables: 1,2,3 or all")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--skip", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU")
+    opts = parser.parse_args()
+    import torch
+    from _gpu_tables import TABLES
+
+    cpu = opts.smoke_cpu
+    if not cpu and not torch.cuda.is_available():
+        report = {"machine": machine(), "skipped": "no GPU", "table": "skipped: no GPU found"}
+        return emit(report, opts.json)
+    wanted = [1, *TABLES] if opts.table == "all" else [int(t) for t in opts.table.split(",")]
+    device = "CPU (smoke run)" if cpu else torch.cuda.get_device_name(0)
+    report = {"machine": f"{machine()}, {device}", "device": device, "date": time.strftime("%Y-%m-%d"),
+              "tables": {}}  # fmt: skip
+    init_ray(num_cpus=os.cpu_count() or 2)  # one Ray session for every run_training
+    for number in wanted:
+        started = time.perf_counter()
+        try:
+            result = table_1(opts, cpu) if number == 1 else TABLES[number](cpu)
+        except Exception as e:  # the other tables still run; the report says what failed
+            import traceback
+
+            traceback.print_exc()
+            result = {"skipped": f"failed: {type(e).__name__}: {e}"}
+        result["seconds_taken"] = time.perf_counter() - started
+        report["tables"][number] = result
+        print(f"\n## Table {number} ({result['seconds_taken']:.0f} s)\n", flush=True)
+        print(result.get("table") or f"skipped: {result['skipped']}", flush=True)
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(report, f, indent=1)
+    report["table"] = "\n\n".join(
+        f"## Table {n}\n\n" + (r.get("table") or f"skipped: {r['skipped']}")
+        for n, r in report["tables"].items()
+    )
     return emit(report, opts.json)
 
 

@@ -92,6 +92,20 @@ def padded_positions(lengths: list[int], seed: int = 0, trials: int = 2000) -> f
     return statistics.mean(BATCH * max(rng.sample(lengths, BATCH)) for _ in range(trials))
 
 
+def write_chat_data(tokenizer, n: int, folder: str) -> tuple[str, list[int], int]:
+    """`n` conversations written to `folder`/chat.jsonl: the file, each one's token count, and
+    the packed runs' `max_tokens_per_batch` (the padded runs' mean positions per micro-batch)."""
+    convs = conversations(tokenizer, n)
+    data = os.path.join(folder, "chat.jsonl")
+    with open(data, "w") as f:
+        for messages in convs:
+            f.write(json.dumps({"messages": messages}) + "\n")
+    lengths = [
+        len(tokenizer(tokenizer.apply_chat_template(m, tokenize=False))["input_ids"]) for m in convs
+    ]
+    return data, lengths, max(MAX_LENGTH, round(padded_positions(lengths)))
+
+
 def run(name: str, fields: dict, folder: str) -> dict:
     from ray_trainer import run_training
     from ray_trainer._driver.data import plan_data
@@ -131,16 +145,9 @@ def main() -> dict:
 
     work = tempfile.mkdtemp(prefix="bench_packing_")
     model = str(make_tiny_chat_model(os.path.join(work, "model"), hidden_size=128, num_layers=4))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    convs = conversations(tokenizer, opts.conversations)
-    data = os.path.join(work, "chat.jsonl")
-    with open(data, "w") as f:
-        for messages in convs:
-            f.write(json.dumps({"messages": messages}) + "\n")
-    lengths = [
-        len(tokenizer(tokenizer.apply_chat_template(m, tokenize=False))["input_ids"]) for m in convs
-    ]
-    max_tokens = max(MAX_LENGTH, round(padded_positions(lengths)))
+    data, lengths, max_tokens = write_chat_data(
+        AutoTokenizer.from_pretrained(model), opts.conversations, work
+    )
     common = dict(
         model=model, data=data, max_length=MAX_LENGTH, batch_size=BATCH, num_workers=WORKERS,
         max_steps=opts.steps, log_every_steps=5, save_at_end=False, warmup_steps=0,

@@ -3,7 +3,7 @@
 Runs in each training worker; every rank takes each step below at the same boundary.
 
 1. **Stage** (the only pause): the state is copied into host buffers that are reused from
-   save to save (DCP's ``DefaultStager``, which keeps one buffer per tensor it has seen): under
+   save to save (DCP's ``StateDictStager``, which keeps one buffer per tensor it has seen): under
    FSDP every rank's shards of model and optimizer, under DDP rank 0's whole model and
    optimizer. The small files (trainer state, scheduler, callback state, RNG, the ``hf/``
    config and tokenizer) are written now, into a local folder.
@@ -77,6 +77,22 @@ class Pending:
         self.done.wait()
         if self.error is not None:
             raise RuntimeError(f"writing {self.location.name} failed: {self.error}") from self.error
+
+
+def host_stager(pinned: bool) -> Any:
+    """What copies a state dict into host buffers that every later save reuses (pinned on a
+    GPU machine). DCP's `StateDictStager` itself, kept for the whole run: in torch 2.11
+    `DefaultStager` closes it after every stage, which drops the cached buffers (each save
+    would allocate and pin them again) and empties its copy table, so the second save of a
+    state that holds a class object fails with ``KeyError: <class 'type'>`` (seen on an H200).
+    `DefaultStager` where that class is missing."""
+    try:
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    except ImportError:  # pragma: no cover - a torch that has moved it
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(pinned, False, False, False))
+    return StateDictStager(pin_memory=pinned, share_memory=False)
 
 
 class AsyncSaves:
@@ -184,10 +200,7 @@ class AsyncSaves:
         """Copy what the background writes into the reused host buffers: FSDP's shards of
         model and optimizer (every rank), DDP's whole model and optimizer (rank 0)."""
         if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            pinned = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+            self._stager = host_stager(pinned=torch.cuda.is_available())
             if s.parallel.sharded:  # DCP's and the gather's collectives, off the training group
                 self._group = dist.new_group(backend="gloo")  # a collective: every rank
         state = state_to_save(s)

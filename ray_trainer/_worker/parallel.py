@@ -12,6 +12,7 @@ backward under either strategy.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,10 +126,8 @@ def prepare(
         restore["use_cache"] = config.use_cache
         config.use_cache = False
     if args.activation_checkpointing:
-        from torch.distributed._composable import checkpoint
-
         for block in find_blocks(model, args.fsdp_shard_modules, why="checkpointing"):
-            checkpoint(block)  # recompute this block's activations in backward
+            checkpoint_forward(block)  # recompute this block's activations in backward
     if args.compile:
         _compile(model, args)
     if args.strategy == "ddp":
@@ -140,6 +139,24 @@ def prepare(
     if materialize is not None:  # this rank's shards only
         materialize(model, accelerator.device)
     return Sharded(model, make_optimizer(model), restore)
+
+
+def checkpoint_forward(block: nn.Module) -> None:
+    """Run `block`'s forward under non-reentrant `torch.utils.checkpoint`, in place (parameter
+    names unchanged): backward recomputes what it saved. torch.compile traces this form as
+    one region whose recompute it plans itself; with the composable ``checkpoint(block)``
+    (hooks around an eager forward) a compiled model's recompute saved other tensors than its
+    forward had ("tensor at position N ... recomputed metadata"), on an H200 and on CPU alike.
+    FSDP's hooks stay outside it: the block's parameters are gathered before its recompute.
+    Both forwards are methods bound to the block, so a copy of the model runs its own."""
+    block._ray_trainer_inner_forward = block.forward
+    block.forward = types.MethodType(_checkpointed_forward, block)
+
+
+def _checkpointed_forward(self: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(self._ray_trainer_inner_forward, *inputs, use_reentrant=False, **kwargs)
 
 
 def _compile(model: nn.Module, args: TrainingArgs) -> None:

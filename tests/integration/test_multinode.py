@@ -338,6 +338,9 @@ def test_a_lora_chat_run_from_the_heads_file_learns_packed_on_the_worker_nodes(s
     ), {(r["rank"], r["node"]) for r in batches}
     assert batches and all(r["packed"] for r in batches)
     assert {r["step"] for r in batches} == set(range(1, MAX_STEPS + 1))
+    # Both workers wrote each kept checkpoint into the local storage_path every node sees.
+    kept = sorted(submitted["run_dir"].glob("checkpoint_*"))
+    assert kept and all((c / "rank1.complete").exists() for c in kept), kept
 
 
 def test_every_checkpoint_is_evaluated_on_a_worker_node_and_the_best_is_kept(submitted):

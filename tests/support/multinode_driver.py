@@ -32,14 +32,19 @@ def main() -> None:
 
 def _where() -> dict:
     """The driver's node, the cluster's nodes, and the autoscaler as ray-trainer sees it (once
-    the head's monitor has reported: it writes its first report a few seconds after start)."""
+    the head's monitor has reported every node: it reports each a few seconds after it joins)."""
     from waiting import wait_until
 
     from ray_trainer import _cluster
 
     node_id = ray.get_runtime_context().get_node_id()
     mine = next(n for n in ray.nodes() if n["NodeID"] == node_id)
-    wait_until(_cluster.reported_node_types, 60, "the autoscaler monitor's first report")
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    wait_until(
+        lambda: len(set(_cluster.reported_node_types())) >= alive,
+        60,
+        f"the autoscaler monitor's report of all {alive} nodes",
+    )
     return {
         "driver_resources": mine["Resources"],
         "nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")),

@@ -95,3 +95,21 @@ def test_a_preemption_save_waits_for_its_write():
     saves.settle(SimpleNamespace(world_size=2), Summed(0.0, 1.0), SAVE)
     assert saves.wait_next  # the save at this boundary waits for its write
     assert saves.watch(None) is None
+
+
+def test_the_host_buffers_outlive_each_save():
+    """The staging copies go into the same host buffers at every save, and a state that holds
+    a class object stages again (torch 2.11's DefaultStager, closed after each stage, failed the
+    second save with ``KeyError: <class 'type'>`` and dropped its buffers)."""
+    import torch
+
+    stager = async_save.host_stager(pinned=False)
+    weight = torch.randn(4, 4)
+    state = {"model": {"w": weight}, "optim": {"param_groups": [{"cls": torch.optim.AdamW}]}}
+    first = stager.stage(state)
+    first_ptr = first["model"]["w"].data_ptr()
+    weight.add_(1.0)
+    second = stager.stage(state)
+    assert second["model"]["w"].data_ptr() == first_ptr != weight.data_ptr()
+    assert torch.equal(second["model"]["w"], weight)
+    assert second["optim"]["param_groups"][0]["cls"] is torch.optim.AdamW
