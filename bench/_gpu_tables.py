@@ -90,7 +90,7 @@ def _device_fields(cpu: bool) -> dict[str, Any]:
 
 def _token_fields(cpu: bool, make: Any, shape: dict[str, int], steps: int) -> dict[str, Any]:
     """A one-worker run of `steps` steps of `make()` on random tokens of `shape`."""
-    from bench_gpu import TokenDataset
+    from _gpu_shapes import TokenDataset
 
     return {
         **_device_fields(cpu),
@@ -108,7 +108,7 @@ def _token_fields(cpu: bool, make: Any, shape: dict[str, int], steps: int) -> di
 def table_2(cpu: bool) -> dict[str, Any]:
     """FSDP (one rank, nccl) against DDP: bf16, compile=True, activation checkpointing; the
     GPT-2 124M shape of table 1. Target: FSDP's step at most 1.05x DDP's."""
-    from bench_gpu import FULL, TINY, make_model
+    from _gpu_shapes import FULL, TINY, make_model
 
     shape = TINY if cpu else FULL
     steps, skip = (12, 4) if cpu else (120, 40)

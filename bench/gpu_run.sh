@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (see ../shared/gpu/README.md): install the carried wheels once, then run
+# bench_gpu.py's tables one command each, so that a table that fails or runs out of time leaves
+# the others' figures. Each table's report goes to $OUT/gpu-<N>.json and its output to
+# $OUT/gpu-<N>.log; the last lines of each are printed.
+#
+# Usage (from the checkout's root, .whl/ carried):  bash bench/gpu_run.sh SECONDS TABLE...
+#   e.g.  bash bench/gpu_run.sh 170 2 3 5      (at most 170 s a table)
+set -uo pipefail
+limit=$1
+shift
+out=${OUT:-/tmp/gpu-out}
+mkdir -p "$out"
+if [ ! -d /tmp/site/ray ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for table in "$@"; do
+  started=$(date +%s)
+  timeout "$limit" python3 bench/bench_gpu.py --table "$table" --json "$out/gpu-$table.json" \
+    > "$out/gpu-$table.log" 2>&1
+  echo "== table $table: exit $?, $(( $(date +%s) - started )) s"
+  grep -v -e '^\s*$' -e 'Warning' -e 'warn(' "$out/gpu-$table.log" | tail -25
+done
