@@ -104,6 +104,8 @@ class CallbackActor:
         self.push_wait_s = push_wait_s
         self.storage = RunStorage(run_dir, filesystem)
         self.evals = EvalTracker(self.manager, run_name, filesystem, self.storage)
+        if self.reservation is not None:
+            self.evals.placement = self.reservation.placement
         if self.keeper is not None:
             self.keeper.tracker = self.evals
             self.evals.listener = self.keeper.record_evaluation

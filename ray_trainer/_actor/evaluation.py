@@ -62,6 +62,8 @@ class EvalTracker:
         self.last_wire: dict[str, Any] = {}
         # Told every outcome: (checkpoint path, metrics or None when it failed).
         self.listener: Callable[[str, dict[str, Any] | None], None] | None = None
+        # An elastic run's placement group for its evaluations (`reservation.EvalPlacement`).
+        self.placement: Any = None
 
     def launch(
         self,
@@ -87,9 +89,17 @@ class EvalTracker:
             global _REMOTE_EVAL
             if _REMOTE_EVAL is None:
                 _REMOTE_EVAL = ray.remote(_run_eval)
+            options: dict[str, Any] = {}
+            if self.placement is not None:  # into the resources the run holds for it
+                strategy = self.placement.strategy(num_cpus, num_gpus, resources or {})
+                options = {"scheduling_strategy": strategy} if strategy is not None else {}
             # eval_fn travels as an argument: a function, a lambda or a callable object alike.
             ref = _REMOTE_EVAL.options(
-                num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_retries=0
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=resources or {},
+                max_retries=0,
+                **options,
             ).remote(eval_fn, checkpoint_path, step, self.filesystem)
             deadline = time.monotonic() + timeout_s if timeout_s else None
             self._in_flight[ref] = _Pending(step, checkpoint_path, source, deadline)

@@ -1,20 +1,20 @@
 """Elastic training on a real cluster whose head trains nothing: a node lost, then back.
 
 The cluster is shaped as `cluster.yaml`'s: a head that offers no CPU (it runs the driver, the
-callback actor and Ray Train's controller) and two worker nodes of one CPU each, A and B. The
-run's `EvalOnSave` asks for no CPU but for an ``eval`` resource that only A offers, so the
-evaluations run beside the workers at every size and never take a worker's place. (With the
-evaluation on one of A's CPUs instead, Ray Train 2.60's first restart after a loss, at the old
-size, may put both workers on A whenever no evaluation happens to hold that CPU then: the
-reservation in Ray's autoscaling coordinator steers the size Ray Train chooses, not that
-restart.) A run with ``num_workers=[1, 2]`` starts on two workers; when B's raylet is killed it
-goes on with ONE worker from its latest checkpoint, and when B returns Ray Train grows the group
-back to two. Its checkpoints are written in the background (`async_checkpoint`): each attempt
-resumes from a complete one. Each step takes the samples of two workers at every size, so the
-loss of every step after a change is the loss of an uninterrupted two-worker run (fp32, gloo:
-the reduction order alone differs). From step 30 on, the smaller group holds each step until
-Ray Train has grown it back, so the run cannot end first. The tiny model has no dropout: a rank
-that was not in a checkpoint has no RNG state.
+callback actor and Ray Train's controller) and two worker nodes, A with two CPUs and B with
+one. The run has an `EvalOnSave` on one CPU and an ``eval`` resource that only A offers, so its
+evaluations are A's. The callback actor holds that bundle in a placement group, and reserves it
+in Ray's autoscaling coordinator: Ray Train never counts A's second CPU as room for a worker
+(its sizing), nor takes it (Ray Train 2.60's first restart after a loss, at the old size, would
+otherwise put both workers on A whenever no evaluation held that CPU at that moment). A run
+with ``num_workers=[1, 2]`` starts on two workers; when B's raylet is killed it goes on with ONE
+worker from its latest checkpoint, and when B returns Ray Train grows the group back to two.
+Its checkpoints are written in the background (`async_checkpoint`): each attempt resumes from a
+complete one. Each step takes the samples of two workers at every size, so the loss of every
+step after a change is the loss of an uninterrupted two-worker run (fp32, gloo: the reduction
+order alone differs). From step 30 on, the smaller group holds each step until Ray Train has
+grown it back, so the run cannot end first. The tiny model has no dropout: a rank that was not
+in a checkpoint has no RNG state.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ STEPS = 60
 def cluster():
     c = LocalCluster(num_cpus=0, fast_failure_detection=True)
     c.start()
-    c.add_node(NODE_A, num_cpus=1, resources={"eval": 1})
+    c.add_node(NODE_A, num_cpus=2, resources={"eval": 1})
     c.add_node(NODE_B, num_cpus=1)
     yield c
     c.stop()
@@ -56,7 +56,7 @@ def _fields(tmp_path, name, records, **extra):
         "run_name": name,
         "worker_start_timeout_s": 15,  # the first restart after the loss waits it out
         "_records": str(records),
-        "_eval": {"num_gpus": 0, "num_cpus": 0, "resources": {"eval": 1}},  # on A, no CPU
+        "_eval": {"num_gpus": 0, "num_cpus": 1, "resources": {"eval": 1}},  # one of A's CPUs
     }
 
 
@@ -107,7 +107,7 @@ def test_a_lost_node_shrinks_the_group_its_return_grows_it_and_the_losses_match(
     cluster.add_node(NODE_B, num_cpus=1)  # the node is back: the group grows
     outcome, out = driver_outcome(driver, "the node's return", 300)
     assert outcome.get("global_step") == STEPS, out[-4000:]
-    # The evaluations ran beside the workers at every size (never starved: A keeps their resource).
+    # The evaluations ran beside the workers at every size (never starved: their CPU stays theirs).
     assert outcome["evaluated"][-1] == STEPS and len(outcome["evaluated"]) >= STEPS // 5
 
     rs = _records(records)
@@ -117,7 +117,7 @@ def test_a_lost_node_shrinks_the_group_its_return_grows_it_and_the_losses_match(
     for name in loaded:
         verify(str(tmp_path / "storage" / "elastic" / os.path.basename(name)))
     # The size of each attempt that trained (a start that failed while Ray Train still saw
-    # the lost node has none): 2, then 1 (A's one CPU), then 2.
+    # the lost node has none): 2, then 1 (A's 2 CPUs hold 1 worker + the evaluations), then 2.
     begun = {r["attempt"]: r["world_size"] for r in rs if r["event"] == "on_train_begin"}
     sizes = [begun[a] for a in sorted(begun)]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes

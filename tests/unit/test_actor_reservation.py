@@ -66,3 +66,18 @@ def test_the_request_is_made_at_once_renewed_and_cancelled(monkeypatch):
     assert coordinator.renewed.wait(5.0)
     held.cancel()
     assert coordinator.calls[-1] == ("cancel", ("ray-trainer-eval:my-run",), {})
+
+
+def test_an_evaluation_that_asks_for_resources_runs_in_the_runs_placement_group():
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    placement = reservation.EvalPlacement("my-run", [{"CPU": 1.0}])
+    assert placement.name == "ray-trainer-eval:my-run"  # an actor Ray restarted finds it
+    placement.group = group = object()  # what `start` makes
+    for asked in [(1, 0, {}), (0, 1, {}), (0, 0, {"eval_slot": 1})]:
+        strategy = placement.strategy(*asked)
+        assert isinstance(strategy, PlacementGroupSchedulingStrategy), asked
+        assert strategy.placement_group is group
+        assert strategy.placement_group_bundle_index == -1  # any bundle with room
+    assert placement.strategy(0, 0, {}) is None  # asks for nothing: runs anywhere
+    assert placement.strategy(0, 0, {"eval_slot": 0}) is None
