@@ -62,7 +62,7 @@ def test_failing_evaluations_are_recorded_and_do_not_block_the_end(ray_session, 
             max_steps=10,
             save_every_steps=5,
             run_name="bad-evals",
-            eval_timeout_s=10,
+            eval_timeout_s=30,  # the callable evaluations may queue behind the others: not 10
             callbacks=[
                 SlowSteps(0.02),
                 EvalOnSave(raising_eval, num_gpus=0),
