@@ -68,6 +68,17 @@ def startup_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
              extra <= 1.5)]  # fmt: skip
 
 
+def dpo_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """The runner's DPO tokens/s against TRL's padded `DPOTrainer` (reference precomputed on
+    both sides): padded at least 1.0x, packed at least 1.5x."""
+    padded = next(v for k, v in report["ratios"].items() if k.startswith("ray-trainer, padded, r"))
+    packed = next(v for k, v in report["ratios"].items() if "packing=True" in k)
+    return [
+        ("DPO padded tokens/s / TRL's padded", f"{padded:.3f}x", ">= 1.000x", padded >= 1.0),
+        ("DPO packed tokens/s / TRL's padded", f"{packed:.3f}x", ">= 1.500x", packed >= 1.5),
+    ]
+
+
 BENCHES: dict[str, Bench] = {
     "dispatch": Bench(
         "bench_dispatch.py",
@@ -158,6 +169,20 @@ BENCHES: dict[str, Bench] = {
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
+    ),
+    "dpo": Bench(
+        "bench_dpo.py",
+        "DPO against TRL's DPOTrainer: tokens/s padded and packed, the reference pass, memory",
+        "TRL 1.16's `DPOTrainer` in one process (padded, `precompute_ref_log_probs=True`) on the "
+        "same tiny chat model, uneven preference pairs, pairs per step, AdamW and torch threads, "
+        'against `run_training(objective="dpo", num_workers=1)`; non-padding tokens of chosen '
+        "and rejected sequences per second of steps after the first ones",
+        quick=["--quick"],
+        target=1.0,
+        target_note="the runner's padded tokens/s at least 1.0x TRL's padded, packed at least "
+        "1.5x; the reference pass against training and the peak RSS of a reference in each "
+        "step are reported, without a target",
+        goals=dpo_goals,
     ),
     "memory": Bench(
         "bench_memory.py",

@@ -76,6 +76,16 @@ class TrainingArgs(BaseModel):
     # (docs/large-models.md); default: a chunk's fp32 logits near 32 MiB, at least 256 positions.
     chunked_loss: bool = True
     loss_chunk_size: int | None = Field(None, gt=0)
+    # Preference tuning (docs/preference.md): "dpo" trains on pairs {prompt, chosen, rejected}
+    # against a reference (the model as DPO starts), with TRL 1.16's losses.
+    objective: Literal["sft", "dpo"] = "sft"
+    dpo_beta: float = Field(0.1, gt=0)
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    # Conservative DPO (sigmoid only): the probability that a pair's preference is flipped.
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    # The reference's log-probs computed once before training, by Ray tasks, into the token
+    # cache; False: in each step (LoRA: the base with the adapters off; else a frozen copy).
+    precompute_reference: bool = True
 
     # How long and how.
     max_steps: int | None = Field(None, gt=0)
@@ -308,6 +318,7 @@ class TrainingArgs(BaseModel):
                 "loss_chunk_size sizes the chunked loss: drop it, or set chunked_loss=True"
             )
         _check_ranking(self)
+        _check_objective(self)
         return self
 
     # ---- scaling --------------------------------------------------------------------------
@@ -415,6 +426,54 @@ class TrainingArgs(BaseModel):
             else:
                 out[k] = repr(v)
         return out
+
+
+#: The DPO losses, each as TRL 1.16 computes it (``DPOConfig.loss_type``).
+DPO_LOSSES = ("sigmoid", "ipo")
+#: The fields that mean something under ``objective="dpo"`` only.
+_DPO_FIELDS = ("dpo_beta", "dpo_loss", "label_smoothing", "precompute_reference")
+
+
+def _check_objective(args: TrainingArgs) -> None:
+    """DPO's fields need ``objective="dpo"``, and DPO refuses what it defines otherwise."""
+    # Told by value, not by `model_fields_set`: `coerce` passes every field of a TrainingArgs.
+    if args.objective != "dpo":
+        stray = [f for f in _DPO_FIELDS if getattr(args, f) != TrainingArgs.model_fields[f].default]
+        if stray:
+            raise ValueError(
+                f"{', '.join(stray)} set with objective={args.objective!r}: they configure "
+                "preference tuning; set objective='dpo' too, or drop them"
+            )
+        return
+    if args.train_on != "assistant":
+        raise ValueError(
+            f"train_on={args.train_on!r} with objective='dpo': DPO takes its loss on each "
+            "answer's tokens (chosen and rejected), never on the prompt; drop train_on"
+        )
+    if args.loss_fn is not None:
+        raise ValueError(
+            "loss_fn with objective='dpo': the DPO loss is computed from each answer's summed "
+            "log-probabilities (dpo_loss picks TRL's sigmoid or ipo); drop loss_fn"
+        )
+    if args.data is None:
+        raise ValueError(
+            'objective=\'dpo\' needs data: preference pairs such as {"prompt": ..., "chosen": '
+            '..., "rejected": ...} (docs/preference.md)'
+        )
+    if not args.precompute_reference and args.lora is None and args.strategy == "fsdp":
+        raise ValueError(
+            "precompute_reference=False without lora under strategy='fsdp': the reference "
+            "would be a second sharded copy of the model in every step; keep "
+            "precompute_reference=True (the reference's log-probs are computed once, before "
+            "training), or train LoRA adapters (the reference is then the base, adapters off)"
+        )
+    if args.label_smoothing and args.dpo_loss != "sigmoid":
+        raise ValueError(
+            f"label_smoothing={args.label_smoothing!r} with dpo_loss={args.dpo_loss!r}: "
+            "label_smoothing makes the sigmoid loss conservative DPO (cDPO), it has no meaning "
+            "for IPO; set label_smoothing=0, or use "
+            "dpo_loss='sigmoid'"
+        )
 
 
 def _check_ranking(args: TrainingArgs) -> None:

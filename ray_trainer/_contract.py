@@ -185,3 +185,6 @@ class RunSpec:
     # the run's storage (``_data/cache.py``); and the chat template the data was rendered with.
     data_caches: dict[str, str] = field(default_factory=dict)
     chat_template: str | None = None
+    # DPO: the folder of each cache's reference log-probs (``_reference.py``); complete, or
+    # (a sharded model) to be filled by the workers before their first step.
+    references: dict[str, str] = field(default_factory=dict)

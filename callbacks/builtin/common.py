@@ -33,6 +33,21 @@ def throughput_of(context: Any) -> Any:
     return (context.batch_metrics or {}).get("tokens_per_s")
 
 
+#: The logged metrics of an objective other than next-token loss, with their names as the
+#: objective's peers write them (DPO's, TRL's: ``rewards/chosen``, ..., ``logps/rejected``).
+OBJECTIVE_METRICS = ("rewards/", "logps/")
+
+
+def objective_metrics(context: Any) -> dict[str, float]:
+    """The objective's own numbers among a log's ``batch_metrics`` (DPO's; empty for SFT)."""
+    logged = getattr(context, "batch_metrics", None) or {}
+    return {
+        k: float(v)
+        for k, v in logged.items()
+        if k.startswith(OBJECTIVE_METRICS) and isinstance(v, (int, float))
+    }
+
+
 def as_float(value: Any) -> float | None:
     """``float(value)`` for numbers (bool, int, float, numpy/torch scalars); None otherwise."""
     if value is None or isinstance(value, (str, bytes)):

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from callbacks.builtin.common import as_float, json_safe, throughput_of
+from callbacks.builtin.common import as_float, json_safe, objective_metrics, throughput_of
 from callbacks.builtin.run_files import RunFileLogger
 
 __all__ = ["JsonlLogger"]
@@ -99,6 +99,7 @@ class JsonlLogger(RunFileLogger):
             "tokens_per_s": as_float(throughput),
             "samples_seen": context.samples_seen,
             "tokens_seen": context.tokens_seen,
+            **objective_metrics(context),  # DPO's rewards/..., logps/... (TRL's names)
         }
 
     def _append(self, record: dict[str, Any], context: Any) -> None:

@@ -10,7 +10,7 @@ import weakref
 from typing import Any
 
 from callbacks._callback import TrainerCallback
-from callbacks.builtin.common import as_float, throughput_of
+from callbacks.builtin.common import as_float, objective_metrics, throughput_of
 
 __all__ = ["RayMetrics"]
 
@@ -51,6 +51,9 @@ class RayMetrics(TrainerCallback):
     - gauges ``ray_trainer_step``, ``ray_trainer_loss``, ``ray_trainer_learning_rate``,
       ``ray_trainer_tokens_per_s`` (set at each ``on_log``), and ``ray_trainer_workers`` (set
       at each attempt's ``on_train_begin``: an elastic run's size);
+    - under ``objective="dpo"``, a gauge per logged metric of TRL's (``rewards/chosen``,
+      ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+      ``logps/rejected``), named with ``/`` as ``_``: ``ray_trainer_rewards_accuracies``;
     - a gauge ``ray_trainer_eval_<metric>`` per evaluation metric name, the name sanitized to
       ``[a-zA-Z0-9_]`` (set at each ``on_evaluate``; at most ``MAX_EVAL_GAUGES`` names);
     - a gauge ``ray_trainer_callback_errors`` when the actor provides
@@ -147,6 +150,8 @@ class RayMetrics(TrainerCallback):
             "learning_rate": context.learning_rate,
             "tokens_per_s": throughput,
         }
+        for name, value in objective_metrics(context).items():
+            values[sanitize(name)] = value  # rewards/chosen -> ray_trainer_rewards_chosen
         self._event(context, "on_log", values)
 
     def on_evaluate(self, context: Any, **kwargs: Any) -> None:

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Any
 
-from callbacks.builtin.common import as_float, throughput_of
+from callbacks.builtin.common import as_float, objective_metrics, throughput_of
 from callbacks.builtin.run_files import RunFileLogger
 
 __all__ = ["TensorBoardLogger"]
@@ -71,6 +71,7 @@ class TensorBoardLogger(RunFileLogger):
             "train/learning_rate": context.learning_rate,
             "train/grad_norm": context.grad_norm,
             "train/tokens_per_s": throughput,
+            **{f"train/{k}": v for k, v in objective_metrics(context).items()},
         }
         self._write(context, scalars, context.global_step, flush=False)
 

@@ -7,7 +7,9 @@ A source's records, encoded once for the run (tokens, loss mask, lengths), live 
 ``offsets-NNNNN.npy`` (int64, where each sample starts), written by the preparation task that
 encoded the piece (:func:`write_piece`, on any node); then ``lengths.npy`` and ``targets.npy``
 (per sample: tokens, and positions the model scores) and ``meta.json`` last, by the driver
-(:func:`write_meta`). A cache without ``meta.json`` is incomplete and is rebuilt. Workers open it
+(:func:`write_meta`). A cache without ``meta.json`` is incomplete and is rebuilt. A source of
+preference pairs stores each kept pair as two consecutive samples of one piece, chosen at ``2i``
+and rejected at ``2i + 1`` (its meta says ``"pairs"`` and ``"pair_format"``). Workers open it
 with :class:`TokenCache` and read only the samples they train on: memory-mapped on a local or
 shared disk, ranged reads on a bucket. Packing plans are not cached: they depend on the seed, the
 epoch and the number of workers, and are computed by the workers.
@@ -43,9 +45,9 @@ class PieceResult:
     index: int
     lengths: np.ndarray  # int32, tokens per kept sample
     targets: np.ndarray  # int32, positions the model scores per kept sample (labels after shift)
-    records: int  # records read
-    truncated: int  # samples cut to max_length
-    dropped: int  # records with no label left (not kept)
+    records: int  # records (or preference pairs) read
+    truncated: int  # samples (or pairs) cut to max_length
+    dropped: int  # records with no label left, or pairs whose prompt fills max_length (not kept)
     dropped_where: list[str]  # where the first few of them are
     cpu_s: float = 0.0  # the task's CPU time
 

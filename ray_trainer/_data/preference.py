@@ -232,25 +232,37 @@ def check_pairs(records: Iterable[Any], *, file: str | None = None, field: str =
     for index, record in enumerate(records):
         at = where(index, file)
         try:
-            fmt = pair_format(record)
-            check_pair(record, fmt)
+            fmt = check_in_file(record, first)
         except RecordError as e:
             errors.append(f"{at}: {e}")
             continue
-        if first is None:
-            first = (fmt, at)
-        elif fmt != first[0]:
-            errors.append(
-                f"{at}: a pair in the {fmt!r} format, but {first[1]} is in the {first[0]!r} "
-                f"one; the pairs of one file share one format ({', '.join(PAIR_FORMATS)}): "
-                "write them all alike, or put each format in its own file"
-            )
+        first = first or (fmt, at)
     if errors:
         raise DataFileError(_first_of(errors, field))
     if first is None:
         name = file or "the records"
         raise DataFileError(f"{field}: {name} holds no preference pairs; {_EXAMPLE}")
     return first[0]
+
+
+def check_in_file(record: Any, first: tuple[str, str] | None) -> str:
+    """Check one record of a file whose first good pair is ``first`` (its format and where it
+    is; None before it) and return the record's format. Pure Python; the driver's checks of a
+    source's files (``records.scan``) and :func:`check_pairs` call it for every record.
+
+    Raises:
+        RecordError: not a pair, a pair :func:`check_pair` refuses, or a pair in another format
+            than ``first``'s (formats do not mix in one file). No location; prefix it.
+    """
+    fmt = pair_format(record)
+    check_pair(record, fmt)
+    if first is not None and fmt != first[0]:
+        raise RecordError(
+            f"a pair in the {fmt!r} format, but {first[1]} is in the {first[0]!r} one; the "
+            f"pairs of one file share one format ({', '.join(PAIR_FORMATS)}): write them all "
+            "alike (TRL, too, reads one format per dataset)"
+        )
+    return fmt
 
 
 def check_val_pairs(records: Iterable[Any], *, file: str | None = None) -> str:

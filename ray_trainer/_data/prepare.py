@@ -1,5 +1,9 @@
 """Preparation task: encode one piece of a source into the run's token cache.
 
+A record becomes one sample; a preference pair (``objective="dpo"``) becomes two consecutive
+samples, its chosen then its rejected sequence (``EncodedPair.sequences``), so that a piece of
+``n`` kept pairs holds ``2n`` samples and sample ``2i + 1`` is the rejected side of sample ``2i``.
+
 :func:`encode_piece` is the body of the preparation tasks the driver launches
 (``ray_trainer._driver.data`` wraps it in the Ray task), one per piece, on any node; the tests
 of the encoding run it in their own process. It needs the source's records (read from its files
@@ -19,6 +23,7 @@ import numpy as np
 from ray_trainer._data.cache import PieceResult, write_piece
 from ray_trainer._data.chat import RecordError
 from ray_trainer._data.encode import IGNORE_INDEX, Encoder
+from ray_trainer._data.preference import PairEncoder, pair_format
 from ray_trainer._data.sources import DataFileError, Piece, Source, read_piece, record_format
 from ray_trainer._storage import locate
 
@@ -36,6 +41,8 @@ class EncodeSettings:
     train_on: str
     max_length: int
     text_field: str
+    objective: str = "sft"  # "dpo": the source holds preference pairs
+    pair_format: str | None = None  # their format (`preference.PAIR_FORMATS`), under "dpo"
 
 
 def encode_piece(
@@ -56,7 +63,7 @@ def encode_piece(
         DataFileError: a record the template cannot render as asked, with where it is.
     """
     cpu = time.process_time()
-    encoder = _encoder(settings, cache_name)
+    encode = _pair_samples if source.fmt == "preference" else _record_samples
     samples: list[tuple[list[int], list[int]]] = []
     targets: list[int] = []
     dropped: list[str] = []
@@ -64,18 +71,18 @@ def encode_piece(
     for where, record in read_piece(source, piece, content):
         records += 1
         try:
-            encoded = encoder.encode(record, record_format(record, source.fmt, settings.text_field))
+            kept, cut = encode(record, source, settings, cache_name)
         except RecordError as e:
             raise DataFileError(f"{where}: {e}") from None
-        truncated += bool(encoded.truncated)
-        scored = sum(1 for label in encoded.labels[1:] if label != IGNORE_INDEX)
-        if scored == 0:
+        truncated += cut
+        scored = [sum(1 for label in labels[1:] if label != IGNORE_INDEX) for _, labels in kept]
+        if not kept or 0 in scored:
             dropped_count += 1
             if len(dropped) < MAX_NAMED:
                 dropped.append(where)
             continue
-        samples.append((list(encoded.input_ids), list(encoded.labels)))
-        targets.append(scored)
+        samples.extend(kept)
+        targets.extend(scored)
     write_piece(locate(cache_name, filesystem), index, samples)
     lengths = np.fromiter((len(ids) for ids, _ in samples), dtype=np.int32, count=len(samples))
     return PieceResult(
@@ -90,19 +97,57 @@ def encode_piece(
     )
 
 
-_ENCODERS: dict[str, Encoder] = {}
+_Samples = list[tuple[list[int], list[int]]]
+
+
+def _record_samples(
+    record: Any, source: Source, settings: EncodeSettings, key: str
+) -> tuple[_Samples, bool]:
+    """One record's sample and whether it was truncated (left out if it scores no label)."""
+    encoder = _encoder(settings, key)
+    encoded = encoder.encode(record, record_format(record, source.fmt, settings.text_field))
+    return [(list(encoded.input_ids), list(encoded.labels))], bool(encoded.truncated)
+
+
+def _pair_samples(
+    record: Any, source: Source, settings: EncodeSettings, key: str
+) -> tuple[_Samples, bool]:
+    """One pair's two samples (chosen, rejected) and whether either side was truncated; none
+    when its prompt alone fills ``max_length``. `scan` refused files that mix formats."""
+    pair = _pair_encoder(settings, key).encode(record, pair_format(record))
+    if pair is None:
+        return [], False
+    return list(pair.sequences()), pair.truncated
+
+
+_ENCODERS: dict[str, Encoder | PairEncoder] = {}
 
 
 def _encoder(settings: EncodeSettings, key: str) -> Encoder:
     """One encoder per process and cache (a task process may encode several pieces)."""
-    if key in _ENCODERS:
-        return _ENCODERS[key]
-    _ENCODERS.clear()
-    _ENCODERS[key] = Encoder(
-        settings.model_spec.data_tokenizer(),
-        chat_template=settings.chat_template,
-        train_on=settings.train_on,
-        max_length=settings.max_length,
-        text_field=settings.text_field,
-    )
-    return _ENCODERS[key]
+    if key not in _ENCODERS:
+        _ENCODERS.clear()
+        _ENCODERS[key] = Encoder(
+            settings.model_spec.data_tokenizer(),
+            chat_template=settings.chat_template,
+            train_on=settings.train_on,
+            max_length=settings.max_length,
+            text_field=settings.text_field,
+        )
+    encoder = _ENCODERS[key]
+    assert isinstance(encoder, Encoder)
+    return encoder
+
+
+def _pair_encoder(settings: EncodeSettings, key: str) -> PairEncoder:
+    """One pair encoder per process and cache, as `_encoder`."""
+    if key not in _ENCODERS:
+        _ENCODERS.clear()
+        _ENCODERS[key] = PairEncoder(
+            settings.model_spec.data_tokenizer(),
+            chat_template=settings.chat_template,
+            max_length=settings.max_length,
+        )
+    encoder = _ENCODERS[key]
+    assert isinstance(encoder, PairEncoder)
+    return encoder

@@ -2,9 +2,10 @@
 
 :func:`scan` runs in the driver before Ray starts (skipped when the run's token cache already
 holds the source): it reads every record once, checks its shape for the source's format
-(``chat.check_record``: pure Python, no tokenizer), and cuts the source into :class:`Piece` s of at
-most ``PIECE_RECORDS`` records for the preparation tasks. The first bad record fails the run
-with its file and line (or row) and the fix, and how many other records are bad.
+(``chat.check_record``, or for preference pairs ``preference.check_in_file``: pure Python, no
+tokenizer), and cuts the source into :class:`Piece` s of at most ``PIECE_RECORDS`` records for the
+preparation tasks. The first bad record fails the run with its file and line (or row) and the
+fix, and how many other records are bad.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ray_trainer._data.chat import RecordError, check_record
+from ray_trainer._data.preference import _EXAMPLE, check_in_file
 from ray_trainer._data.sources import (
     _ACCEPTED,
     _UTF8_BOM,
@@ -33,7 +35,10 @@ _BLOCK = 8 * 2**20
 
 def scan(source: Source, text_field: str = "text", train_on: str = "assistant") -> Source:
     """Check every record of `source` and cut it into pieces; returns it with ``records`` and
-    ``pieces`` set. Raises :class:`DataFileError` naming the first bad record."""
+    ``pieces`` set (and ``pair_format``, for preference pairs). Raises :class:`DataFileError`
+    naming the first bad record."""
+    if source.fmt == "preference":
+        return _scan_pairs(source)
     errors: list[str] = []
     pieces: list[Piece] = []
     total = 0
@@ -53,11 +58,7 @@ def scan(source: Source, text_field: str = "text", train_on: str = "assistant") 
             pieces.append(piece)
             total += piece.records
     if errors:
-        more = len(errors) - 1
-        tail = (
-            f" ({more} more bad record{'s' if more > 1 else ''}, e.g. {errors[1]})" if more else ""
-        )
-        raise DataFileError(errors[0] + tail)
+        raise DataFileError(_first_bad(errors))
     if total == 0:
         raise DataFileError(
             f"{source.field}: {source.name} holds no records; write one JSON object per line, "
@@ -71,6 +72,54 @@ def scan(source: Source, text_field: str = "text", train_on: str = "assistant") 
         )
     source.records, source.pieces = total, pieces
     return source
+
+
+def _scan_pairs(source: Source) -> Source:
+    """`scan` of a preference source: every pair checked, one format per file and per source
+    (TRL reads one format per dataset); sets ``pair_format`` to it."""
+    errors: list[str] = []
+    pieces: list[Piece] = []
+    total = 0
+    source_first: tuple[str, str] | None = None  # the source's format, and where it was set
+    for rows in _units(source):
+        first: tuple[str, str] | None = None  # this file's first good pair: (format, where)
+        for piece, records in rows:
+            for where, record in records:
+                try:
+                    if isinstance(record, _Bad):
+                        raise RecordError(record.why)
+                    fmt = check_in_file(record, first)
+                except RecordError as e:
+                    errors.append(f"{where}: {e}")
+                    continue
+                first = first or (fmt, where)
+            pieces.append(piece)
+            total += piece.records
+        if first is None or source_first is None or first[0] == source_first[0]:
+            source_first = source_first or first
+            continue
+        errors.append(
+            f"{first[1]}: a pair in the {first[0]!r} format, but {source_first[1]} is in the "
+            f"{source_first[0]!r} one; the files of one source share one format (TRL, too, reads "
+            "one format per dataset): write them all alike"
+        )
+    if errors:
+        raise DataFileError(f"{source.field}: {_first_bad(errors)}")
+    if source_first is None:
+        raise DataFileError(
+            f"{source.field}: {source.name} holds no preference pairs; write one JSON object per "
+            f"line, e.g. {_EXAMPLE}"
+        )
+    source.records, source.pieces, source.pair_format = total, pieces, source_first[0]
+    return source
+
+
+def _first_bad(errors: list[str]) -> str:
+    """The first error, and how many more there are (with the second as an example)."""
+    more = len(errors) - 1
+    return errors[0] + (
+        f" ({more} more bad record{'s' if more > 1 else ''}, e.g. {errors[1]})" if more else ""
+    )
 
 
 def _has_text(record: dict[str, Any], fmt: str, text_field: str) -> bool:

@@ -30,7 +30,8 @@ PIECE_BYTES = 32 * 2**20
 _UTF8_BOM = b"\xef\xbb\xbf"
 _ACCEPTED = (
     '{"messages": [{"role": ..., "content": ...}, ...]} (chat), {"prompt": ..., "completion": ...} '
-    '(strings, or lists of messages), or {"text": ...}'
+    '(strings, or lists of messages), {"text": ...}, or {"prompt": ..., "chosen": ..., '
+    '"rejected": ...} (preference pairs, with objective="dpo")'
 )
 
 
@@ -73,6 +74,8 @@ class Source:
     fingerprint: str = ""  # what identifies the records: files' names, sizes and mtimes
     records: int | None = None  # set by `scan`
     pieces: list[Piece] = field(default_factory=list)
+    first: dict[str, Any] = field(default_factory=dict, repr=False)  # told the format
+    pair_format: str | None = None  # a "preference" source's pair format (see `preference`)
 
 
 def is_hf_dataset(value: Any) -> bool:
@@ -100,19 +103,26 @@ def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | N
         name = f"{field_name} (a datasets.Dataset)"
         fmt = detect_format(name, cols, first, text_field)
         fp = getattr(value, "_fingerprint", None) or _table_digest(table)
-        return Source(field_name, name, [], fmt, cols, table=table, fingerprint=f"dataset:{fp}")
+        return Source(
+            field_name, name, [], fmt, cols, table=table, fingerprint=f"dataset:{fp}",
+            first=_drop_nulls(first),
+        )  # fmt: skip
     if not isinstance(value, str):
         return None
     files = _files(value, field_name)
     cols, first = _first_record(files[0])
     fmt = detect_format(files[0].name, cols, first, text_field)
     parts = [f"{f.name}|{f.size}|{f.mtime}" for f in files]
-    return Source(field_name, value, files, fmt, cols, fingerprint=";".join(parts))
+    first = _drop_nulls(first) if isinstance(first, dict) else {}
+    return Source(field_name, value, files, fmt, cols, fingerprint=";".join(parts), first=first)
 
 
 def detect_format(name: str, columns: list[str], first: dict[str, Any], text_field: str) -> str:
-    """The record format from the columns: ``messages`` first, then ``prompt``/``completion``
+    """The record format from the columns: ``chosen`` and ``rejected`` (preference pairs, in
+    any of their formats: ``preference``) first, then ``messages``, then ``prompt``/``completion``
     (lists of messages: ``conversational``), then the text field."""
+    if "chosen" in columns and "rejected" in columns:
+        return "preference"
     if "messages" in columns:
         return "messages"
     if "prompt" in columns and "completion" in columns:
@@ -294,9 +304,10 @@ def _json_array(name: str, data: bytes) -> list[Any]:
 
 def _drop_nulls(row: dict[str, Any]) -> dict[str, Any]:
     """Arrow fills a field that another row has with None: drop those (recursively in
-    messages) so a chat template sees the record as it was written."""
+    messages, a preference pair's answers included) so a chat template sees the record as it
+    was written."""
     out = {k: v for k, v in row.items() if v is not None}
-    for key in ("messages", "prompt", "completion"):
+    for key in ("messages", "prompt", "completion", "chosen", "rejected"):
         value = out.get(key)
         if isinstance(value, list):
             out[key] = [

@@ -142,7 +142,9 @@ def check_enough_samples(args: TrainingArgs, plans: dict[str, Any]) -> None:
     train = plans.get("data")
     if train is not None and train.samples is not None:
         held_out = args.eval_every_steps is not None and args.val_data is None
-        _check_enough_data(args, train.samples, held_out)
+        # Pairs count as one sample each (a pair's two sequences always train together).
+        samples = int(train.meta.get("pairs", train.samples)) if train.meta else train.samples
+        _check_enough_data(args, samples, held_out)
 
 
 def _check_blocks(args: TrainingArgs) -> None:
@@ -219,6 +221,7 @@ def check_storage(args: TrainingArgs) -> Location:
     # The workers resume from the run's newest checkpoint, else from resume_from.
     resumed = latest or (locate(args.resume_from) if args.resume_from is not None else None)
     check_lora_resume(args, resumed)
+    _check_objective_resume(args, resumed)
     record = read_run_record(run)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
@@ -228,6 +231,29 @@ def check_storage(args: TrainingArgs) -> Location:
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
         )
     return run
+
+
+def _check_objective_resume(args: TrainingArgs, checkpoint: Location | None) -> None:
+    """A run continues with the objective its checkpoint was trained with: an SFT checkpoint
+    resumed under DPO would take the SFT run's optimizer and schedule, and its adapters' base
+    would not be the reference. DPO starts from an SFT checkpoint as ``model=``."""
+    if checkpoint is None:
+        return
+    from ray_trainer._checkpoint import check_complete
+
+    trained = check_complete(checkpoint).extra.get("objective", "sft")
+    if trained == args.objective:
+        return
+    fix = (
+        f"start DPO from it as model={checkpoint.name + '/hf'!r} (its Hugging Face export; "
+        "a LoRA run's with lora_export='merged' or 'both') in a new run_name"
+        if args.objective == "dpo"
+        else "continue it with objective='dpo', or start a new run_name"
+    )
+    raise TrainingArgsError(
+        f"objective: {checkpoint.name} was trained with objective={trained!r}, this run has "
+        f"objective={args.objective!r}; {fix}"
+    )
 
 
 def _check_strategy(args: TrainingArgs, checkpoint: Location | None) -> None:

@@ -4,7 +4,9 @@ Runs in the driver. :func:`plan_data` (before ``ray.init``) resolves ``data`` an
 (files, globs, folders, buckets, an in-memory ``datasets.Dataset``), detects their format, loads
 the tokenizer (a chat format needs a chat template: refused here without one), and computes the
 fingerprint of what the workers will train on: the records (files' names, sizes and mtimes, or a
-dataset's fingerprint), the tokenizer, the template and the encoding settings. When the token
+dataset's fingerprint), the tokenizer, the template and the encoding settings (the objective and
+the pairs' format too, under ``objective="dpo"``: sources of preference pairs, refused under SFT,
+as any other source is under DPO). When the token
 cache of that fingerprint is complete on storage, nothing is read again; otherwise every record
 is checked here (file and line of the first bad one). :func:`prepare_data` (after ``ray.init``,
 before any worker starts) launches one preparation task per piece, wherever the cluster has a
@@ -35,6 +37,8 @@ from typing import Any
 
 from ray_trainer._config import TrainingArgs
 from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
+from ray_trainer._data.chat import ChatTemplateError, RecordError
+from ray_trainer._data.preference import _EXAMPLE, PairEncoder, pair_format
 from ray_trainer._data.prepare import EncodeSettings, encode_piece
 from ray_trainer._data.records import scan
 from ray_trainer._data.sources import DataFileError, Source, piece_content, resolve
@@ -44,6 +48,8 @@ from ray_trainer._storage import Location, locate
 
 logger = logging.getLogger("ray_trainer")
 _CHAT_FORMATS = ("messages", "conversational")
+#: The preference formats whose pairs are conversations (rendered with the chat template).
+_CHAT_PAIRS = ("conversational", "implicit_prompt")
 #: At most this many pieces of a local file are in the object store at once (each at most
 #: `PIECE_BYTES`, 32 MiB, or `PIECE_RECORDS` rows): what the driver's node holds of the file.
 MAX_SHIPPED_PIECES = 16
@@ -70,19 +76,27 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
     plans: dict[str, DataPlan] = {}
     tokenizer = template = None
     for field in ("data", "val_data"):
-        source = resolve(getattr(args, field), field, args.text_field)
+        value = getattr(args, field)
+        source = resolve(value, field, args.text_field)
+        check_objective(field, value, source, args)
         if source is None:
             continue
         if tokenizer is None:
             tokenizer = ModelSpec.of(args).data_tokenizer()
-        if source.fmt in _CHAT_FORMATS or args.chat_template is not None:
+        pairs = _first_pair_format(source)  # None for other sources (and a bad first pair)
+        chat = source.fmt in _CHAT_FORMATS or pairs in _CHAT_PAIRS
+        if chat or args.chat_template is not None:
             template = template or _chat_template(tokenizer, args)
+        if source.fmt == "preference":
+            _check_pair_encoder(field, tokenizer, template if chat else None, args)
         settings = EncodeSettings(
             model_spec=ModelSpec.of(args),
-            chat_template=template if source.fmt in _CHAT_FORMATS else None,
+            chat_template=template if chat else None,
             train_on=args.train_on,
             max_length=args.max_length,
             text_field=args.text_field,
+            objective=args.objective,
+            pair_format=pairs,
         )
         fp = fingerprint(source, settings, tokenizer)
         location = cache_location(locate(args.storage_path, args.storage_filesystem), fp)
@@ -91,6 +105,65 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
             scan(source, args.text_field, args.train_on)  # every record, before Ray starts
         plans[field] = DataPlan(source, settings, fp, location, meta)
     return plans
+
+
+def check_objective(field: str, value: Any, source: Source | None, args: TrainingArgs) -> None:
+    """Refuse, before Ray starts, data the objective does not train on: DPO reads preference
+    pairs (from files or a ``datasets.Dataset``) for ``data`` and ``val_data`` alike, and SFT
+    refuses them (its loss has no meaning on a pair)."""
+    dpo = args.objective == "dpo"
+    if source is None:
+        if dpo and value is not None:
+            raise TrainingArgsError(
+                f"{field}: objective='dpo' reads preference pairs from files or a "
+                f"datasets.Dataset, got a {type(value).__name__}; write the pairs to a JSONL or "
+                f"Parquet file, e.g. {_EXAMPLE}, and pass its path"
+            )
+        return
+    if dpo and source.fmt != "preference":
+        held = {
+            "messages": "'messages' records",
+            "conversational": "prompt/completion records (lists of messages)",
+            "prompt_completion": "prompt/completion records",
+            "text": f"{args.text_field!r} text records",
+        }.get(source.fmt, f"{source.fmt!r} records")
+        raise TrainingArgsError(
+            f"{field}: {source.name} holds {held}; objective='dpo' trains on preference pairs "
+            f"{{prompt, chosen, rejected}}, e.g. {_EXAMPLE}; point {field} at such pairs, or "
+            "set objective='sft'"
+        )
+    if not dpo and source.fmt == "preference":
+        raise TrainingArgsError(
+            f"{field}: {source.name} holds preference pairs (chosen/rejected); set "
+            "objective='dpo' to train on them (objective='sft' trains on 'messages', "
+            "prompt/completion or text records)"
+        )
+
+
+def _first_pair_format(source: Source) -> str | None:
+    """A preference source's pair format, told from its first record (what decides whether its
+    pairs need the chat template); `scan` checks that every record shares it."""
+    if source.fmt != "preference":
+        return None
+    try:
+        return pair_format(source.first)
+    except RecordError:
+        return None  # `scan` names it, with the others
+
+
+def _check_pair_encoder(
+    field: str, tokenizer: Any, template: str | None, args: TrainingArgs
+) -> None:
+    """Refuse here what would fail every preparation task: a tokenizer pairs cannot use."""
+    try:
+        PairEncoder(tokenizer, chat_template=template, max_length=args.max_length)
+    except ChatTemplateError as e:
+        raise TrainingArgsError(f"{field}: {e}") from None
+    except ValueError:
+        raise TrainingArgsError(
+            f"max_length={args.max_length} with objective='dpo': a pair needs at least a prompt "
+            "token and an answer token; raise max_length"
+        ) from None
 
 
 def _chat_template(tokenizer: Any, args: TrainingArgs) -> str:
@@ -121,6 +194,8 @@ def fingerprint(source: Source, settings: EncodeSettings, tokenizer: Any) -> str
         "max_length": settings.max_length,
         "text_field": settings.text_field,
     }
+    if settings.objective != "sft":  # only then: SFT caches keep the names they had
+        body.update(objective=settings.objective, pair_format=settings.pair_format)
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -222,6 +297,9 @@ def finish_cache(
         "cpu_s": round(sum(r.cpu_s for r in results), 3),
         "wall_s": round(wall_s, 3),
     }
+    if source.fmt == "preference":  # each kept pair: samples 2i (chosen) and 2i + 1 (rejected)
+        meta["pairs"] = sum(len(r.lengths) for r in results) // 2
+        meta["pair_format"] = plan.settings.pair_format
     write_meta(plan.cache, meta, results)
     return read_meta(plan.cache) or meta
 
@@ -243,8 +321,21 @@ def _report_dropped(field: str, meta: dict[str, Any], args: TrainingArgs) -> Non
     dropped, where = int(meta.get("dropped", 0)), meta.get("dropped_where", [])
     if not dropped:
         return
-    what = "an assistant token" if meta.get("format") in _CHAT_FORMATS else "a token to learn from"
     shown = ", ".join(where) + (", ..." if dropped > len(where) else "")
+    if meta.get("format") == "preference":
+        if int(meta["samples"]) == 0:
+            raise DataFileError(
+                f"{field}: none of the {meta['records']} pair(s) of {meta['source']} fits: each "
+                f"has a prompt that alone fills max_length={args.max_length} (e.g. {shown}); "
+                "raise max_length"
+            )
+        logger.warning(
+            "%s: %d of %d pair(s) have a prompt that alone fills max_length=%d; they are left "
+            "out (%s); raise max_length to keep them",
+            field, dropped, meta["records"], args.max_length, shown,
+        )  # fmt: skip
+        return
+    what = "an assistant token" if meta.get("format") in _CHAT_FORMATS else "a token to learn from"
     if int(meta["samples"]) == 0:
         raise DataFileError(
             f"{field}: none of the {meta['records']} record(s) of {meta['source']} keeps {what} "

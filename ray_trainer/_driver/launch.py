@@ -44,6 +44,7 @@ from ray_trainer._driver.console import (
 )
 from ray_trainer._driver.data import DataPlan, prepare_data
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
+from ray_trainer._driver.reference import prepare_references
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import resume_hint, run_with_graceful_signals
@@ -144,6 +145,7 @@ def prepare_launch(
     plans = plans or {}
     caches = prepare_data(plans, args)
     check_enough_samples(args, plans)
+    references = prepare_references(plans, args)
 
     record = {"fingerprint": fingerprint(args), "run_name": args.run_name}
     write_run_record(run, record)
@@ -177,6 +179,7 @@ def prepare_launch(
         ),
         data_caches=caches,
         chat_template=next((p.settings.chat_template for p in plans.values()), None),
+        references=references,
     )
     return Launch(spec=spec, actor=actor, actor_ready=ready)
 

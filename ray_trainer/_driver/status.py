@@ -319,6 +319,9 @@ def format_status(status: dict[str, Any]) -> str:
         f"   lr {num(status.get('learning_rate'), '.2e')}"
         f"   {num(status.get('throughput'), '.0f')} tokens/s",
     ]
+    own = status.get("objective_metrics") or {}
+    if own:  # DPO: TRL's metrics of the last log
+        lines.append("  " + "   ".join(f"{k} {v:.4f}" for k, v in sorted(own.items())))
     lines += format_workers(status)
     evals = status.get("evaluations") or []
     in_flight = status.get("evaluations_in_flight") or 0

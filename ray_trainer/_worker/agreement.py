@@ -54,14 +54,16 @@ class Agreed:
     positions: float  # every position of every batch, padding included
     control: TrainerControl
     extra: tuple[float, ...] = ()  # numbers of the loop's own, summed (async_save.py's)
+    sums: tuple[float, ...] = ()  # the objective's metric sums (DPO's), summed over ranks
 
 
 class Agreement:
-    """The step's all-reduce of ``[loss, targets, tokens, positions, *flags, *extra]``, in
-    flight; and this rank's own requests that went into it. Read once with `result`; the
+    """The step's all-reduce of ``[loss, targets, tokens, positions, *flags, *extra, *sums]``,
+    in flight; and this rank's own requests that went into it. Read once with `result`; the
     gradients' scale (`scale`) is read from it on the device, before the optimizer step.
     `extra` are numbers of the loop's own that every rank must agree on too (asynchronous
-    checkpoints: which save each rank has written), summed like the rest."""
+    checkpoints: which save each rank has written), summed like the rest; `sums` are the
+    objective's own device values (DPO's metric sums over the step's pairs)."""
 
     def __init__(
         self,
@@ -72,14 +74,20 @@ class Agreement:
         world: int,
         copy_stream: Any = None,
         extra: tuple[float, ...] = (),
+        sums: torch.Tensor | None = None,
     ) -> None:
         self.requested = requested
         self.world = world
         flags = encode(requested)
+        self.n_sums = 0 if sums is None else sums.numel()
         values = torch.tensor(
-            [0.0, *map(float, counts), *flags, *extra], dtype=torch.float64, device=device
+            [0.0, *map(float, counts), *flags, *extra, *[0.0] * self.n_sums],
+            dtype=torch.float64,
+            device=device,
         )
         values[_LOSS] = loss_sum  # a device tensor: no sync
+        if sums is not None:  # device values too (DPO's metric sums): no sync
+            values[values.numel() - self.n_sums :] = sums
         self.values = values
         # All ranks must reach this collective. Asynchronous: the loop does not wait here.
         self.work = dist.all_reduce(values, async_op=True) if world > 1 else None
@@ -123,9 +131,9 @@ class Agreement:
                 if self.work is not None:
                     self.work.wait()
                 values = self.values.tolist()
-            end = _FIRST_FLAG + len(FLAGS)
+            end, last = _FIRST_FLAG + len(FLAGS), len(values) - self.n_sums
             self._agreed = Agreed(
                 values[_LOSS], values[_TARGETS], values[_TOKENS], values[_POSITIONS],
-                decode(values[_FIRST_FLAG:end]), tuple(values[end:]),
+                decode(values[_FIRST_FLAG:end]), tuple(values[end:last]), tuple(values[last:]),
             )  # fmt: skip
         return self._agreed

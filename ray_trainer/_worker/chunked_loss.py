@@ -61,13 +61,19 @@ def token_nll(
     keep = targets != IGNORE_INDEX
     picked = hidden[keep]  # [N, dim]: the positions that take a loss, and no other
     wanted = targets[keep]
+    # Without a gradient (DPO's in-step reference, validation) nothing is kept to recompute.
+    run = _checkpointed if torch.is_grad_enabled() else _chunk_nll
     pieces = [
-        checkpoint(_chunk_nll, head, h, t, use_reentrant=False)
+        run(head, h, t)
         for h, t in zip(picked.split(chunk_size), wanted.split(chunk_size), strict=True)
     ]
     if not pieces:
         return picked.new_zeros(0, dtype=torch.float32)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _checkpointed(head: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return checkpoint(_chunk_nll, head, hidden, targets, use_reentrant=False)
 
 
 def _chunk_nll(head: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -105,6 +111,9 @@ def sequence_logprobs(
     nll = token_nll(hidden, targets, head, chunk_size)
     index = sequence[targets != IGNORE_INDEX]
     out = torch.zeros(num_sequences, dtype=torch.float32, device=hidden.device)
+    if not nll.numel():  # no target (a rank's filler): zeros that still reach the head
+        probe = hidden.reshape(-1, hidden.shape[-1])[:1]
+        return out + head(probe).float().sum() * 0.0
     return out.index_add(0, index, -nll)
 
 
@@ -158,10 +167,12 @@ def use_chunked_loss(model: torch.nn.Module, chunk_size: int | None) -> str | No
 
 
 def _chunked_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                     num_items_in_batch=None, **kwargs):  # fmt: skip
+                     num_items_in_batch=None, sequences=None, **kwargs):  # fmt: skip
     """A chunked model's forward: with labels, the body, then `chunked_loss_sum` over the
     shifted labels, divided by ``num_items_in_batch`` (the runner's constant norm) or, as the
-    model's own loss does without it, by the number of targets. Only the loss is returned."""
+    model's own loss does without it, by the number of targets. Only the loss is returned.
+    With ``sequences=(sequence, n)`` (DPO), ``{"logps"}``: each of the ``n`` sequences' summed
+    target log-probability (`sequence_logprobs`), in place of the loss."""
     if labels is None or kwargs.get("inputs_embeds") is not None:
         return type(self).forward(
             self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -177,9 +188,11 @@ def _chunked_forward(self, input_ids=None, attention_mask=None, position_ids=Non
         **kwargs,
     )
     targets = shift if shift is not None else shifted_targets(labels)
-    total = chunked_loss_sum(
-        outputs[0], targets, self.get_output_embeddings(), self._ray_trainer_chunk_size
-    )
+    head, chunk = self.get_output_embeddings(), self._ray_trainer_chunk_size
+    if sequences is not None:
+        sequence, n = sequences
+        return {"logps": sequence_logprobs(outputs[0], targets, sequence, n, head, chunk)}
+    total = chunked_loss_sum(outputs[0], targets, head, chunk)
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
     return {"loss": total / num_items_in_batch}

@@ -31,13 +31,16 @@ A micro-batch lays its sequences out pair by pair: sequence ``2i`` is pair ``i``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-#: The DPO losses, each exactly as TRL 1.16 computes it (``DPOConfig.loss_type``).
-DPO_LOSSES = ("sigmoid", "ipo")
+from ray_trainer._config import DPO_LOSSES
+from ray_trainer._data.encode import IGNORE_INDEX
+
 #: The metrics of a DPO step, with TRL's names (so dashboards carry over), in the order of
 #: :attr:`DpoSums.metrics`.
 METRICS = (
@@ -66,8 +69,9 @@ def check_dpo_options(loss: str, beta: float, label_smoothing: float = 0.0) -> N
         )
     if label_smoothing and loss != "sigmoid":
         raise ValueError(
-            f"label_smoothing={label_smoothing!r} has no meaning for dpo_loss={loss!r} (TRL "
-            "ignores it there); set label_smoothing=0, or use dpo_loss='sigmoid'"
+            f"label_smoothing={label_smoothing!r} with dpo_loss={loss!r}: label_smoothing "
+            "makes the sigmoid loss conservative DPO (cDPO), it has no meaning for IPO; set "
+            "label_smoothing=0, or use dpo_loss='sigmoid'"
         )
 
 
@@ -220,3 +224,123 @@ def dpo_loss(
         rejected_tokens=rejected_tokens,
     )  # fmt: skip
     return sums.loss / max(sums.pairs, 1), metrics_from_sums(sums.metrics, sums.pairs)
+
+
+# -- the objective of a DPO run: a micro-batch of pairs to its loss ------------------------------
+
+
+def logps_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, sequence: torch.Tensor, num_sequences: int
+) -> torch.Tensor:
+    """Each sequence's summed target log-probability from full logits (a model the chunked
+    loss does not apply to): the same sums as ``chunked_loss.sequence_logprobs``. With no
+    target, zeros that still reach the logits (so every parameter gets a zero gradient)."""
+    from ray_trainer._worker.chunked_loss import shifted_targets
+
+    targets = shifted_targets(labels)
+    keep = targets != IGNORE_INDEX
+    picked = logits[keep].float()
+    out = torch.zeros(num_sequences, dtype=torch.float32, device=logits.device)
+    if not picked.numel():
+        return out + logits.float().sum() * 0.0
+    logp = picked.log_softmax(-1).gather(-1, targets[keep][:, None])[:, 0]
+    return out.index_add(0, sequence[keep], logp)
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict) and "logits" in outputs:
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    if logits is None:
+        raise ValueError(
+            "objective='dpo' needs the model's logits: return them (a tensor, or `logits` in "
+            "the model's output) from forward() when no labels are given"
+        )
+    return logits
+
+
+#: The keys a DPO micro-batch carries besides the model's inputs (the loader's `PairDataset`).
+PAIR_KEYS = ("sequence", "ref_logps", "answer_tokens")
+
+
+@dataclass
+class PairOutputs:
+    """What a DPO micro-batch's forward returns besides its loss (``on_after_forward``'s
+    ``outputs``): each sequence's summed log-probability under the policy and the reference,
+    and the metric sums of :data:`METRICS`."""
+
+    logps: torch.Tensor
+    ref_logps: torch.Tensor
+    metrics: torch.Tensor
+
+
+class DpoObjective:
+    """A DPO run's objective: turns a micro-batch of pairs into the SUM of its pair losses (the
+    loop divides it by the workload's constant norm, as the SFT token sum), and keeps the step's
+    metric sums for the step's all-reduce (`take_sums`).
+
+    Args:
+        beta, loss, label_smoothing: ``TrainingArgs.dpo_beta``, ``dpo_loss``,
+            ``label_smoothing``.
+        chunked: the model computes ``{"logps"}`` itself (``chunked_loss.use_chunked_loss``):
+            the head a chunk at a time, no full logits.
+        reference: with ``precompute_reference=False``, ``reference(inputs, sequence, n)``
+            gives the reference's log-probs of a micro-batch in the step (no gradient); None:
+            the batch carries them (``ref_logps``, from the token cache).
+    """
+
+    def __init__(
+        self,
+        beta: float,
+        loss: str,
+        label_smoothing: float = 0.0,
+        chunked: bool = False,
+        reference: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        check_dpo_options(loss, beta, label_smoothing)
+        self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
+        self.chunked = chunked
+        self.reference = reference
+        self._sums: torch.Tensor | None = None  # the step's metric sums so far (device)
+
+    def logps(self, model: Any, inputs: dict[str, Any], sequence: Any, n: int) -> torch.Tensor:
+        """The summed log-probability of each of the `n` sequences of `inputs` under `model`."""
+        if self.chunked:
+            return model(**inputs, sequences=(sequence, n))["logps"]
+        without = {k: v for k, v in inputs.items() if k != "labels"}
+        return logps_from_logits(_logits(model(**without)), inputs["labels"], sequence, n)
+
+    def sums(self, model: Any, batch: dict[str, Any], pairs: int) -> tuple[DpoSums, PairOutputs]:
+        """A micro-batch of `pairs` pairs: its summed loss and metrics, and its outputs."""
+        inputs = {k: v for k, v in batch.items() if k not in PAIR_KEYS}
+        sequence, n = batch["sequence"], 2 * pairs
+        logps = self.logps(model, inputs, sequence, n)
+        if self.reference is None:
+            ref = batch["ref_logps"][:n]
+        else:
+            with torch.no_grad():
+                ref = self.reference(inputs, sequence, n)
+        tokens = batch["answer_tokens"][:n]
+        chosen, rejected = split_pairs(logps)
+        ref_chosen, ref_rejected = split_pairs(ref.detach())
+        chosen_tokens, rejected_tokens = split_pairs(tokens)
+        sums = dpo_sums(
+            chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss=self.loss,
+            label_smoothing=self.label_smoothing, chosen_tokens=chosen_tokens,
+            rejected_tokens=rejected_tokens,
+        )  # fmt: skip
+        return sums, PairOutputs(logps, ref, sums.metrics)
+
+    def forward(self, model: Any, batch: dict[str, Any], pairs: int) -> tuple[PairOutputs, Any]:
+        """A training micro-batch: (outputs, the SUM of its pair losses); its metric sums are
+        added to the step's."""
+        sums, outputs = self.sums(model, batch, pairs)
+        self._sums = sums.metrics if self._sums is None else self._sums + sums.metrics
+        return outputs, sums.loss
+
+    def take_sums(self) -> torch.Tensor | None:
+        """The step's metric sums (a device tensor), for its all-reduce; starts the next."""
+        sums, self._sums = self._sums, None
+        return sums

@@ -39,6 +39,7 @@ from callbacks import TrainerControl
 from ray_trainer._contract import RunSpec
 from ray_trainer._worker.agreement import Agreement
 from ray_trainer._worker.boundary import Schedule, decide
+from ray_trainer._worker.dpo import metrics_from_sums
 from ray_trainer._worker.loader import MicroBatch
 from ray_trainer._worker.resume import maybe_resume
 from ray_trainer._worker.saving import save
@@ -127,8 +128,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
             if last:  # every rank starts the step's agreement here; it runs during backward
                 agreement = Agreement(
                     loss_sum, [targets, tokens, positions], hooks.take_pending(), acc.device,
-                    s.world_size, s.copy_stream,
-                    s.saves.numbers() if s.saves is not None else (),
+                    s.world_size, s.copy_stream, *_own_numbers(s),
                 )  # fmt: skip
             acc.backward(loss)
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
@@ -143,6 +143,16 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
         s.ctx.loss = float(loss_sum) * wl.norm / max(targets, 1)  # this rank's: a CPU-GPU sync
         hooks.fire("on_step_end")
     return agreement
+
+
+def _own_numbers(s: WorkerState) -> tuple[tuple[float, ...], Any]:
+    """What the step's agreement carries of the loop's own: which asynchronous save each rank
+    has written, and the objective's metric sums (DPO's, a device tensor; else None)."""
+    objective = s.workload.objective
+    return (
+        s.saves.numbers() if s.saves is not None else (),
+        objective.take_sums() if objective is not None else None,
+    )
 
 
 def after_boundary(s: WorkerState, agreement: Agreement, schedule: Schedule) -> bool:
@@ -203,6 +213,8 @@ def _read(s: WorkerState, agreement: Agreement, apply: bool) -> TrainerControl:
         # The mean over every target token of the step (all micro-batches of all ranks).
         s.ctx.loss = agreed.loss_sum * s.workload.norm / max(agreed.targets, 1)
         s.window.add_agreed(agreed.tokens, agreed.positions)
+        if agreed.sums:  # DPO: the means over the step's pairs, with TRL's names
+            s.objective_metrics = metrics_from_sums(agreed.sums, agreed.targets)
     if apply:
         requested = agreement.requested
         if requested.stops:
@@ -228,4 +240,5 @@ def _fill_log_metrics(s: WorkerState) -> None:
         "step_time": ctx.elapsed_time,
         "epoch": s.progress.epoch,
         **window,
+        **s.objective_metrics,
     }

@@ -133,6 +133,7 @@ def rank_part(s: WorkerState) -> dict:
         record = s.workload.adaptation.record
         if record is not None:  # the base a LoRA checkpoint belongs to
             s.progress.extra[LORA_STATE] = record
+        s.progress.extra["objective"] = s.args.objective
         part.update(
             scheduler=s.scheduler.state_dict(),
             trainer_state=s.progress,

@@ -25,7 +25,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from ray_trainer._models import ModelSpec, is_builtin, is_causal_lm
 from ray_trainer._storage import locate
 from ray_trainer._worker.loading import Materialize, build_model
 from ray_trainer._worker.lora import LoraAdapters, WholeModel, adapt
+
+if TYPE_CHECKING:
+    from ray_trainer._worker.dpo import DpoObjective
 
 logger = logging.getLogger("ray_trainer")
 
@@ -61,10 +64,16 @@ class Workload:
     materialize: Materialize | None = None
     # What LoRA changes (trainable parameters, checkpoints, the export), or the whole model.
     adaptation: WholeModel | LoraAdapters = field(default_factory=WholeModel)
+    # objective="dpo": pairs to their loss (`targets` then counts pairs), else None (SFT).
+    objective: DpoObjective | None = None
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
         """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
-        count of labels the model scores in `batch`, known on the host."""
+        count of labels the model scores in `batch`, known on the host (DPO: of pairs, and
+        the sum is of pair losses)."""
+        if self.objective is not None:
+            outputs, total = self.objective.forward(model, batch, targets)
+            return outputs, total / self.norm
         if self.sums_itself:
             outputs = model(**batch, num_items_in_batch=self.norm)
             return outputs, self.loss_fn(outputs, batch)
@@ -82,10 +91,16 @@ class Workload:
 
 
 def build_workload(
-    args: TrainingArgs, caches: dict[str, str] | None = None, chat_template: str | None = None
+    args: TrainingArgs,
+    caches: dict[str, str] | None = None,
+    chat_template: str | None = None,
+    references: dict[str, str] | None = None,
+    reference_model: list[Any] | None = None,
 ) -> Workload:
     """The model, datasets and loss of this rank. ``caches`` names the token cache of each
-    data field the driver encoded (``data``, ``val_data``), rendered with ``chat_template``."""
+    data field the driver encoded (``data``, ``val_data``), rendered with ``chat_template``;
+    under DPO ``references`` names the folder of each one's reference log-probs, and
+    ``reference_model`` is where setup puts a frozen copy (an in-step reference, no LoRA)."""
     if is_builtin(args.model) and args.data is None:
         return _demo_workload(args)
     spec = ModelSpec.of(args)
@@ -108,12 +123,18 @@ def build_workload(
     tokenizer = spec.data_tokenizer()
     pad_id = _pad_id(tokenizer)
     caches = caches or {}
-    train = _dataset("data", args, caches, pad_id)
+    references = references or {}
+    train = _dataset("data", args, caches, pad_id, references)
     collate = getattr(train, "collate", None)
-    val = _dataset("val_data", args, caches, pad_id) if args.val_data is not None else None
+    val = None
+    if args.val_data is not None:
+        val = _dataset("val_data", args, caches, pad_id, references)
     if val is None and args.eval_every_steps:
         train, val = _hold_out(train, args.seed)
     cached = "data" in caches
+    objective = None
+    if args.objective == "dpo":
+        objective = dpo_objective(model, args, adaptation, reference_model)
     return Workload(
         model,
         train,
@@ -124,13 +145,63 @@ def build_workload(
         pad_id=pad_id,
         sums_itself=args.loss_fn is None and takes_num_items(model),
         shifts_labels=is_causal_lm(model),
-        norm=float(args.batch_size * args.grad_accum_steps * (args.max_length if cached else 1)),
+        norm=_norm(args, cached),
         chat_template=chat_template,
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
         packed_layout=packed_layout,
         materialize=materialize,
         adaptation=adaptation,
+        objective=objective,
     )
+
+
+def _norm(args: TrainingArgs, cached: bool) -> float:
+    """The constant each micro-batch's loss sum is divided by (the same on every rank): about
+    the targets of a rank's step (DPO: its pairs), so the sums stay near 1."""
+    per_sample = args.max_length if cached and args.objective == "sft" else 1
+    return float(args.batch_size * args.grad_accum_steps * per_sample)
+
+
+def dpo_objective(
+    model: nn.Module, args: TrainingArgs, adaptation: Any, reference_model: Any = None
+) -> DpoObjective:
+    """A DPO run's objective (dropout off, as TRL's ``disable_dropout``). The reference: the
+    batches' precomputed log-probs; with ``precompute_reference=False`` the model itself with
+    its fresh LoRA adapters off, or `reference_model`, a frozen copy (setup makes it)."""
+    from ray_trainer._worker.dpo import DpoObjective
+
+    disable_dropout(model)
+    chunked = hasattr(_inner(model), "_ray_trainer_chunk_size")
+    objective = DpoObjective(args.dpo_beta, args.dpo_loss, args.label_smoothing, chunked)
+    if not args.precompute_reference:
+        objective.reference = in_step_reference(objective, model, adaptation, reference_model)
+    return objective
+
+
+def in_step_reference(objective: Any, model: nn.Module, adaptation: Any, frozen: Any) -> Any:
+    """``reference(inputs, sequence, n)``: the reference's log-probs computed in the step, with
+    no gradient: `model` with its LoRA adapters off (no second copy), else `frozen` (the model
+    as DPO started, once setup has placed it: ``frozen[0]``)."""
+
+    def reference(inputs: dict[str, Any], sequence: Any, n: int) -> torch.Tensor:
+        if isinstance(adaptation, WholeModel):
+            return objective.logps(frozen[0], inputs, sequence, n)
+        with adaptation.disabled(model):
+            return objective.logps(model, inputs, sequence, n)
+
+    return reference
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout of `model` off, as TRL's ``disable_dropout_in_model`` (DPO compares the
+    policy with a reference computed without dropout)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -202,13 +273,27 @@ def _pad_id(tokenizer: Any) -> int | None:
     return Encoder(tokenizer).pad_id
 
 
-def _dataset(field: str, args: TrainingArgs, caches: dict[str, str], pad_id: Any) -> Dataset:
+def _dataset(
+    field: str, args: TrainingArgs, caches: dict[str, str], pad_id: Any, references: dict
+) -> Dataset:
     if field in caches:
-        from ray_trainer._worker.loader import CachedDataset
+        from ray_trainer._worker.loader import CachedDataset, PairDataset
 
         # The cache the driver named (a path or URI), on the run's storage.
         cache = locate(caches[field], args.storage_filesystem)
-        return CachedDataset.open(cache, pad_id or 0)
+        dataset = CachedDataset.open(cache, pad_id or 0)
+        if args.objective != "dpo":
+            return dataset
+        reference = None
+        if field in references:  # precomputed: the driver's tasks (or setup, under FSDP)
+            from ray_trainer._reference import read_reference
+
+            where = locate(references[field], args.storage_filesystem)
+            reference = read_reference(where)
+            # Under FSDP the workers fill it at setup (reference_pass.py); else the driver did.
+            if reference is None and args.strategy != "fsdp":
+                raise FileNotFoundError(f"{where.name}: no complete reference log-probs here")
+        return PairDataset(dataset, reference)
     spec = getattr(args, field)
     if isinstance(spec, type) or (callable(spec) and not hasattr(spec, "__getitem__")):
         spec = spec()

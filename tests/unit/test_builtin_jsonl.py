@@ -162,3 +162,13 @@ def test_filename_and_expanded_storage_path(tmp_path, monkeypatch):
     assert os.path.exists(tmp_path / "results" / "run1" / "train.jsonl")
     with pytest.raises(ValueError, match="filename"):
         JsonlLogger(filename="a/b.jsonl")
+
+
+def test_dpo_lines_carry_trls_metrics_under_their_names(tmp_path):
+    m = manager_for(JsonlLogger())
+    dpo = {"rewards/accuracies": 0.75, "logps/chosen": -40.5, "mfu": 0.1, "note": "x"}
+    m.fire("on_log", log_ctx(10, tmp_path, batch_metrics=dpo))
+    (record,) = read_lines(tmp_path / "run1" / "metrics.jsonl")
+    assert record["rewards/accuracies"] == 0.75 and record["logps/chosen"] == -40.5
+    assert "mfu" not in record and "note" not in record  # the fixed fields, as before
+    assert m.errors == []

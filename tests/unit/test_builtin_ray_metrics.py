@@ -244,3 +244,16 @@ def test_each_attempt_sets_the_worker_count(fake_metrics):
     clock.now += 1  # an elastic run restarted on fewer workers
     m.fire("on_train_begin", TrainingContext(global_step=40, run_name="r1", world_size=1))
     assert last(fake_metrics["trainer_workers"]) == (1.0, {"run": "r1"})
+
+
+def test_dpo_metrics_are_gauges_with_slashes_as_underscores(fake_metrics):
+    _, _, m = make()
+    dpo = {"rewards/accuracies": 0.75, "rewards/margins": 0.5, "logps/chosen": -40.0}
+    m.fire("on_log", log_ctx(10, batch_metrics={**dpo, "step_time": 0.1, "mfu": 0.2}))
+    assert last(fake_metrics["trainer_rewards_accuracies"]) == (0.75, {"run": "r1"})
+    assert last(fake_metrics["trainer_rewards_margins"]) == (0.5, {"run": "r1"})
+    assert last(fake_metrics["trainer_logps_chosen"]) == (-40.0, {"run": "r1"})
+    # Only an objective's own metrics: the rest of batch_metrics is not exported here.
+    assert "trainer_step_time" not in fake_metrics and "trainer_mfu" not in fake_metrics
+    m.fire("on_evaluate", log_ctx(10, val_metrics={"val_rewards/accuracies": 0.9}))
+    assert last(fake_metrics["trainer_eval_val_rewards_accuracies"]) == (0.9, {"run": "r1"})

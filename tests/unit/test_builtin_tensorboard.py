@@ -58,7 +58,7 @@ def test_writes_train_and_eval_scalars_to_the_run_dir(tmp_path):
     for step, loss in [(10, 2.0), (20, 1.5)]:
         ctx = TrainingContext(
             global_step=step, run_name="r1", args=args, loss=loss, learning_rate=0.5,
-            grad_norm=None, throughput=100.0,
+            grad_norm=None, throughput=100.0, batch_metrics={"rewards/margins": step / 10},
         )  # fmt: skip
         m.fire("on_log", ctx)
     # an EvalOnSave result: no args in the context; the remembered directory is used
@@ -77,6 +77,7 @@ def test_writes_train_and_eval_scalars_to_the_run_dir(tmp_path):
     assert scalars["train/learning_rate"] == [(10, 0.5), (20, 0.5)]
     assert scalars["train/tokens_per_s"] == [(10, 100.0), (20, 100.0)]
     assert scalars["eval/acc"] == [(20, 0.75)]
+    assert scalars["train/rewards/margins"] == [(10, 1.0), (20, 2.0)]  # DPO's, TRL's names
     assert "train/grad_norm" not in scalars and "eval/note" not in scalars
 
 

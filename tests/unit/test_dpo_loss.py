@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 from gloo_support import run_ranks
+from preference_support import uneven_pairs
 
 from ray_trainer._data.encode import IGNORE_INDEX
 from ray_trainer._data.preference import PairEncoder, encode_pairs
@@ -38,14 +39,7 @@ THINGS = ("sky", "grass", "sea", "sun")
 
 def pairs_records() -> list[dict]:
     """Conversational pairs with answers of uneven lengths."""
-    return [
-        {
-            "prompt": [{"role": "user", "content": f"What color is the {t}?"}],
-            "chosen": [{"role": "assistant", "content": f"The {t} is blue."}],
-            "rejected": [{"role": "assistant", "content": f"The {t} is green, {t}" + "!" * i}],
-        }
-        for i, t in enumerate(THINGS)
-    ]
+    return uneven_pairs(THINGS)
 
 
 @pytest.fixture(scope="module")

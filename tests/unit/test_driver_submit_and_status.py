@@ -518,3 +518,11 @@ def test_format_status_shows_the_worker_count_and_an_elastic_runs_changes():
     assert "  workers     2 (attempt 3); sizes 2 -> 1 -> 2" in text
     fixed = format_status({**STATUS, "worker_sizes": sizes[:1]})
     assert "  workers     2 (attempt 0)\n" in fixed + "\n" and "sizes" not in fixed
+
+
+def test_format_status_shows_dpo_metrics_under_the_loss():
+    dpo = {"rewards/accuracies": 0.8125, "rewards/margins": 0.25}
+    lines = format_status({**STATUS, "objective_metrics": dpo}).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  loss"))
+    assert lines[at + 1] == "  rewards/accuracies 0.8125   rewards/margins 0.2500"
+    assert "rewards/" not in format_status(STATUS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from preference_support import MAKE, assistant, conversational, implicit, standard, user
 
 from ray_trainer._data.chat import ChatTemplateError
 from ray_trainer._data.encode import IGNORE_INDEX
@@ -25,40 +26,6 @@ from ray_trainer._data.sources import DataFileError
 from ray_trainer._demo.chat import chat_template, make_tiny_chat_tokenizer
 
 THINGS = ("sky", "grass", "sea", "sun")
-SYSTEM = {"role": "system", "content": "Answer briefly."}
-
-
-def user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict:
-    return {"role": "assistant", "content": text}
-
-
-def standard(thing: str) -> dict:
-    return {
-        "prompt": f"What color is the {thing}?\n",
-        "chosen": f"The {thing} is blue.",
-        "rejected": f"The {thing} is green, {thing}.",
-    }
-
-
-def conversational(thing: str) -> dict:
-    return {
-        "prompt": [SYSTEM, user(f"What color is the {thing}?")],
-        "chosen": [assistant(f"The {thing} is blue.")],
-        "rejected": [assistant(f"The {thing} is green, {thing}.")],
-    }
-
-
-def implicit(thing: str) -> dict:
-    record = conversational(thing)
-    prompt = record.pop("prompt")
-    return {"chosen": prompt + record["chosen"], "rejected": prompt + record["rejected"]}
-
-
-MAKE = {"standard": standard, "conversational": conversational, "implicit_prompt": implicit}
 
 
 @pytest.fixture(scope="module")
