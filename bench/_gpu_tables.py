@@ -493,7 +493,72 @@ def table_6(cpu: bool) -> dict[str, Any]:
 
 
 def table_7(cpu: bool) -> dict[str, Any]:
-    return {"skipped": "table 7 needs DPO (issue 35), which has not landed"}
+    """DPO on one GPU, bf16: non-padding tokens/s of pairs padded against packed (bench_dpo's
+    pairs of uneven lengths), and the reference pass's wall time (Ray tasks on the GPU, before
+    the worker starts) against the training's."""
+    import glob
+
+    import bench_dpo
+    from transformers import AutoTokenizer
+
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    n, steps, skip, batch = (48, 6, 2, 4) if cpu else (1024, 60, 15, 8)
+    work = tempfile.mkdtemp(prefix="bench_gpu_dpo_")
+    size = {"hidden_size": 64, "num_layers": 2} if cpu else {
+        "hidden_size": 1024, "num_layers": 12, "num_heads": 16, "vocab_size": 8192}  # fmt: skip
+    model = str(make_tiny_chat_model(os.path.join(work, "model"), **size))
+    pairs = bench_dpo.preference_pairs(n)
+    lengths = bench_dpo.pair_lengths(AutoTokenizer.from_pretrained(model), pairs)
+    max_tokens = int(bench_dpo.padded_positions(lengths, batch))
+    storage = os.path.join(work, "runs")  # one storage: the packed run reuses the reference
+    common = {
+        **_device_fields(cpu), "objective": "dpo", "model": model,
+        "data": bench_dpo.write_pairs(pairs, work), "max_length": bench_dpo.MAX_LENGTH,
+        "batch_size": batch, "max_steps": steps, "log_every_steps": 1, "warmup_steps": 0,
+        "learning_rate": 1e-5, "storage_path": storage,
+    }  # fmt: skip
+    runs = {
+        "padded": train(common, skip),
+        "packed": train({**common, "packing": True, "max_tokens_per_batch": max_tokens}, skip),
+    }
+    (found,) = glob.glob(os.path.join(storage, ".ray_trainer", "data-cache", "*", "reference-*",
+                                      "meta.json"))  # fmt: skip
+    with open(found) as f:
+        reference = json.load(f)
+    base = runs["padded"]["tokens_per_s"]
+    rows = [
+        {
+            "configuration": "padded pairs (baseline)" if name == "padded" else "packed pairs",
+            "tokens/s (non-padding)": f"{r['tokens_per_s']:,.0f}",
+            "vs padded": f"{r['tokens_per_s'] / base:.3f}",
+            "padding share": f"{r['padding_share']:.3f}",
+            "step (ms)": f"{r['step_s'] * 1e3:.1f}",
+            "peak allocated (GiB)": f"{r['peak_bytes'] / GiB:.2f}",
+        }
+        for name, r in runs.items()
+    ]
+    train_s = runs["padded"]["step_s"] * steps
+    sequences = reference["sequences"]
+    head = (
+        f"DPO (sigmoid, beta 0.1) on a Qwen2-shaped chat model ({size['num_layers']} layers, "
+        f"width {size['hidden_size']}, vocabulary {size.get('vocab_size', 1024)}), {n} pairs "
+        f"(sequence tokens median {statistics.median(t for p in lengths for t in p):.0f}, longest "
+        f"{max(t for p in lengths for t in p)}), {batch} pairs a step, one worker, bf16; "
+        f"max_tokens_per_batch={max_tokens} (a padded micro-batch's mean positions); tokens/s: "
+        f"the median of the per-step logs after step {skip}."
+    )
+    pass_line = (
+        f"reference pass: {sequences:,} sequences in {reference['wall_s']:.1f} s ("
+        f"{reference['tasks']} Ray task(s) on {reference['device']}, {reference['dtype']}), before "
+        f"the worker starts; the padded training's {steps} steps: {train_s:.1f} s; per sequence, "
+        f"the pass takes {reference['wall_s'] / sequences / (train_s / (2 * batch * steps)):.3f} "
+        "of a training step's time"
+    )
+    return {"table": "\n\n".join([head, table(rows), pass_line]),
+            "figures": {"packed_vs_padded_tokens_per_s": runs["packed"]["tokens_per_s"] / base,
+                        "padded_tokens_per_s": base, "reference_wall_s": reference["wall_s"],
+                        "reference_device": reference["device"], "train_s": train_s}}  # fmt: skip
 
 
 def table_8(cpu: bool) -> dict[str, Any]:
