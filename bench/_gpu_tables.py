@@ -181,17 +181,7 @@ def table_3(cpu: bool) -> dict[str, Any]:
         "packed": train({**common, "packing": True, "max_tokens_per_batch": max_tokens}, skip),
     }
     base = runs["padded"]["tokens_per_s"]
-    rows = [
-        {
-            "configuration": "padded batches (baseline)" if name == "padded" else "packed",
-            "tokens/s (non-padding)": f"{r['tokens_per_s']:,.0f}",
-            "vs padded": f"{r['tokens_per_s'] / base:.3f}",
-            "padding share": f"{r['padding_share']:.3f}",
-            "step (ms)": f"{r['step_s'] * 1e3:.1f}",
-            "peak allocated (GiB)": f"{r['peak_bytes'] / GiB:.2f}",
-        }
-        for name, r in runs.items()
-    ]
+    rows = packing_rows(runs, {"padded": "padded batches (baseline)", "packed": "packed"})
     padded, packed = runs["padded"]["losses"], runs["packed"]["losses"]
     compared = sorted(set(padded) & set(packed))[:10]
     first = abs(packed[compared[0]] - padded[compared[0]]) / abs(padded[compared[0]])
@@ -214,6 +204,23 @@ def table_3(cpu: bool) -> dict[str, Any]:
             "figures": {"packed_vs_padded_tokens_per_s": runs["packed"]["tokens_per_s"] / base,
                         "loss_rel_diff_first": first, "loss_rel_diff_max": worst,
                         "losses": {k: r["losses"] for k, r in runs.items()}}}  # fmt: skip
+
+
+def packing_rows(runs: dict[str, dict], labels: dict[str, str]) -> list[dict[str, str]]:
+    """The rows of a padded (the baseline) against packed table: non-padding tokens/s, the
+    ratio to padded, padding share, step time and peak device memory."""
+    base = runs["padded"]["tokens_per_s"]
+    return [
+        {
+            "configuration": labels[name],
+            "tokens/s (non-padding)": f"{r['tokens_per_s']:,.0f}",
+            "vs padded": f"{r['tokens_per_s'] / base:.3f}",
+            "padding share": f"{r['padding_share']:.3f}",
+            "step (ms)": f"{r['step_s'] * 1e3:.1f}",
+            "peak allocated (GiB)": f"{r['peak_bytes'] / GiB:.2f}",
+        }
+        for name, r in runs.items()
+    ]
 
 
 # ---- table 5: saves, and loading ------------------------------------------------------------
@@ -527,17 +534,7 @@ def table_7(cpu: bool) -> dict[str, Any]:
     with open(found) as f:
         reference = json.load(f)
     base = runs["padded"]["tokens_per_s"]
-    rows = [
-        {
-            "configuration": "padded pairs (baseline)" if name == "padded" else "packed pairs",
-            "tokens/s (non-padding)": f"{r['tokens_per_s']:,.0f}",
-            "vs padded": f"{r['tokens_per_s'] / base:.3f}",
-            "padding share": f"{r['padding_share']:.3f}",
-            "step (ms)": f"{r['step_s'] * 1e3:.1f}",
-            "peak allocated (GiB)": f"{r['peak_bytes'] / GiB:.2f}",
-        }
-        for name, r in runs.items()
-    ]
+    rows = packing_rows(runs, {"padded": "padded pairs (baseline)", "packed": "packed pairs"})
     train_s = runs["padded"]["step_s"] * steps
     sequences = reference["sequences"]
     head = (

@@ -234,8 +234,14 @@ def runner_run(name: str, fields: dict[str, Any], folder: str, skip: int) -> dic
     run_training(**fields, callbacks=[DpoClock(out)])
     with open(f"{out}.0") as f:
         clock = json.load(f)
+    return clock_figures(clock, skip, fields["batch_size"])
+
+
+def clock_figures(clock: dict[str, Any], skip: int, batch_size: int) -> dict[str, Any]:
+    """A side's figures from its clock (either side writes one): tokens/s after `skip` steps,
+    the training's wall time, its steps, peak RSS and torch threads."""
     return {
-        **tokens_per_s(clock, skip, fields["batch_size"]),
+        **tokens_per_s(clock, skip, batch_size),
         "train_wall_s": clock["end"] - clock["begins"][0],
         "steps": len(clock["begins"]),
         "peak_rss": clock["peak_rss"],
@@ -338,12 +344,7 @@ def trl_run(
     with open(out) as f:
         clock = json.load(f)
     return {
-        **tokens_per_s(clock, size["skip"], size["batch_size"]),
-        "train_wall_s": clock["end"] - clock["begins"][0],
-        "steps": len(clock["begins"]),
-        "peak_rss": clock["peak_rss"],
-        "peak_rss_begin": clock["peak_rss_begin"],
-        "torch_threads": clock["torch_threads"],
+        **clock_figures(clock, size["skip"], size["batch_size"]),
         "reference_s": clock["reference_s"],
     }
 

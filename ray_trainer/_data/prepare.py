@@ -120,34 +120,36 @@ def _pair_samples(
     return list(pair.sequences()), pair.truncated
 
 
-_ENCODERS: dict[str, Encoder | PairEncoder] = {}
+_ENCODERS: dict[str, Any] = {}
 
 
-def _encoder(settings: EncodeSettings, key: str) -> Encoder:
+def _cached(key: str, build: Any) -> Any:
     """One encoder per process and cache (a task process may encode several pieces)."""
     if key not in _ENCODERS:
         _ENCODERS.clear()
-        _ENCODERS[key] = Encoder(
+        _ENCODERS[key] = build()
+    return _ENCODERS[key]
+
+
+def _encoder(settings: EncodeSettings, key: str) -> Encoder:
+    return _cached(
+        key,
+        lambda: Encoder(
             settings.model_spec.data_tokenizer(),
             chat_template=settings.chat_template,
             train_on=settings.train_on,
             max_length=settings.max_length,
             text_field=settings.text_field,
-        )
-    encoder = _ENCODERS[key]
-    assert isinstance(encoder, Encoder)
-    return encoder
+        ),
+    )
 
 
 def _pair_encoder(settings: EncodeSettings, key: str) -> PairEncoder:
-    """One pair encoder per process and cache, as `_encoder`."""
-    if key not in _ENCODERS:
-        _ENCODERS.clear()
-        _ENCODERS[key] = PairEncoder(
+    return _cached(
+        key,
+        lambda: PairEncoder(
             settings.model_spec.data_tokenizer(),
             chat_template=settings.chat_template,
             max_length=settings.max_length,
-        )
-    encoder = _ENCODERS[key]
-    assert isinstance(encoder, PairEncoder)
-    return encoder
+        ),
+    )
