@@ -127,7 +127,9 @@ def runner(shape: dict, steps: int, skip: int, compiled: bool, callbacks: bool, 
 
     folder = tempfile.mkdtemp(prefix="bench_gpu_logs_")
 
-    class Logs(TrainerCallback):  # actor-side: one event per log, off the loop
+    class Logs(TrainerCallback):  # in rank 0, at each log: never queued behind the slow callback
+        runs_on = "rank0"
+
         def on_log(self, context, **kwargs):
             with open(os.path.join(folder, f"{context.global_step}.json"), "w") as f:
                 json.dump(dict(context.batch_metrics), f)

@@ -3,12 +3,14 @@
 A causal LM's head turns each position's last hidden state into a row of logits over the whole
 vocabulary; the usual loss makes every row at once, upcast to fp32, and keeps them for backward:
 ``positions x vocab x 4`` bytes, and as much again for their gradient (4 GiB each for one
-8,192-token sequence at a 128k vocabulary). Here only the positions that have a target are
-taken (in chat data most have none), and the head and the cross-entropy run on a chunk of
-``chunk_size`` of them at a time under activation checkpointing: forward keeps a chunk's
-inputs, never its logits, and backward recomputes one chunk's logits at a time. So no
-``[positions, vocab]`` tensor larger than one chunk is ever alive. The head is called as the
-module it is, so a LoRA layer on it (peft) trains.
+8,192-token sequence at a 128k vocabulary). Here the head and the cross-entropy run on a chunk
+of ``chunk_size`` positions at a time, so no ``[positions, vocab]`` tensor larger than one chunk
+is ever alive. The loss of a plain linear head (`_FusedNllSum`) computes each chunk's gradients
+in forward and backward only scales them; on the CPU it takes only the positions that have a
+target (in chat data most have none), on a GPU every position at fixed shapes (no host sync).
+Other heads (a LoRA layer on ``lm_head``, called as the module it is, so it trains) and the
+per-token primitive run each chunk under activation checkpointing: forward keeps a chunk's
+inputs, never its logits, and backward recomputes one chunk's logits at a time.
 
 `token_nll` is the primitive: each target's negative log-likelihood, in order. The loss is its
 sum (`chunked_loss_sum`); DPO sums the log-probabilities per sequence (`sequence_logprobs`).
@@ -34,10 +36,19 @@ CHUNK_BYTES = 32 * 2**20
 MIN_CHUNK = 256
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Positions per chunk: one chunk's fp32 logits near `CHUNK_BYTES`, and at least
-    `MIN_CHUNK` positions (256 from a 32k vocabulary up: 128 MiB of logits at 128k)."""
-    return max(MIN_CHUNK, CHUNK_BYTES // (4 * max(1, vocab_size)))
+#: On a GPU a chunk's fp32 logits are kept near this many bytes (2,000 positions at a 128k
+#: vocabulary). There every chunk's fixed cost (writing and adding a whole gradient of the head's
+#: weight) is paid in memory bandwidth: 256-position chunks made a GPT-2 124M step 1.46x slower
+#: than the model's own loss on an H100 (2026-11-26), 2,048-position ones 1.19x.
+CHUNK_BYTES_GPU = 2**30
+
+
+def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
+    """Positions per chunk: one chunk's fp32 logits near `CHUNK_BYTES` (on a GPU
+    `CHUNK_BYTES_GPU`), and at least `MIN_CHUNK` positions (256 from a 32k vocabulary up: 128
+    MiB of logits at 128k)."""
+    budget = CHUNK_BYTES_GPU if device_type != "cpu" else CHUNK_BYTES
+    return max(MIN_CHUNK, budget // (4 * max(1, vocab_size)))
 
 
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -90,11 +101,101 @@ def chunked_loss_sum(
     """The sum of the targets' negative log-likelihoods (fp32 scalar). With no target at all
     (a rank's filler micro-batch), an exact zero that still reaches every parameter of the head,
     so DDP and FSDP see a gradient for each (a zero one)."""
+    if torch.is_grad_enabled() and _plain_linear(head):
+        return _fused_sum(hidden, targets, head, chunk_size)
     nll = token_nll(hidden, targets, head, chunk_size)
     if nll.numel():
         return nll.sum()
+    return _zero_through(hidden, head)
+
+
+def _zero_through(hidden: torch.Tensor, head: Callable) -> torch.Tensor:
+    """An exact zero that reaches every parameter of the head (a zero gradient for each)."""
     probe = hidden.reshape(-1, hidden.shape[-1])[:1]
     return head(probe).float().sum() * 0.0
+
+
+def _plain_linear(head: Callable) -> bool:
+    """A head whose logits are ``F.linear(hidden, weight, bias)`` and nothing else (not a LoRA
+    layer, not a subclass that adds to it): the fused loss may take its weight directly."""
+    return type(head) is torch.nn.Linear
+
+
+def _fused_sum(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Linear,
+    chunk_size: int,
+    select: bool | None = None,
+) -> torch.Tensor:
+    """`chunked_loss_sum` for a plain linear head: each chunk's gradients are computed in
+    forward (`_FusedNllSum`), so backward recomputes nothing. On the CPU only the positions
+    with a target are taken (their count is read at once, which costs nothing there); on a GPU
+    every position is, at fixed shapes, so the host never waits for the device and a compiled
+    step keeps one graph: positions without a target add a zero (`select` overrides which)."""
+    if chunk_size < 1:
+        raise ValueError(f"loss_chunk_size must be at least 1, got {chunk_size}")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    if hidden.device.type == "cpu" if select is None else select:
+        keep = flat_t != IGNORE_INDEX
+        flat_h, flat_t = flat_h[keep], flat_t[keep]
+        if not flat_t.numel():
+            return _zero_through(hidden, head)
+    return _FusedNllSum.apply(flat_h, head.weight, head.bias, flat_t, chunk_size)
+
+
+class _FusedNllSum(torch.autograd.Function):
+    """The summed negative log-likelihood of `targets` under ``F.linear(hidden, weight, bias)``,
+    a chunk of positions at a time, with the gradients of hidden, weight and bias computed in
+    the same pass (softmax minus the target's one-hot, through the head's two products) and
+    kept for backward, which only scales them by the loss's incoming gradient. Per chunk, only
+    its fp32 logits are alive. Under autocast the products run in its dtype (as the head's own
+    forward and backward would), each chunk's weight gradient added to an fp32 sum."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size):  # type: ignore[override]
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]  # only what autograd will ask for
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        if not torch.is_autocast_enabled(hidden.device.type):
+            dtype = weight.dtype
+        w = weight.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None  # fmt: skip
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None  # fmt: skip
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size].to(dtype)
+            t = targets[start : start + chunk_size]
+            logits = F.linear(h, w, None if bias is None else bias.to(dtype)).float()
+            valid = (t != IGNORE_INDEX).unsqueeze(1)
+            picked = t.clamp(min=0).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            total += ((lse - logits.gather(1, picked)) * valid).sum()
+            # d(nll)/d(logits): softmax minus the target's one-hot, zero where there is none.
+            g = logits.sub_(lse).exp_().mul_(valid)
+            g = g.scatter_add_(1, picked, -valid.to(g.dtype)).to(dtype)
+            if grad_h is not None:
+                grad_h[start : start + chunk_size] = g @ w
+            if grad_w is not None:
+                grad_w += g.t() @ h
+            if grad_b is not None:
+                grad_b += g.sum(0)
+        # The hidden states' gradient is saved as activations are (activation offloading may
+        # move it); the head's are kept on the device as the parameters are.
+        ctx.save_for_backward(*(() if grad_h is None else (grad_h,)))
+        ctx.head_grads = (grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grads = (ctx.saved_tensors[0] if ctx.saved_tensors else None, *ctx.head_grads)
+        scaled = [
+            None if g is None else (g * grad_out).to(dtype)
+            for g, dtype in zip(grads, ctx.dtypes, strict=True)
+        ]
+        return (*scaled, None, None)
 
 
 def sequence_logprobs(
@@ -159,7 +260,8 @@ def use_chunked_loss(model: torch.nn.Module, chunk_size: int | None) -> str | No
     reason = why_not_chunked(inner)
     if reason is not None:
         return reason
-    inner._ray_trainer_chunk_size = chunk_size or default_chunk_size(inner.config.vocab_size)
+    # None: `default_chunk_size` on the device the hidden states are on, at each call.
+    inner._ray_trainer_chunk_size = chunk_size
     # A method of the instance (a deepcopy of the model binds it to the copy), over the class's
     # own forward (FSDP2 subclasses the class in place; its forward is the model's).
     inner.forward = types.MethodType(_chunked_forward, inner)
@@ -189,6 +291,8 @@ def _chunked_forward(self, input_ids=None, attention_mask=None, position_ids=Non
     )
     targets = shift if shift is not None else shifted_targets(labels)
     head, chunk = self.get_output_embeddings(), self._ray_trainer_chunk_size
+    if chunk is None:
+        chunk = default_chunk_size(self.config.vocab_size, outputs[0].device.type)
     if sequences is not None:
         sequence, n = sequences
         return {"logps": sequence_logprobs(outputs[0], targets, sequence, n, head, chunk)}

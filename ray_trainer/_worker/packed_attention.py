@@ -43,13 +43,15 @@ def packed_attention(
     if packed is None:
         return _dense(query, key, value, attention_mask, dropout, scaling, gqa), None
     heads, t = query.shape[1], query.shape[2]
-    out = query.new_empty(heads, t, value.shape[-1])
+    out = None  # in SDPA's dtype: under autocast, bf16 from an fp32 query (rotary in fp32)
     for gather, keep, place, g, width in packed.groups:
         q, k, v = (_group(x[0], gather, g, width) for x in (query, key, value))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
         )  # [g, H, L, D]
         y = y.transpose(0, 1).reshape(heads, g * width, -1)
+        if out is None:
+            out = y.new_empty(heads, t, y.shape[-1])
         out.index_copy_(1, place, y.index_select(1, keep))
     return out.unsqueeze(0).transpose(1, 2).contiguous(), None
 

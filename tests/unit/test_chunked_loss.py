@@ -11,6 +11,7 @@ from torch import nn
 
 from ray_trainer._worker.chunked_loss import (
     IGNORE_INDEX,
+    _fused_sum,
     chunked_loss_sum,
     default_chunk_size,
     sequence_logprobs,
@@ -166,7 +167,47 @@ def test_bf16_stays_close_to_fp32():
     assert torch.allclose(bf16, fp32, rtol=2e-2)
 
 
+@pytest.mark.parametrize("chunk", [7, 10_000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_position_at_fixed_shapes_gives_the_same_loss_and_gradients(chunk, bias):
+    """The GPU's way (no selection of the targets' positions, so no host-device sync): those
+    without a target add an exact zero, to the loss and to every gradient."""
+    torch.manual_seed(0)
+    head = nn.Linear(DIM, VOCAB, bias=bias)
+    hidden, labels = _batch(seed=6)
+    targets = shifted_targets(labels)
+    full = _grads(lambda h: _full_loss_sum(h, labels, head), hidden, head)
+    fixed = _grads(lambda h: _fused_sum(h, targets, head, chunk, select=False), hidden, head)
+    assert _within(fixed[0], full[0])
+    assert _within(fixed[1], full[1])
+    assert not fixed[1][targets == IGNORE_INDEX].any()  # a position without a target: no gradient
+    for name, grad in full[2].items():
+        assert _within(fixed[2][name], grad), name
+    none = torch.full_like(targets, IGNORE_INDEX)
+    zero = _grads(lambda h: _fused_sum(h, none, head, chunk, select=False), hidden, head)
+    assert zero[0].item() == 0.0 and not zero[1].any()
+    assert all(not g.any() for g in zero[2].values()) and len(zero[2]) == (2 if bias else 1)
+
+
+def test_the_fused_gradients_under_bf16_match_the_head_s_own_backward():
+    """Under autocast the fused pass multiplies in bf16 as the head's own backward does, and sums
+    the weight's gradient in fp32: close to the full path's gradients at bf16's rounding."""
+    torch.manual_seed(0)
+    head = nn.Linear(DIM, VOCAB, bias=False)
+    hidden, labels = _batch(seed=7)
+    targets = shifted_targets(labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = _grads(lambda h: _full_loss_sum(h, labels, head), hidden, head)
+        fused = _grads(lambda h: _fused_sum(h, targets, head, 16, select=False), hidden, head)
+    assert fused[1].dtype == hidden.dtype and fused[2]["weight"].dtype == torch.float32
+    assert _within(fused[0], full[0], 1e-2)
+    assert _within(fused[1], full[1], 2e-2)
+    assert _within(fused[2]["weight"], full[2]["weight"], 2e-2)
+
+
 def test_the_default_chunk_keeps_a_chunks_logits_near_32_mib_and_is_never_tiny():
+    assert default_chunk_size(50_257, "cuda") == 2**30 // (4 * 50_257)  # 5,340: GPUs take 1 GiB
+    assert default_chunk_size(128_256, "cuda") == 2_092
     assert default_chunk_size(32_000) == 262
     assert default_chunk_size(128_256) == 256  # 128 MiB of logits: tiny chunks are slow
     assert default_chunk_size(50) == 167_772  # a tiny vocabulary: one chunk in practice
