@@ -52,7 +52,7 @@ def loss_steps(length: int, chunked: bool, steps: int, chunk: int | None = None)
     import transformers
 
     from ray_trainer._config import TrainingArgs
-    from ray_trainer._worker.chunked_loss import use_chunked_loss
+    from ray_trainer._worker.chunked_loss import default_chunk_size, use_chunked_loss
     from ray_trainer._worker.setup import _optimizer
 
     torch.manual_seed(0)
@@ -80,7 +80,8 @@ def loss_steps(length: int, chunked: bool, steps: int, chunk: int | None = None)
         del out, loss
         times.append(time.perf_counter() - started)
     peak = sampler.stop()
-    return {"length": length, "chunked": chunked, "chunk": getattr(model, "_ray_trainer_chunk_size", None),
+    size = getattr(model, "_ray_trainer_chunk_size", None) or default_chunk_size(VOCAB, "cpu")
+    return {"length": length, "chunked": chunked, "chunk": size if chunked else None,
             "added": max(0, peak - base), "step_s": statistics.median(times[1:] or times)}  # fmt: skip
 
 

@@ -16,8 +16,15 @@ since it started, to model a real evaluation of that length on a spare accelerat
 would also compete with the training workers for this machine's 2 cores). Rounds alternate the
 configurations (and their order); medians are reported with the ratio to in-loop.
 
+With ``--generation --python PATH`` it measures instead `GenerationEval` on checkpoints of one
+chat model: transformers, vLLM cold and vLLM warm (``keep_engine=True``), their wall time per
+evaluation and whether their answers agree (`_eval_generation.py`; PATH is the interpreter of
+the vLLM environment, ``bash bench/vllm_env.sh`` prints it). Target: warm at least 3x faster
+than cold.
+
 Usage: python bench/bench_eval.py [--max-steps 80] [--save-every 20] [--eval-seconds 2]
        [--rounds 2] [--json OUT]
+       python bench/bench_eval.py --generation --python "$(bash bench/vllm_env.sh)" [--json OUT]
 """
 
 from __future__ import annotations
@@ -129,7 +136,11 @@ def main() -> dict:
     parser.add_argument("--eval-seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--generation", action="store_true", help="GenerationEval: hf, vLLM")
+    parser.add_argument("--python", default=None, help="the vLLM environment's interpreter")
     opts = parser.parse_args()
+    if opts.generation:
+        return generation_report(opts)
 
     import ray
 
@@ -178,6 +189,25 @@ def main() -> dict:
         ),
     }
     return emit(report, opts.json)
+
+
+def generation_report(opts: argparse.Namespace) -> dict:
+    from _eval_generation import WARM_TARGET, generation_rows, run_generation
+
+    if not opts.python:
+        raise SystemExit("--generation needs --python: the vLLM env's interpreter")
+    result = run_generation(opts.python)
+    ratio = result["cold_over_warm"]
+    verdict = "met" if ratio >= WARM_TARGET else "NOT met"
+    return emit(
+        {
+            "machine": machine(),
+            **result,
+            "table": table(generation_rows(result)) + f"\n\nvLLM cold / warm: {ratio:.2f}x "
+            f"(target at least {WARM_TARGET:g}x: {verdict})",
+        },
+        opts.json,
+    )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,13 @@ and the token that ends them (`train_on="assistant"`); `packing=True` packs the 
 into micro-batches of at most `max_tokens_per_batch` tokens, each attending to itself alone. The
 data is encoded once for the run (Ray tasks, cached under the storage path: a second run starts
 without encoding again). Every checkpoint's `hf/` holds the model, the tokenizer with the
-template and a generation config that stops at the end of an assistant turn; an `EvalOnSave`
-task loads it with transformers, as any tool would, and generates a reply with the template.
+template and a generation config that stops at the end of an assistant turn. `GenerationEval`
+grades each checkpoint in an `EvalOnSave` task: it asks held-out conversations (their last
+assistant turn is the reference) with the checkpoint's template, scores the generated answers
+(`heldout/exact_match`, `heldout/contains`), keeps them in `<checkpoint>/eval/heldout.jsonl`,
+and the best checkpoint is kept by its score. With `--vllm-python` (the interpreter of the
+environment `bash bench/vllm_env.sh` builds) the answers come from vLLM, one engine kept warm
+for the whole run (`keep_engine=True`).
 
 Without `--model` it builds a tiny chat model (a Qwen2 shape, a byte-level BPE tokenizer, a
 ChatML template; nothing downloaded) and conversations it can learn, and runs on a laptop's CPU
@@ -23,31 +28,11 @@ cluster add `--use-gpu` and `--storage` a path every node sees or a bucket.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 
-from ray_trainer import EvalOnSave, ProgressBar, run_training
+from ray_trainer import EvalOnSave, GenerationEval, ProgressBar, run_training
 from ray_trainer.demo import chat_conversations, make_tiny_chat_model
-
-QUESTION = [{"role": "user", "content": "What is the opposite of hot?"}]
-
-
-def reply(checkpoint_path: str, step: int, messages: list[dict]) -> dict:
-    """Generate the checkpoint's reply to `messages`, from its ``hf/`` export, with its chat
-    template. Runs as a Ray task that `EvalOnSave` launches, on any node (`checkpoint_path` is a
-    local folder there). Uses transformers only."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    hf = os.path.join(checkpoint_path, "hf")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(prompt, return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=24, do_sample=False)  # stops at the turn's end
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    return {"reply": text.strip(), "correct": float("cold" in text.lower())}
 
 
 def main() -> None:
@@ -59,6 +44,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--storage", default="./runs")
+    parser.add_argument("--vllm-python", default=None, help="a vLLM env's python: vLLM, warm")
+    parser.add_argument("--heldout", type=int, default=24, help="held-out conversations asked")
     opts = parser.parse_args()
 
     folder = os.path.abspath("runs")
@@ -70,6 +57,18 @@ def main() -> None:
         with open(data, "w") as f:
             for messages in chat_conversations(3000, seed=1):
                 f.write(json.dumps({"messages": messages}) + "\n")
+    # Held-out conversations (another seed): each asked without its last answer, its reference.
+    heldout = GenerationEval(
+        [{"messages": m} for m in chat_conversations(opts.heldout, seed=7)],
+        name="heldout",
+        metrics=["exact_match", "contains"],
+        max_new_tokens=32,
+        **(
+            {"backend": "vllm", "python": opts.vllm_python, "keep_engine": True}
+            if opts.vllm_python
+            else {"backend": "hf"}
+        ),
+    )
     result = run_training(
         model=model,
         data=data,
@@ -85,13 +84,16 @@ def main() -> None:
         save_every_steps=opts.save_every,
         log_every_steps=25,
         storage_path=opts.storage,
-        callbacks=[
-            ProgressBar(),
-            EvalOnSave(functools.partial(reply, messages=QUESTION), num_gpus=0),
-        ],
+        checkpoint_score_attribute="heldout/exact_match",
+        callbacks=[ProgressBar(), EvalOnSave(heldout, num_gpus=1 if opts.use_gpu else 0)],
     )
     for e in result.evaluations:
-        print(f"step {e['step']}: {QUESTION[0]['content']} -> {e['metrics']['reply']!r}")
+        m = e.get("metrics") or {}
+        print(f"step {e['step']}: exact match {m.get('heldout/exact_match', float('nan')):.3f}, "
+              f"contains {m.get('heldout/contains', float('nan')):.3f}, "
+              f"{e.get('seconds_after_save', float('nan')):.1f} s after its save"
+              + (f"  ERROR {e['error']}" if e.get("error") else ""))  # fmt: skip
+    print(f"answers of the best checkpoint: {result.best_checkpoint_path}/eval/heldout.jsonl")
     print(result.summary())
 
 

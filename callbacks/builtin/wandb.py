@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from typing import Any
 
+from callbacks.builtin.generation_samples import local_samples, samples_of
 from callbacks.builtin.tracker import TrackerLogger, flat_params, stable_id
 
 __all__ = ["WandbLogger"]
@@ -13,6 +16,9 @@ __all__ = ["WandbLogger"]
 #: evaluation, steps logged again after a crash), so every point carries this instead.
 STEP_METRIC = "trainer/global_step"
 _MODES = (None, "online", "offline", "disabled")
+#: The most rows of a samples file that go into its ``wandb.Table``.
+MAX_TABLE_ROWS = 10_000
+_SAMPLE_COLUMNS = ("row", "prompt", "answer", "reference", "finish_reason", "answer_tokens")
 
 
 class WandbLogger(TrackerLogger):
@@ -26,6 +32,9 @@ class WandbLogger(TrackerLogger):
     * each log's metrics as ``train/<name>`` and each evaluation's as ``eval/<name>``, all
       plotted against ``trainer/global_step`` (``define_metric``): W&B's own step only grows,
       so a late evaluation result or a step logged again after a restart would be dropped;
+    * an evaluation's samples file (``GenerationEval``'s ``<name>/samples``) as a
+      ``wandb.Table`` ``eval/<name>/samples`` (its first ``MAX_TABLE_ROWS`` rows: prompt,
+      answer, reference, finish reason, answer tokens, then one column per score);
     * the end: exit code 0 (summary ``stopped_early``/``stop_reason`` when a callback stopped
       it) or 1 when training failed (summary ``error``);
     * with ``log_best_model``, the best checkpoint's ``hf/`` export (by
@@ -91,7 +100,28 @@ class WandbLogger(TrackerLogger):
             if self._storage is not None and self.dir is None:
                 self._storage.sync("wandb")
 
+    def on_evaluate(self, context: Any, **kwargs: Any) -> None:
+        """Called on the callback actor with each evaluation: queues ``eval/*`` at its step,
+        and its samples files as tables."""
+        super().on_evaluate(context, **kwargs)
+        step = int(kwargs.get("eval_step", context.global_step) or 0)
+        for name, path in samples_of(context.val_metrics).items():
+            put = functools.partial(self._log_samples, name, path, step)
+            self._start(context).put(("call", put))
+
     # ---- the sender thread -----------------------------------------------------------------
+
+    def _log_samples(self, name: str, path: str, step: int) -> None:
+        import wandb
+
+        with local_samples(path, self._storage) as local, open(local, encoding="utf-8") as f:
+            samples = [json.loads(line) for line, _ in zip(f, range(MAX_TABLE_ROWS), strict=False)]
+        scores = sorted({k for s in samples for k in s.get("scores") or {}})
+        table = wandb.Table(columns=[*_SAMPLE_COLUMNS, *scores])
+        for s in samples:
+            cells = [_cell(s.get(c)) for c in _SAMPLE_COLUMNS]
+            table.add_data(*cells, *[(s.get("scores") or {}).get(k) for k in scores])
+        self._run.log({f"eval/{name}/samples": table, STEP_METRIC: step})
 
     def _open(self, args: dict[str, Any], run_name: str, identity: str | None) -> None:
         import wandb
@@ -144,6 +174,11 @@ class WandbLogger(TrackerLogger):
         )
         artifact.add_dir(local_dir)
         self._run.log_artifact(artifact, aliases=["best"])
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: text as is, chat messages and lists of references as JSON text."""
+    return value if value is None or isinstance(value, (str, int, float)) else json.dumps(value)
 
 
 def _flush_files() -> None:

@@ -109,6 +109,7 @@ class CallbackActor:
         if self.keeper is not None:
             self.keeper.tracker = self.evals
             self.evals.listener = self.keeper.record_evaluation
+        _start_evaluators(self.evals, evals)
         self.received: collections.Counter[str] = collections.Counter()
         self.duplicates = 0
         self.ended = False
@@ -303,6 +304,7 @@ class CallbackActor:
                 self.evals.in_flight(),
             )
         self.evals.wait_all(timeout=self.eval_timeout_s)
+        self.evals.close()  # the evaluator actors (warm engines) end with the run
         self._drain("the evaluation results")  # the on_evaluate events just fired
         context = self._context(wire)
         if self.keeper is not None:  # e.g. for trackers that upload the best model
@@ -418,6 +420,16 @@ def _was_restarted() -> bool:
         return bool(info) and info.get("NumRestarts", 0) != 0
     except Exception:  # no GCS answer: assume a first start
         return False
+
+
+def _start_evaluators(tracker: EvalTracker, callbacks: list[Any]) -> None:
+    """An evaluator actor for each ``EvalOnSave`` whose function is persistent, made now, so
+    that it holds its resources (and starts its engine) for the whole run."""
+    from callbacks.builtin.eval_on_save import EvalOnSave
+
+    for cb in callbacks:
+        if isinstance(cb, EvalOnSave) and getattr(cb.eval_fn, "persistent", False):
+            tracker.evaluator(id(cb), cb.eval_fn, cb.num_cpus, cb.num_gpus, cb.resources)
 
 
 def _reserve(run_name: str, callbacks: list[Any]) -> Any:

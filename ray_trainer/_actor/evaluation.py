@@ -8,6 +8,13 @@ callbacks for each success. A task that no live node can run is submitted all th
 cluster has an autoscaler (its pending demand is what makes the autoscaler start a node), and
 otherwise recorded as "cannot be scheduled" at once. Each outcome reaches the `listener` (the
 checkpoint ranking) before the evaluation stops counting as in flight (`pending_paths`).
+
+An ``eval_fn`` whose ``persistent`` attribute is true (``GenerationEval(keep_engine=True)``)
+runs instead in one evaluator actor per ``EvalOnSave``, created when the callback actor starts
+(so its resources are held for the run, in the elastic run's placement group like the tasks'),
+which keeps the function object, and so its warm engine, between checkpoints. Ray restarts an
+evaluator that dies once; the call that was running is recorded as an evaluation error. The
+evaluators are ended at the end of the run (`close`), and die with the callback actor.
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ class _Pending:
     checkpoint_path: str
     source: str
     deadline: float | None
+    saved_at: float = 0.0  # wall clock when its checkpoint's on_save reached the actor
+    seconds_after_save: float | None = None  # from saved_at to its outcome, once recorded
     closing: bool = False  # its outcome is being recorded (by the watcher or by wait_all)
+    on_actor: bool = False  # a call of an evaluator actor (cancelled without force)
 
 
 class EvalTracker:
@@ -64,6 +74,7 @@ class EvalTracker:
         self.listener: Callable[[str, dict[str, Any] | None], None] | None = None
         # An elastic run's placement group for its evaluations (`reservation.EvalPlacement`).
         self.placement: Any = None
+        self._evaluators: dict[Any, Any] = {}  # EvalOnSave's key -> its evaluator actor
 
     def launch(
         self,
@@ -77,8 +88,12 @@ class EvalTracker:
         timeout_s: float | None = None,
         max_in_flight: int | None = None,
         source: str = "EvalOnSave",
+        key: Any = None,
     ) -> None:
-        """Start one evaluation task; waits (on the actor only) while `max_in_flight` are running."""
+        """Start one evaluation task (or a call of `source`'s evaluator actor, for a persistent
+        `eval_fn`: the evaluator of `key`, one per ``EvalOnSave``); waits (on the actor only)
+        while `max_in_flight` are running."""
+        saved_at = time.time()  # called from on_save: the checkpoint is persisted by now
         missing = _unavailable(num_cpus, num_gpus, resources or {})
         if missing:
             self._record(step, checkpoint_path, source, error=f"cannot be scheduled: {missing}")
@@ -86,29 +101,78 @@ class EvalTracker:
         with self._cond:
             while max_in_flight is not None and self._count(source) >= max_in_flight:
                 self._cond.wait(0.5)
-            global _REMOTE_EVAL
-            if _REMOTE_EVAL is None:
-                _REMOTE_EVAL = ray.remote(_run_eval)
-            options: dict[str, Any] = {}
-            if self.placement is not None:  # into the resources the run holds for it
-                strategy = self.placement.strategy(num_cpus, num_gpus, resources or {})
-                options = {"scheduling_strategy": strategy} if strategy is not None else {}
-            # eval_fn travels as an argument: a function, a lambda or a callable object alike.
-            ref = _REMOTE_EVAL.options(
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                resources=resources or {},
-                max_retries=0,
-                **options,
-            ).remote(eval_fn, checkpoint_path, step, self.filesystem)
+            on_actor = bool(getattr(eval_fn, "persistent", False))
+            if on_actor:
+                evaluator = self.evaluator(
+                    source if key is None else key, eval_fn, num_cpus, num_gpus, resources
+                )
+                ref = evaluator.run.remote(checkpoint_path, step, self.filesystem)
+            else:
+                global _REMOTE_EVAL
+                if _REMOTE_EVAL is None:
+                    _REMOTE_EVAL = ray.remote(_run_eval)
+                # eval_fn travels as an argument: a function, a lambda or a callable object.
+                ref = _REMOTE_EVAL.options(
+                    **self._options(num_cpus, num_gpus, resources), max_retries=0
+                ).remote(eval_fn, checkpoint_path, step, self.filesystem)
             deadline = time.monotonic() + timeout_s if timeout_s else None
-            self._in_flight[ref] = _Pending(step, checkpoint_path, source, deadline)
+            self._in_flight[ref] = _Pending(
+                step, checkpoint_path, source, deadline, saved_at, on_actor=on_actor
+            )
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="eval-watcher", daemon=True
                 )
                 self._thread.start()
             self._cond.notify_all()
+
+    def _options(
+        self, num_cpus: float, num_gpus: float, resources: dict[str, float] | None
+    ) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "num_cpus": num_cpus, "num_gpus": num_gpus, "resources": resources or {},
+        }  # fmt: skip
+        if self.placement is not None:  # into the resources the run holds for it
+            strategy = self.placement.strategy(num_cpus, num_gpus, resources or {})
+            if strategy is not None:
+                options["scheduling_strategy"] = strategy
+        return options
+
+    def evaluator(
+        self,
+        key: Any,
+        eval_fn: Any,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        resources: dict[str, float] | None = None,
+    ) -> Any:
+        """The evaluator actor of `key` (an ``EvalOnSave``), created at the first call (the
+        callback actor's start makes one for each persistent ``EvalOnSave``): it holds its
+        resources for the run."""
+        with self._cond:
+            actor = self._evaluators.get(key)
+            if actor is None:
+                global _REMOTE_EVALUATOR
+                if _REMOTE_EVALUATOR is None:
+                    _REMOTE_EVALUATOR = ray.remote(_Evaluator)
+                actor = _REMOTE_EVALUATOR.options(
+                    **self._options(num_cpus, num_gpus, resources),
+                    max_restarts=1,
+                    max_task_retries=0,
+                ).remote(eval_fn)
+                self._evaluators[key] = actor
+            return actor
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the evaluator actors: each closes its function (its engine) within `timeout`,
+        then is killed, so no engine outlives the run."""
+        with self._cond:
+            actors, self._evaluators = list(self._evaluators.values()), {}
+        closing = [a.close.remote() for a in actors]
+        if closing:
+            ray.wait(closing, num_returns=len(closing), timeout=timeout)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
 
     def in_flight(self) -> int:
         with self._cond:
@@ -127,7 +191,7 @@ class EvalTracker:
                 self._cond.wait(min(0.2, max(0.0, deadline - time.monotonic())))
             left = list(self._in_flight)
         for ref in left:
-            ray.cancel(ref, force=True)
+            self._cancel(ref)
             self._close(ref, error=f"not finished {timeout:g} s after training ended; cancelled")
 
     def sorted_results(self) -> list[dict[str, Any]]:
@@ -153,8 +217,17 @@ class EvalTracker:
                     if p.deadline is not None and now > p.deadline
                 ]
             for ref in expired:
-                ray.cancel(ref, force=True)
+                self._cancel(ref)
                 self._close(ref, error="timed out; cancelled")
+
+    def _cancel(self, ref: Any) -> None:
+        """A task is killed; a call of an evaluator actor is interrupted (Ray cannot force an
+        actor's call; its function drops the engine it was using)."""
+        p = self._in_flight.get(ref)
+        try:
+            ray.cancel(ref, force=not (p is not None and p.on_actor))
+        except Exception:  # already finished, or its worker gone
+            logger.debug("cancelling %s failed", ref, exc_info=True)
 
     def _finish(self, ref: Any) -> None:
         try:
@@ -179,7 +252,13 @@ class EvalTracker:
         )
         context.run_storage = self.run_storage
         self.fired += 1
-        self.manager.fire("on_evaluate", context, eval_step=p.step, source=p.source)
+        self.manager.fire(
+            "on_evaluate",
+            context,
+            eval_step=p.step,
+            source=p.source,
+            seconds_after_save=p.seconds_after_save,
+        )
 
     def _close(self, ref: Any, **outcome: Any) -> _Pending | None:
         """Record an in-flight evaluation's outcome (once), then stop counting it in flight."""
@@ -188,7 +267,10 @@ class EvalTracker:
             if p is None or p.closing:
                 return None
             p.closing = True
-        self._record(p.step, p.checkpoint_path, p.source, **outcome)
+        p.seconds_after_save = round(time.time() - p.saved_at, 3)
+        self._record(
+            p.step, p.checkpoint_path, p.source, seconds_after_save=p.seconds_after_save, **outcome
+        )
         with self._cond:
             self._in_flight.pop(ref, None)
             self._cond.notify_all()
@@ -218,14 +300,35 @@ def _run_eval(eval_fn: Any, checkpoint_path: str, step: int, filesystem: Any = N
 
     `eval_fn` gets a local folder holding the checkpoint: the checkpoint itself on local or
     shared storage, else a download into this task's own temporary folder (removed after).
-    The checkpoint's own path or URI is passed as ``checkpoint_uri=`` when `eval_fn` takes it.
+    The checkpoint's own path or URI is passed as ``checkpoint_uri=`` when `eval_fn` takes it,
+    and the run's ``storage_filesystem`` (when one is set) as ``filesystem=``.
     """
     from ray_trainer._storage import local_copy, locate
 
     with local_copy(locate(checkpoint_path, filesystem)) as local:
+        kwargs: dict[str, Any] = {}
         if _takes_keyword(eval_fn, "checkpoint_uri"):
-            return eval_fn(local, step, checkpoint_uri=checkpoint_path)
-        return eval_fn(local, step)
+            kwargs["checkpoint_uri"] = checkpoint_path
+        if filesystem is not None and _takes_keyword(eval_fn, "filesystem"):
+            kwargs["filesystem"] = filesystem  # the run's storage_filesystem, to write back
+        return eval_fn(local, step, **kwargs)
+
+
+class _Evaluator:
+    """An evaluator actor: keeps one ``EvalOnSave``'s persistent `eval_fn` (and whatever it
+    keeps, a warm engine) for the run; each call evaluates one checkpoint as `_run_eval`
+    does."""
+
+    def __init__(self, eval_fn: Any) -> None:
+        self.eval_fn = eval_fn
+
+    def run(self, checkpoint_path: str, step: int, filesystem: Any = None) -> Any:
+        return _run_eval(self.eval_fn, checkpoint_path, step, filesystem)
+
+    def close(self) -> None:
+        close = getattr(self.eval_fn, "close", None)
+        if callable(close):
+            close()
 
 
 def _takes_keyword(fn: Any, name: str) -> bool:
@@ -237,6 +340,7 @@ def _takes_keyword(fn: Any, name: str) -> bool:
 
 
 _REMOTE_EVAL: Any = None
+_REMOTE_EVALUATOR: Any = None
 
 
 def _unavailable(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> str | None:

@@ -337,7 +337,9 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                 for k, v in sorted((last.get("metrics") or {}).items())
             )
-            line += f"; last at step {last.get('step')}: {metrics or '(no metrics)'}"
+            after = last.get("seconds_after_save")
+            late = "" if after is None else f" ({after:.1f} s after its save)"
+            line += f"; last at step {last.get('step')}{late}: {metrics or '(no metrics)'}"
     lines.append(line)
     lines += format_checkpoints(status)
     request = status.get("last_request")

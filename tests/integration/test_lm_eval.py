@@ -11,26 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from generation_support import TINY_CHOICE_TASK
 
 from callbacks import EvalOnSave, JsonlLogger, LmEval
 from ray_trainer.demo import make_tiny_causal_lm
 
-TASK = """\
-task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: data/tiny.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{query}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{gold}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 QUESTIONS = [
     {"query": "the cat sat on the", "choices": ["mat", "ran"], "gold": 0},
     {"query": "what did the dog do ? it", "choices": ["ran", "mat"], "gold": 0},
@@ -42,7 +27,7 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lm_eval")
     tasks = tmp / "tasks"
     (tasks / "data").mkdir(parents=True)
-    (tasks / "tiny.yaml").write_text(TASK)
+    (tasks / "tiny.yaml").write_text(TINY_CHOICE_TASK)
     (tasks / "data" / "tiny.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS * 4))
     model = make_tiny_causal_lm(tmp / "gpt2", n_layer=1, n_embd=32)
     return tmp, tasks, model

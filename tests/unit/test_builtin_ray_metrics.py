@@ -118,6 +118,15 @@ def test_eval_gauges_one_per_sanitized_metric_name(fake_metrics):
     assert m.errors == []
 
 
+def test_the_seconds_from_save_to_metrics_is_a_gauge(fake_metrics):
+    _, _, m = make()
+    ctx = TrainingContext(global_step=5, run_name="r1", val_metrics={"acc": 0.5})
+    m.fire("on_evaluate", ctx, eval_step=5, seconds_after_save=12.5)
+    assert last(fake_metrics["trainer_eval_seconds_after_save"]) == (12.5, {"run": "r1"})
+    m.fire("on_evaluate", ctx, eval_step=5)  # an in-loop validation: no such time
+    assert len(fake_metrics["trainer_eval_seconds_after_save"].records) == 1
+
+
 def test_eval_gauges_are_bounded(fake_metrics, monkeypatch):
     monkeypatch.setattr(rm, "MAX_EVAL_GAUGES", 2)
     _, _, m = make()

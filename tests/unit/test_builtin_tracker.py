@@ -4,6 +4,7 @@ parameter rule. Real MLflow and W&B runs: tests/integration/test_trackers.py."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 import time
@@ -177,3 +178,75 @@ def test_constructors_check_their_arguments_and_need_no_tracker(monkeypatch):
     with pytest.raises(ValueError, match="max_queue"):
         WandbLogger("p", max_queue=0)
     assert WandbLogger("p", mode="offline").runs_on == "actor"
+
+
+def _samples_file(tmp_path):
+    path = tmp_path / "checkpoint_00000004" / "eval" / "qa.jsonl"
+    path.parent.mkdir(parents=True)
+    rows = [
+        {"row": 0, "prompt": "2 + 2 =", "answer": "4", "reference": "4",
+         "scores": {"exact_match": 1.0}, "finish_reason": "stop", "answer_tokens": 1},
+        {"row": 1, "prompt": [{"role": "user", "content": "hi"}], "answer": "yo",
+         "reference": ["hi", "hello"], "scores": {"exact_match": 0.0, "chars": 2.0},
+         "finish_reason": "length", "answer_tokens": 2},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path), rows
+
+
+def test_mlflow_logs_an_evaluations_samples_file_as_an_artifact_at_its_step(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a real store, no server
+    path, _ = _samples_file(tmp_path)
+    uri = f"file://{tmp_path}/mlruns"
+    cb = MLflowLogger(uri, experiment_name="samples")
+    cb.on_train_begin(_ctx())
+    metrics = {"qa/exact_match": 0.5, "qa/samples": path}
+    cb.on_evaluate(_ctx(global_step=9, val_metrics=metrics), eval_step=4)
+    cb.on_train_end(_ctx(global_step=9))
+    client = MlflowClient(tracking_uri=uri)
+    artifacts = client.list_artifacts(cb.run_id, "samples/step_00000004")
+    assert [a.path for a in artifacts] == ["samples/step_00000004/qa.jsonl"]
+    local = client.download_artifacts(cb.run_id, "samples/step_00000004/qa.jsonl", str(tmp_path))
+    with open(local) as logged_file, open(path) as original:
+        assert logged_file.read() == original.read()
+    logged = client.get_run(cb.run_id).data.metrics
+    assert logged["eval/qa/exact_match"] == 0.5 and "eval/qa/samples" not in logged
+
+
+def test_wandb_logs_an_evaluations_samples_as_a_table_at_its_step(tmp_path):
+    import wandb
+
+    class Run:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, values):
+            self.logged.append(values)
+
+    class Offline(WandbLogger):  # W&B's own calls are stubbed; the table is W&B's
+        def _open(self, args, run_name, identity):
+            self._run = Run()
+
+        def _finish(self, outcome):
+            pass
+
+    path, rows = _samples_file(tmp_path)
+    cb = Offline("p", mode="disabled")
+    cb.on_evaluate(_ctx(global_step=9, val_metrics={"qa/exact_match": 0.5, "qa/samples": path}),
+                   eval_step=4)  # fmt: skip
+    cb.on_train_end(_ctx(global_step=9))
+    run = cb._run
+    tables = [v for values in run.logged for v in values.values() if isinstance(v, wandb.Table)]
+    assert len(tables) == 1
+    logged = next(values for values in run.logged if "eval/qa/samples" in values)
+    assert logged["trainer/global_step"] == 4
+    table = logged["eval/qa/samples"]
+    assert table.columns == [
+        "row", "prompt", "answer", "reference", "finish_reason", "answer_tokens", "chars",
+        "exact_match",
+    ]  # fmt: skip
+    assert table.data[0] == [0, "2 + 2 =", "4", "4", "stop", 1, None, 1.0]
+    assert json.loads(table.data[1][1]) == rows[1]["prompt"]
+    assert json.loads(table.data[1][3]) == ["hi", "hello"] and table.data[1][6] == 2.0

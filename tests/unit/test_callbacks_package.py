@@ -28,6 +28,7 @@ BUILTINS = {
     "ProgressBar",
     "RayMetrics",
     "LmEval",
+    "GenerationEval",
     "MLflowLogger",
     "WandbLogger",
 }

@@ -368,6 +368,7 @@ STATUS = {
             "checkpoint_path": "/c/20",
             "source": "EvalOnSave",
             "metrics": {"acc": 0.75, "n": 8},
+            "seconds_after_save": 41.25,
         },
     ],
     "num_evaluations": 2,
@@ -392,7 +393,10 @@ def test_format_status():
     assert text.splitlines()[0] == "run r1 (training)"
     assert "step        30/60" in text and "samples 1920" in text
     assert "loss        1.2346" in text and "lr 2.00e-04" in text and "23416 tokens/s" in text
-    assert "evaluations 2 (1 in flight); last at step 20: acc 0.7500 n 8" in text
+    assert (
+        "evaluations 2 (1 in flight); last at step 20 (41.2 s after its save): acc 0.7500 n 8"
+        in text
+    )
     assert "callback errors 7" in text
     assert "- Flaky in on_log at step 20: ValueError: no" in text
 
