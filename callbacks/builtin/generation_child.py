@@ -613,6 +613,11 @@ def _llm_kwargs(req: dict[str, Any]) -> dict[str, Any]:
 
 def _lora_rank(req: dict[str, Any]) -> int:
     rank = req["adapter_rank"] or _read_json(Path(req["adapter"]) / "adapter_config.json").get("r")
+    return vllm_lora_rank(rank)
+
+
+def vllm_lora_rank(rank: int | None) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of rank `rank`: the next rank vLLM takes."""
     rank = max(8, int(rank or 8))
     return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
 

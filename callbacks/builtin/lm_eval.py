@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from callbacks.builtin.common import as_float, die_with_parent
-from callbacks.builtin.generation_child import CPU_KV_CACHE_BYTES, VLLM_LORA_RANKS
+from callbacks.builtin.generation_child import CPU_KV_CACHE_BYTES, vllm_lora_rank
 
 __all__ = ["LmEval", "flat_lm_eval_metrics"]
 
@@ -235,9 +235,9 @@ class LmEval:
         adapter = hf_args.get("peft")
         if adapter:
             with open(os.path.join(adapter, "adapter_config.json")) as f:
-                rank = int(json.load(f).get("r") or 8)
+                rank = json.load(f).get("r")
             args["lora_local_path"] = adapter
-            args["max_lora_rank"] = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+            args["max_lora_rank"] = vllm_lora_rank(rank)
         if (self.device or _default_device()) == "cpu":
             args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         args.update({k: v for k, v in self.model_args.items() if k not in ("peft",)})
