@@ -45,3 +45,21 @@ class TokenDataset:
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def runner_fields(shape: dict, steps: int, cpu: bool, storage: str) -> dict:
+    """`run_training`'s fields for `shape` on one worker: `steps` steps of random ids, bf16 on
+    a GPU, a constant learning rate, no final save (the caller adds log and callback fields)."""
+    return {
+        "model": lambda: make_model(shape),
+        "data": lambda: TokenDataset(shape, steps * shape["batch"]),
+        "batch_size": shape["batch"],
+        "max_steps": steps,
+        "learning_rate": 3e-4,
+        "lr_schedule": "constant",
+        "num_workers": 1,
+        "use_gpu": not cpu,
+        "mixed_precision": "no" if cpu else "bf16",
+        "save_at_end": False,
+        "storage_path": storage,
+    }

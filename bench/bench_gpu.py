@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _gpu_shapes import FULL, TINY, TokenDataset, make_model  # noqa: E402
+from _gpu_shapes import FULL, TINY, TokenDataset, make_model, runner_fields  # noqa: E402
 from _support import SlowActorCallback, emit, init_ray, machine, table  # noqa: E402
 
 
@@ -140,19 +140,9 @@ def runner(shape: dict, steps: int, skip: int, compiled: bool, callbacks: bool, 
         extra += [DivergenceDetector(), SlowActorCallback(0.5)]
     with tempfile.TemporaryDirectory(prefix="bench_gpu_runs_") as storage:
         run_training(
-            model=lambda: make_model(shape),
-            data=lambda: TokenDataset(shape, steps * shape["batch"]),
-            batch_size=shape["batch"],
-            max_steps=steps,
-            learning_rate=3e-4,
-            lr_schedule="constant",
-            num_workers=1,
-            use_gpu=not cpu,
-            mixed_precision="no" if cpu else "bf16",
+            **runner_fields(shape, steps, cpu, storage),
             compile=compiled,
             log_every_steps=skip if steps % skip == 0 else steps,
-            save_at_end=False,
-            storage_path=storage,
             callback_timeout_s=5,
             callbacks=[Logs(), *extra],
         )

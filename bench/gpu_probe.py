@@ -3,10 +3,13 @@
 GPT-2 124M shape (bench_gpu's FULL), bf16 autocast, fused AdamW, clip 1.0. Variants: the
 model's own loss; the chunked loss at its default chunk (sized for the device) and at 256 and
 2,048 positions; eager, then (`--compiled`) the whole model compiled. Then the CPU-GPU syncs of
-one eager chunked step and its profile (the top kernels by GPU time). Without a GPU it runs
-bench_gpu's TINY shape on the CPU, to check the script (those figures mean nothing).
+one eager chunked step and its profile (the top kernels by GPU time). With `--runner`, the
+profile of three steps of `run_training` itself (eager, one worker, in the Ray worker), taken by
+a rank-0 callback at `on_step_begin`, sorted by GPU time and by CPU time: what the runner's step
+does beyond the loop above. Without a GPU it runs bench_gpu's TINY shape on the CPU, to check
+the script (those figures mean nothing).
 
-Usage: python bench/gpu_probe.py [--compiled]
+Usage: python bench/gpu_probe.py [--compiled] [--runner]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
-from _gpu_shapes import FULL, TINY, TokenDataset, make_model  # noqa: E402
+from _gpu_shapes import FULL, TINY, TokenDataset, make_model, runner_fields  # noqa: E402
 
 from ray_trainer._worker.chunked_loss import use_chunked_loss  # noqa: E402
 
@@ -95,11 +98,56 @@ def run(chunk: int | None, compiled: bool, steps: int = 40, skip: int = 15, prof
     return ms
 
 
+def profile_runner(steps: int = 30, first: int = 20, count: int = 3) -> None:
+    """Prints the profile of `count` steps of an eager `run_training` from step `first`."""
+    import tempfile
+
+    from _support import init_ray
+
+    from callbacks import TrainerCallback
+    from ray_trainer import run_training
+
+    out = tempfile.mkdtemp(prefix="gpu_probe_runner_")
+
+    class StepProfile(TrainerCallback):  # rank 0, in the worker; only on_step_begin (no sync)
+        runs_on = "rank0"
+
+        def __init__(self):
+            self.prof = None
+
+        def on_step_begin(self, context, **kwargs):
+            from torch.profiler import ProfilerActivity, profile
+
+            step = context.global_step
+            if step == first:
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+            elif step == first + count and self.prof is not None:
+                sync()
+                self.prof.__exit__(None, None, None)
+                averages = self.prof.key_averages()
+                with open(os.path.join(out, "profile.txt"), "w") as f:
+                    for key in ("cuda_time_total", "self_cpu_time_total") if GPU else ("self_cpu_time_total",):  # fmt: skip
+                        f.write(averages.table(sort_by=key, row_limit=25, max_name_column_width=60))
+                self.prof = None
+
+    init_ray(num_cpus=os.cpu_count() or 2)
+    with tempfile.TemporaryDirectory(prefix="gpu_probe_runs_") as storage:
+        fields = runner_fields(SHAPE, steps, not GPU, storage)
+        run_training(**fields, log_every_steps=10, callbacks=[StepProfile()])
+    with open(os.path.join(out, "profile.txt")) as f:
+        print(f"run_training, steps {first} to {first + count - 1}:", f.read(), sep="\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--runner", action="store_true", help="only profile run_training's step")
     opts = parser.parse_args()
     print(torch.cuda.get_device_name(0) if GPU else "CPU", torch.__version__, flush=True)
+    if opts.runner:
+        return profile_runner()
     for label, chunk in [("model's own loss", None), ("chunked, default", 0),
                          ("chunked 256", 256), ("chunked 2048", 2048)]:  # fmt: skip
         print(f"eager, {label}: {run(chunk, False):.1f} ms/step", flush=True)

@@ -150,8 +150,9 @@ class _FusedNllSum(torch.autograd.Function):
     a chunk of positions at a time, with the gradients of hidden, weight and bias computed in
     the same pass (softmax minus the target's one-hot, through the head's two products) and
     kept for backward, which only scales them by the loss's incoming gradient. Per chunk, only
-    its fp32 logits are alive. Under autocast the products run in its dtype (as the head's own
-    forward and backward would), each chunk's weight gradient added to an fp32 sum."""
+    its fp32 log-probabilities and their softmax in the products' dtype are alive. Under
+    autocast the products run in its dtype (as the head's own forward and backward would), each
+    chunk's weight gradient added to an fp32 sum."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size):  # type: ignore[override]
@@ -167,20 +168,26 @@ class _FusedNllSum(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start : start + chunk_size].to(dtype)
             t = targets[start : start + chunk_size]
-            logits = F.linear(h, w, None if bias is None else bias.to(dtype)).float()
             valid = (t != IGNORE_INDEX).unsqueeze(1)
             picked = t.clamp(min=0).unsqueeze(1)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total += ((lse - logits.gather(1, picked)) * valid).sum()
-            # d(nll)/d(logits): softmax minus the target's one-hot, zero where there is none.
-            g = logits.sub_(lse).exp_().mul_(valid)
-            g = g.scatter_add_(1, picked, -valid.to(g.dtype)).to(dtype)
+            # Three passes over the chunk's logits: the product (in its dtype), log-softmax
+            # (fp32 out) and exp (back into the product's dtype): the memory traffic is what
+            # this costs on a GPU. Positions without a target are masked on the hidden side.
+            logp = F.log_softmax(F.linear(h, w, None if bias is None else bias.to(dtype)), -1, dtype=torch.float32)  # fmt: skip
+            picked_logp = logp.gather(1, picked)
+            total -= (picked_logp * valid).sum()
+            # d(nll)/d(logits): softmax minus the target's one-hot (the target's entry from
+            # fp32, so p - 1 is rounded once, as autograd's cross-entropy does).
+            g = logp.exp_() if dtype == torch.float32 else torch.exp(logp, out=torch.empty_like(logp, dtype=dtype))  # fmt: skip
+            del logp
+            g.scatter_(1, picked, (picked_logp.exp_() - 1).to(dtype))
+            mask = valid.to(dtype)
             if grad_h is not None:
-                grad_h[start : start + chunk_size] = g @ w
+                grad_h[start : start + chunk_size] = (g @ w) * mask
             if grad_w is not None:
-                grad_w += g.t() @ h
+                grad_w += g.t() @ (h * mask)
             if grad_b is not None:
-                grad_b += g.sum(0)
+                grad_b += (mask.t() @ g).squeeze(0)
         # The hidden states' gradient is saved as activations are (activation offloading may
         # move it); the head's are kept on the device as the parameters are.
         ctx.save_for_backward(*(() if grad_h is None else (grad_h,)))
