@@ -171,6 +171,9 @@ class TrainingArgs(BaseModel):
     ray_address: str | None = None
     # The embedded local Ray starts its dashboard on 127.0.0.1 (its URL is printed at the start).
     dashboard: bool = True
+    # RayMetrics added when the run has none (None: where the run joins a cluster by address
+    # and its nodes export metrics; see _driver/metrics.py).
+    ray_metrics: bool | None = None
 
     # Callbacks: instances or functions, and one flat field per event and alias.
     callbacks: list[Any] = Field(default_factory=list)

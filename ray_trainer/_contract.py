@@ -85,12 +85,16 @@ class EventBatch:
     heartbeat has no events and carries ``progress`` (the context's wire): rank 0 sends one
     when nothing else went for ``HEARTBEAT_S``, so that requests from outside (``ray-trainer
     save``/``stop``, a signal to the driver) and ``status`` reach a run whose actor-side
-    callbacks subscribe to nothing frequent."""
+    callbacks subscribe to nothing frequent. Once rank 0 has dropped events (its buffer was
+    full), every batch carries their running count (``dropped``): the actor's metrics read it,
+    and a run with no drop pays nothing for it."""
 
     attempt: int
     seq: int
     events: list[WireEvent]
     progress: dict[str, Any] | None = None
+    #: Rank 0's running count of the events it dropped this attempt, by event (None: none yet).
+    dropped: dict[str, int] | None = None
 
 
 #: The longest rank 0 goes without a call to the actor (a heartbeat when nothing else went).

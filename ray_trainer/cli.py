@@ -111,8 +111,11 @@ def _parser() -> argparse.ArgumentParser:
 
     # The cluster commands define their own options, beside the code that reads them.
     from ray_trainer._driver import control, status, submit
+    from ray_trainer._monitoring import install, plot
 
     status.add_parser(sub)
+    install.add_parser(sub)
+    plot.add_parser(sub)
     control.add_parsers(sub)
     submit.add_parser(sub)
     return parser

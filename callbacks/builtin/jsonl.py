@@ -1,4 +1,4 @@
-"""Runs on the callback actor: ``JsonlLogger``, one JSON line per log and per evaluation."""
+"""Runs on the callback actor: ``JsonlLogger``, one JSON line per log, checkpoint and evaluation."""
 
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ class JsonlLogger(RunFileLogger):
 
         {"event": "on_log", "step": 120, "epoch": 0, "time": 1767225600.1, "loss": 1.2345,
          "learning_rate": 0.0003, "grad_norm": 0.8, "tokens_per_s": 1234.5,
-         "samples_seen": 3840, "tokens_seen": 491520}
+         "samples_seen": 3840, "tokens_seen": 491520, "mfu": 0.41, "world_size": 2}
 
-    and each ``on_evaluate`` the same fields plus ``"val_metrics"`` (and ``checkpoint_path``
-    for ``EvalOnSave`` results). ``time`` is the unix time at which the line was written.
+    (``mfu`` is None where the device's peak FLOPs are unknown, e.g. on a CPU); each
+    ``on_evaluate`` the fields above but ``mfu``/``world_size``, plus ``"val_metrics"`` (and,
+    for ``EvalOnSave`` results, ``checkpoint_path`` and ``seconds_after_save``: from the
+    checkpoint's save to its metrics); each ``on_save``
+    ``{"event": "on_save", "step": 100, "time": ..., "checkpoint_path": "..."}``. These are the
+    figures ``ray-trainer plot`` draws. ``time`` is the unix time at which the line was written.
     Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (never
     invalid JSON); other non-JSON values as numbers when they convert, else as strings.
 
@@ -59,7 +63,16 @@ class JsonlLogger(RunFileLogger):
 
     def on_log(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor at each log: appends a line."""
-        self._append(self._record(context, "on_log"), context)
+        record = self._record(context, "on_log")
+        record["mfu"] = as_float((context.batch_metrics or {}).get("mfu"))
+        record["world_size"] = context.world_size
+        self._append(record, context)
+
+    def on_save(self, context: Any, **kwargs: Any) -> None:
+        """Called on the callback actor after each checkpoint is persisted: appends a line."""
+        record = {"event": "on_save", "step": context.global_step, "time": time.time()}
+        record["checkpoint_path"] = context.checkpoint_path or kwargs.get("checkpoint_path")
+        self._append(record, context)
 
     def on_evaluate(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor with each evaluation's results: appends a line."""
@@ -68,6 +81,8 @@ class JsonlLogger(RunFileLogger):
         record["val_metrics"] = dict(context.val_metrics or {})
         if context.checkpoint_path:
             record["checkpoint_path"] = context.checkpoint_path
+        if kwargs.get("seconds_after_save") is not None:
+            record["seconds_after_save"] = as_float(kwargs["seconds_after_save"])
         self._append(record, context)
         self._sync(force=True)
 

@@ -31,6 +31,7 @@ from ray_trainer._actor.storage import RunStorage
 from ray_trainer._contract import (
     NAMESPACE,
     REQUESTS,
+    URGENT_EVENTS,
     ActorSummary,
     BatchReply,
     EventBatch,
@@ -126,6 +127,10 @@ class CallbackActor:
             ).start()
         self.requests = OutsideRequests()
         self._last_seq: dict[int, int] = {}
+        # Low-value events rank 0 forwards (what actor-side callbacks subscribe to): the ones a
+        # full buffer or queue may drop. Rank 0's drop counts arrive with its batches.
+        self._droppable = sorted(self.manager.subscribed_events - URGENT_EVENTS)
+        self._rank0_dropped: dict[int, dict[str, int]] = {}
         self._status: dict[str, Any] = {"started_at": time.time()}
 
     def ready(self) -> dict[str, Any]:
@@ -156,6 +161,8 @@ class CallbackActor:
         if batch.seq <= self._last_seq.get(batch.attempt, 0):
             self.duplicates += 1
             return BatchReply(ack=batch.seq)
+        if batch.dropped:  # rank 0 dropped events since the attempt began: its running count
+            self._rank0_dropped[batch.attempt] = batch.dropped
         if batch.progress is not None:  # a heartbeat
             self._status.update({k: batch.progress.get(k) for k in _STATUS_FIELDS})
         wire: dict[str, Any] = {}
@@ -177,9 +184,7 @@ class CallbackActor:
                 continue
             if event == "on_exception":
                 self._exception_attempt = batch.attempt
-            context = self._context(wire)
-            context.callback_errors_total = sum(self.manager.error_counts.values())
-            self.manager.fire(event, context, **kwargs)
+            self.manager.fire(event, self._context(wire), **kwargs)
         if wire:
             self.evals.last_wire = wire
         self._last_seq[batch.attempt] = batch.seq
@@ -340,7 +345,15 @@ class CallbackActor:
         context = TrainingContext.from_wire(wire)
         context.eval_launcher = self.evals
         context.run_storage = self.storage
+        context.callback_errors_total = sum(self.manager.error_counts.values())
+        context.events_dropped_total = self.dropped_totals()
         return context
+
+    def dropped_totals(self) -> dict[str, int]:
+        """Events dropped so far, by event (`dropped_by_event`: rank 0's and this actor's)."""
+        return dropped_by_event(
+            self._droppable, [*self._rank0_dropped.values(), self.manager.dropped_events]
+        )
 
     def _checkpoints(self, limit: int) -> dict[str, Any]:
         """For ``status``: the best checkpoint and the checkpoints with their evaluations (the
@@ -408,6 +421,18 @@ def with_own_callbacks(
         "user": lists["user"],
         "global": [*lists["global"], writer, keeper.pruner],
     }
+
+
+def dropped_by_event(droppable: list[str], counts: list[dict[str, int]]) -> dict[str, int]:
+    """Runs in the callback actor: the events dropped so far, by event, summed over `counts`
+    (each rank-0 attempt's forwarder, as its batches report, and the actor's own queue);
+    every event of `droppable` (the low-value ones actor-side callbacks subscribe to) is
+    there, at 0 until one is dropped, so that `RayMetrics` starts its counter at 0."""
+    totals = dict.fromkeys(droppable, 0)
+    for count in counts:
+        for event, n in count.items():
+            totals[event] = totals.get(event, 0) + n
+    return totals
 
 
 def _was_restarted() -> bool:

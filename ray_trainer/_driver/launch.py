@@ -43,6 +43,7 @@ from ray_trainer._driver.console import (
     wait_for_output,
 )
 from ray_trainer._driver.data import DataPlan, prepare_data
+from ray_trainer._driver.metrics import with_default_metrics
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
 from ray_trainer._driver.reference import prepare_references
 from ray_trainer._driver.result import TrainingResult, build_result
@@ -86,9 +87,11 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
     # Ray Train's import (~1 s of CPU) runs while ray.init waits for Ray's processes to start.
     train_import = threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True)
     train_import.start()
+    joined = not ray.is_initialized() and bool(args.ray_address or os.environ.get("RAY_ADDRESS"))
     started_ray = _init_ray(args)
     train_import.join()
     try:
+        lists = with_default_metrics(lists, args.ray_metrics, joined)
         check_resources(args)
         check_evaluations(lists)
         return _fit(args, lists, run, plans)

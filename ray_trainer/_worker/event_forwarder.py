@@ -184,6 +184,8 @@ class EventForwarder:
 
     def _send(self, batch: EventBatch) -> None:
         self._last_send = time.monotonic()
+        if self.dropped:  # a batch, not an event, pays for it; and only once events were dropped
+            batch.dropped = dict(self.dropped)
         self._in_flight.append([_reply(self.actor.push.remote(batch)), batch])
 
     def _give_up(self) -> None:

@@ -1,4 +1,5 @@
-"""JsonlLogger: complete valid lines, fields, run directory, non-finite values, pickling."""
+"""JsonlLogger: complete valid lines, fields (those `ray-trainer plot` draws among them), run
+directory, non-finite values, pickling."""
 
 import json
 import os
@@ -41,7 +42,7 @@ def log_ctx(step, storage, **fields):
 def test_lines_are_whole_and_valid_after_every_event(tmp_path):
     logger = JsonlLogger()
     m = manager_for(logger)
-    assert {"on_log", "on_evaluate", "on_train_end"} <= m.subscribed_events
+    assert {"on_log", "on_evaluate", "on_save", "on_train_end"} <= m.subscribed_events
     m.fire("on_train_begin", log_ctx(0, tmp_path))
     path = tmp_path / "run1" / "metrics.jsonl"
     assert logger.file_path == str(path)
@@ -62,6 +63,8 @@ def test_lines_are_whole_and_valid_after_every_event(tmp_path):
         "tokens_per_s": 2000.0,
         "samples_seen": 80,
         "tokens_seen": 10240,
+        "mfu": None,  # no peak FLOPs known (a CPU)
+        "world_size": 1,
     }
     assert before <= records[0]["time"] <= time.time()
     m.fire("on_train_end", log_ctx(50, tmp_path))
@@ -85,8 +88,31 @@ def test_evaluate_lines_carry_val_metrics_and_use_the_remembered_run_dir(tmp_pat
     assert record["event"] == "on_evaluate" and record["step"] == 10
     assert record["val_metrics"] == {"accuracy": 0.5, "val_loss": "nan"}
     assert record["checkpoint_path"] == "/ckpt/checkpoint_00000010"
+    assert "seconds_after_save" not in record  # not given: not written
     assert m.errors == []
     logger.close()
+
+
+def test_the_fields_the_panels_draw_mfu_world_size_saves_and_save_to_eval(tmp_path):
+    m = manager_for(JsonlLogger())
+    m.fire("on_log", log_ctx(10, tmp_path, batch_metrics={"mfu": 0.42}, world_size=4))
+    m.fire("on_save", log_ctx(10, tmp_path, checkpoint_path="/ckpt/checkpoint_00000010"))
+    ctx = TrainingContext(
+        global_step=10, run_name="run1", checkpoint_path="/ckpt/checkpoint_00000010",
+        val_metrics={"accuracy": 0.5},
+    )  # fmt: skip
+    m.fire("on_evaluate", ctx, eval_step=10, source="EvalOnSave", seconds_after_save=12.5)
+    log, save, evaluation = read_lines(tmp_path / "run1" / "metrics.jsonl")
+    assert (log["mfu"], log["world_size"]) == (0.42, 4)
+    assert save == {
+        "event": "on_save",
+        "step": 10,
+        "time": save["time"],
+        "checkpoint_path": "/ckpt/checkpoint_00000010",
+    }
+    assert evaluation["seconds_after_save"] == 12.5
+    assert evaluation["val_metrics"] == {"accuracy": 0.5}
+    assert m.errors == []
 
 
 def test_non_finite_and_odd_values_stay_valid_json(tmp_path):
@@ -170,5 +196,5 @@ def test_dpo_lines_carry_trls_metrics_under_their_names(tmp_path):
     m.fire("on_log", log_ctx(10, tmp_path, batch_metrics=dpo))
     (record,) = read_lines(tmp_path / "run1" / "metrics.jsonl")
     assert record["rewards/accuracies"] == 0.75 and record["logps/chosen"] == -40.5
-    assert "mfu" not in record and "note" not in record  # the fixed fields, as before
+    assert record["mfu"] == 0.1 and "note" not in record  # mfu is a fixed field; others not
     assert m.errors == []

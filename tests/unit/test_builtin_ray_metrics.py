@@ -24,6 +24,12 @@ class FakeMetric:
         self.records.append((value, dict(tags)))
 
     def inc(self, value=1.0, tags=None):
+        assert value > 0, "Ray's Counter.inc refuses a value <= 0"
+        assert set(tags) == set(self.tag_keys), tags
+        self.records.append((value, dict(tags)))
+
+    def _record(self, value, tags=None):  # what Ray's inc calls after its check: 0 is taken
+        assert self.kind == "counter" and value == 0, value
         assert set(tags) == set(self.tag_keys), tags
         self.records.append((value, dict(tags)))
 
@@ -85,25 +91,44 @@ def test_nothing_is_created_or_imported_before_the_first_event(fake_metrics):
 
 def test_log_sets_training_gauges_with_names_and_run_tag(fake_metrics):
     _, _, m = make()
-    m.fire("on_log", log_ctx(10))
+    m.fire("on_log", log_ctx(10, grad_norm=0.75, batch_metrics={"mfu": 0.25}))
     names = {n for n in fake_metrics if n != "_imports"}
-    assert names == {
+    gauges = {
         "trainer_step",
         "trainer_loss",
         "trainer_learning_rate",
-        "trainer_tokens_per_s",
-        "trainer_events_handled",
+        "trainer_tokens_per_second",
+        "trainer_grad_norm",
+        "trainer_mfu_ratio",
     }  # exported by Ray as ray_trainer_*
-    assert fake_metrics["trainer_step"].kind == "gauge"
+    counters = {
+        "trainer_events_handled",
+        "trainer_events_dropped",
+        "trainer_callback_errors",
+        "trainer_checkpoints_saved",
+    }  # exported by Ray 2.60 as ray_trainer_*_total
+    assert names == gauges | counters
+    assert {fake_metrics[n].kind for n in gauges} == {"gauge"}
+    assert {fake_metrics[n].kind for n in counters} == {"counter"}
     assert fake_metrics["trainer_step"].tag_keys == ("run",)
     assert last(fake_metrics["trainer_step"]) == (10.0, {"run": "r1"})
     assert last(fake_metrics["trainer_loss"]) == (1.5, {"run": "r1"})
     assert last(fake_metrics["trainer_learning_rate"]) == (1e-3, {"run": "r1"})
-    assert last(fake_metrics["trainer_tokens_per_s"]) == (900.0, {"run": "r1"})
+    assert last(fake_metrics["trainer_tokens_per_second"]) == (900.0, {"run": "r1"})
+    assert last(fake_metrics["trainer_grad_norm"]) == (0.75, {"run": "r1"})
+    assert last(fake_metrics["trainer_mfu_ratio"]) == (0.25, {"run": "r1"})
     counter = fake_metrics["trainer_events_handled"]
-    assert counter.kind == "counter" and counter.tag_keys == ("run", "event")
+    assert counter.tag_keys == ("run", "event")
     assert counter.records == [(1, {"run": "r1", "event": "on_log"})]
     assert m.errors == []
+
+
+def test_no_gauge_for_what_a_log_lacks(fake_metrics):
+    # A CPU run without peak_flops has no MFU; a step without clipping may have no grad norm.
+    _, _, m = make()
+    m.fire("on_log", log_ctx(1, batch_metrics={"step_time": 0.1}))
+    assert "trainer_mfu_ratio" not in fake_metrics and "trainer_grad_norm" not in fake_metrics
+    assert "trainer_step_time" not in fake_metrics
 
 
 def test_eval_gauges_one_per_sanitized_metric_name(fake_metrics):
@@ -118,13 +143,34 @@ def test_eval_gauges_one_per_sanitized_metric_name(fake_metrics):
     assert m.errors == []
 
 
-def test_the_seconds_from_save_to_metrics_is_a_gauge(fake_metrics):
+def test_the_seconds_from_save_to_metrics_is_a_gauge_outside_the_eval_names(fake_metrics):
+    # Not eval_*: the repeating evaluation panel of the dashboard takes every eval_* gauge.
     _, _, m = make()
     ctx = TrainingContext(global_step=5, run_name="r1", val_metrics={"acc": 0.5})
     m.fire("on_evaluate", ctx, eval_step=5, seconds_after_save=12.5)
-    assert last(fake_metrics["trainer_eval_seconds_after_save"]) == (12.5, {"run": "r1"})
+    assert last(fake_metrics["trainer_save_to_eval_seconds"]) == (12.5, {"run": "r1"})
+    assert not [n for n in fake_metrics if n.startswith("trainer_eval_") and "seconds" in n]
     m.fire("on_evaluate", ctx, eval_step=5)  # an in-loop validation: no such time
-    assert len(fake_metrics["trainer_eval_seconds_after_save"].records) == 1
+    assert len(fake_metrics["trainer_save_to_eval_seconds"].records) == 1
+
+
+def test_validation_loss_is_its_own_gauge_and_an_eval_gauge(fake_metrics):
+    _, _, m = make()
+    m.fire("on_evaluate", TrainingContext(run_name="r1", val_metrics={"val_loss": 0.8}))
+    assert last(fake_metrics["trainer_val_loss"]) == (0.8, {"run": "r1"})
+    assert last(fake_metrics["trainer_eval_val_loss"]) == (0.8, {"run": "r1"})
+    m.fire("on_evaluate", TrainingContext(run_name="r1", val_metrics={"accuracy": 0.5}))
+    assert len(fake_metrics["trainer_val_loss"].records) == 1  # no val_loss: not set again
+
+
+def test_checkpoints_saved_counter_starts_at_zero_and_counts_saves(fake_metrics):
+    _, _, m = make()
+    m.fire("on_log", log_ctx(1))
+    saved = fake_metrics["trainer_checkpoints_saved"]
+    assert saved.records == [(0.0, {"run": "r1"})]  # the series exists before the first save
+    m.fire("on_save", TrainingContext(run_name="r1", checkpoint_path="/c/1"))
+    m.fire("on_save", TrainingContext(run_name="r1", checkpoint_path="/c/2"))
+    assert saved.records[1:] == [(1, {"run": "r1"}), (1, {"run": "r1"})]
 
 
 def test_eval_gauges_are_bounded(fake_metrics, monkeypatch):
@@ -161,12 +207,37 @@ def test_train_end_always_resets(fake_metrics):
     assert len(fake_metrics["trainer_loss"].records) == 2
 
 
-def test_callback_errors_gauge_only_when_the_actor_provides_it(fake_metrics):
+def test_callback_errors_counter_follows_the_actors_total(fake_metrics):
     _, _, m = make()
     m.fire("on_log", log_ctx(1))
-    assert "trainer_callback_errors" not in fake_metrics
-    m.fire("on_log", log_ctx(2), callback_errors_total=3)
-    assert last(fake_metrics["trainer_callback_errors"]) == (3.0, {"run": "r1"})
+    errors = fake_metrics["trainer_callback_errors"]
+    assert errors.records == []  # no total from an actor: no series
+    m.fire("on_log", log_ctx(2), callback_errors_total=0)
+    assert errors.records == [(0.0, {"run": "r1"})]  # at 0: a panel sees the series
+    m.fire("on_log", log_ctx(3), callback_errors_total=3)
+    m.fire("on_log", log_ctx(4), callback_errors_total=3)  # no new error: no increment
+    m.fire("on_log", log_ctx(5), callback_errors_total=5)
+    assert errors.records[1:] == [(3.0, {"run": "r1"}), (2.0, {"run": "r1"})]
+    m.fire("on_log", log_ctx(6), callback_errors_total=1)  # a restarted actor counts from 0
+    m.fire("on_log", log_ctx(7), callback_errors_total=2)
+    assert errors.records[3:] == [(1.0, {"run": "r1"})]
+
+
+def test_dropped_events_counter_by_event_starts_every_event_at_zero(fake_metrics):
+    _, _, m = make()
+    m.fire("on_log", log_ctx(1), events_dropped_total={"on_log": 0, "on_step_end": 0})
+    dropped = fake_metrics["trainer_events_dropped"]
+    assert dropped.tag_keys == ("run", "event")
+    assert sorted(dropped.records, key=str) == [
+        (0.0, {"run": "r1", "event": "on_log"}),
+        (0.0, {"run": "r1", "event": "on_step_end"}),
+    ]
+    m.fire("on_log", log_ctx(2), events_dropped_total={"on_log": 40, "on_step_end": 0})
+    m.fire("on_log", log_ctx(3), events_dropped_total={"on_log": 55, "on_step_end": 0})
+    assert dropped.records[2:] == [
+        (40.0, {"run": "r1", "event": "on_log"}),
+        (15.0, {"run": "r1", "event": "on_log"}),
+    ]
 
 
 def test_none_and_nan_values(fake_metrics):
@@ -191,7 +262,7 @@ def test_metric_objects_are_not_pickled(fake_metrics):
     cb, _, m = make()
     m.fire("on_log", log_ctx(1))
     state = cb.__getstate__()
-    assert state["_gauges"] == {} and state["_counter"] is None and state["_metrics"] is None
+    assert state["_gauges"] == {} and state["_counters"] == {} and state["_metrics"] is None
     [copy] = loads_callbacks(dumps_callbacks([cb]))
     copy.on_log(log_ctx(2))  # recreated lazily
     assert copy._gauges and fake_metrics["_imports"] == [1, 1]
@@ -205,8 +276,11 @@ def test_real_ray_metrics_objects_need_no_running_cluster():
     cb = RayMetrics()
     cb.on_log(log_ctx(1))
     cb.on_evaluate(TrainingContext(run_name="r1", val_metrics={"val_loss": 0.5}))
-    assert set(cb._gauges) >= {"step", "loss", "eval_val_loss"}
+    assert set(cb._gauges) >= {"step", "loss", "eval_val_loss", "val_loss"}
     assert type(cb._gauges["step"]).__module__ == "ray.util.metrics"
+    # Counters start at 0 through Ray's own record path (Counter.inc refuses 0).
+    cb.on_log(log_ctx(2, callback_errors_total=0, events_dropped_total={"on_log": 0}))
+    assert type(cb._counters["callback_errors"]).__module__ == "ray.util.metrics"
     assert ray.is_initialized() == was_initialized  # creating them started no Ray
 
 
@@ -264,5 +338,6 @@ def test_dpo_metrics_are_gauges_with_slashes_as_underscores(fake_metrics):
     assert last(fake_metrics["trainer_logps_chosen"]) == (-40.0, {"run": "r1"})
     # Only an objective's own metrics: the rest of batch_metrics is not exported here.
     assert "trainer_step_time" not in fake_metrics and "trainer_mfu" not in fake_metrics
+    assert last(fake_metrics["trainer_mfu_ratio"]) == (0.2, {"run": "r1"})  # as mfu_ratio
     m.fire("on_evaluate", log_ctx(10, val_metrics={"val_rewards/accuracies": 0.9}))
     assert last(fake_metrics["trainer_eval_val_rewards_accuracies"]) == (0.9, {"run": "r1"})

@@ -73,6 +73,14 @@ def test_dashboard_only_on_the_head_loopback(prepared):
     )
 
 
+def test_the_head_provisions_the_grafana_dashboard_after_ray_starts(prepared):
+    commands = prepared["head_start_ray_commands"]
+    start = next(i for i, c in enumerate(commands) if "ray start --head" in c)
+    install = [i for i, c in enumerate(commands) if "ray-trainer grafana install" in c]
+    assert install and install[0] > start  # Ray empties its Grafana folder when it starts
+    assert "--wait" in _flags([commands[install[0]]])
+
+
 def test_training_never_lands_on_the_head(prepared):
     head = prepared["available_node_types"][prepared["head_node_type"]]
     # Passed to the head's `ray start` (RAY_OVERRIDE_RESOURCES): no CPU or GPU to offer, so

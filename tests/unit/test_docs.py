@@ -183,6 +183,8 @@ NOT_REPOSITORY_FILES = {
     "config.json",
     "generation_config.json",
     "trainer_state.json",
+    "ray_trainer_grafana_dashboard.json",  # written into Ray's session by `grafana install`
+    "ray-trainer.json",  # a user's `grafana install --output` file
 }
 
 

@@ -27,6 +27,7 @@ class FakeActor:
         class _Push:
             def remote(self, batch):
                 outer.calls.append((batch.attempt, batch.seq, batch.events))
+                outer.dropped.append(batch.dropped)
                 return _Ref(batch.seq)
 
         class _StartAttempt:
@@ -34,6 +35,7 @@ class FakeActor:
                 outer.attempts.append(attempt)
 
         self.attempts: list[int] = []
+        self.dropped: list[dict | None] = []  # each batch's running count of dropped events
         self.push = _Push()
         self.start_attempt = _StartAttempt()
 
@@ -123,3 +125,19 @@ def test_close_counts_what_was_never_acknowledged():
     fwd.push("on_step_end", TrainingContext(), {})
     fwd.close(timeout=0.05)
     assert fwd.undelivered == 2
+
+
+def test_batches_carry_the_running_count_of_dropped_events_once_there_is_one():
+    """The actor's metrics learn rank 0's drops from the batches: nothing is added to a batch
+    before the first drop (no per-event work), then each carries the running count."""
+    actor = FakeActor()
+    fwd = make(actor, max_batch=2, max_in_flight=1, max_buffer=10, flush_interval_s=60)
+    ctx = TrainingContext()
+    fwd.push("on_log", ctx, {})
+    fwd.push("on_log", ctx, {})  # in flight, never acknowledged
+    assert actor.dropped == [None]
+    for _ in range(30):
+        fwd.push("on_log", ctx, {})
+    fwd.push("on_save", ctx, {"checkpoint_path": "/c"})
+    assert actor.dropped[-1] == {"on_log": fwd.dropped["on_log"]} and fwd.dropped["on_log"] > 0
+    assert actor.dropped[-1] is not fwd.dropped  # a copy: later drops do not change a sent batch

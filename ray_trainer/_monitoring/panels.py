@@ -1,0 +1,152 @@
+"""Anywhere (pure data): the panels of a ray-trainer run, one list for every place that draws them.
+
+The Grafana dashboard (`dashboard.py`), `ray-trainer plot` and the Prometheus integration test
+all read `PANELS`: a panel's PromQL is what Grafana runs and what the test evaluates against a
+real Prometheus; its `jsonl` fields are what `ray-trainer plot` draws from a run's
+``metrics.jsonl`` when it has no Prometheus. A metric renamed in `RayMetrics` but not here fails
+that test.
+
+Exported names (``RayMetrics``' default prefix ``ray_trainer``; every series has a ``run``
+label), following Prometheus's naming: counters end in ``_total``, units are base units in the
+name (``_seconds``, ``_per_second``, ``_ratio``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EVAL_PREFIX", "EVAL_VARIABLE", "PANELS", "RUN_VARIABLE", "Panel", "Series"]
+
+#: The dashboard variable holding the run (a Grafana multi-value variable, hence ``=~``).
+RUN_VARIABLE = "run"
+#: The variable the evaluation panel repeats over: one metric name ``ray_trainer_eval_*`` each.
+EVAL_VARIABLE = "eval_metric"
+#: Every evaluation metric is exported under this name prefix (``ray_trainer_eval_accuracy``).
+EVAL_PREFIX = "ray_trainer_eval_"
+
+_RUN = f'run=~"${RUN_VARIABLE}"'
+#: One evaluation metric of the run: the repeating panel's query, one copy per metric name.
+_EVAL_SELECTOR = f'{{__name__=~"${EVAL_VARIABLE}", {_RUN}}}'
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line of a panel: its legend, its PromQL (with ``$run``), and the ``metrics.jsonl``
+    field that holds the same figure (None: only Prometheus has it), read from the records of
+    `event`."""
+
+    legend: str
+    expr: str
+    jsonl: str | None = None
+    event: str = "on_log"
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: title, Grafana unit id, description, its series; `repeat` names the variable
+    it repeats over (one copy of the panel per value)."""
+
+    title: str
+    unit: str
+    description: str
+    series: tuple[Series, ...]
+    repeat: str | None = None
+
+
+def _gauge(name: str) -> str:
+    return f"ray_trainer_{name}{{{_RUN}}}"
+
+
+def _counter(name: str, by: str | None = None) -> str:
+    total = f"ray_trainer_{name}_total{{{_RUN}}}"
+    return f"sum by (run, {by}) ({total})" if by else f"sum by (run) ({total})"
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel(
+        "Step",
+        "none",
+        "The global optimizer step.",
+        (Series("step", _gauge("step"), "step"),),
+    ),
+    Panel(
+        "Loss",
+        "none",
+        "Training loss (cross-rank average) at each log, and the validation loss at each "
+        "in-loop evaluation.",
+        (
+            Series("loss", _gauge("loss"), "loss"),
+            Series("validation loss", _gauge("val_loss"), "val_loss", "on_evaluate"),
+        ),
+    ),
+    Panel(
+        "Learning rate",
+        "none",
+        "The learning rate at each log.",
+        (Series("learning rate", _gauge("learning_rate"), "learning_rate"),),
+    ),
+    Panel(
+        "Tokens/s",
+        "none",
+        "Training throughput over the steps since the last log: tokens that are not padding, "
+        "every rank together.",
+        (Series("tokens/s", _gauge("tokens_per_second"), "tokens_per_s"),),
+    ),
+    Panel(
+        "MFU",
+        "percentunit",
+        "Model FLOPs utilisation over the steps since the last log (where the device's peak is "
+        "known: a known GPU, or peak_flops set).",
+        (Series("MFU", _gauge("mfu_ratio"), "mfu"),),
+    ),
+    Panel(
+        "Gradient norm",
+        "none",
+        "The global gradient norm before clipping, at each log.",
+        (Series("grad norm", _gauge("grad_norm"), "grad_norm"),),
+    ),
+    Panel(
+        "Evaluation: $eval_metric",
+        "none",
+        "Each evaluation metric (in-loop validation, EvalOnSave, LmEval, GenerationEval), one "
+        "panel per metric name.",
+        (Series("{{__name__}}", _EVAL_SELECTOR, "val_metrics", "on_evaluate"),),
+        repeat=EVAL_VARIABLE,
+    ),
+    Panel(
+        "Save to evaluation result",
+        "s",
+        "Seconds from an EvalOnSave checkpoint's save to its metrics.",
+        (
+            Series(
+                "seconds after save",
+                _gauge("save_to_eval_seconds"),
+                "seconds_after_save",
+                "on_evaluate",
+            ),
+        ),
+    ),
+    Panel(
+        "Workers",
+        "none",
+        "Training workers of the current attempt: an elastic run's size over time.",
+        (Series("workers", _gauge("workers"), "world_size"),),
+    ),
+    Panel(
+        "Callback events",
+        "none",
+        "Events the callbacks handled and dropped (low-value events dropped when the queue to "
+        "the callback actor is full), and callback errors.",
+        (
+            Series("handled {{event}}", _counter("events_handled", "event")),
+            Series("dropped {{event}}", _counter("events_dropped", "event")),
+            Series("callback errors", _counter("callback_errors")),
+        ),
+    ),
+    Panel(
+        "Checkpoints saved",
+        "none",
+        "Checkpoints saved so far (complete on storage).",
+        (Series("checkpoints", _counter("checkpoints_saved"), "checkpoint_path", "on_save"),),
+    ),
+)
