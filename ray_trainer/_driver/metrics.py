@@ -1,4 +1,4 @@
-"""Driver: `RayMetrics` on by default where someone can watch it (issue 38).
+"""Driver: `RayMetrics` on by default where someone can watch it.
 
 A run that joins a cluster by address (``ray_address``, ``RAY_ADDRESS``: a job submitted with
 ``ray job submit`` or ``ray-trainer submit`` has it) gets a ``RayMetrics()`` when it has none and
