@@ -686,11 +686,19 @@ def _end_group_on_sigterm() -> None:
     import signal
 
     def end(signum: int, frame: Any) -> None:
-        if os.getpgrp() == os.getpid():
-            os.killpg(os.getpid(), signal.SIGKILL)
+        _kill_own_group()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, end)
+
+
+def _kill_own_group() -> None:
+    """SIGKILL to this process's group, itself included, when it leads one (as a child of
+    ``ChildProcess`` does): nothing it started outlives it."""
+    import signal
+
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -699,6 +707,7 @@ def main() -> int:
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # fd 1 (and so print, C libraries, engine processes) now writes to stderr
     session = Session()
+    asked_to_exit = False
     try:
         for line in sys.stdin:
             if not line.strip():
@@ -713,9 +722,14 @@ def main() -> int:
             protocol.write(json.dumps(response) + "\n")
             protocol.flush()
             if isinstance(request, dict) and request.get("op") == "exit":
+                asked_to_exit = True
                 break
     finally:
         session.close()
+    if not asked_to_exit:
+        # Its input ended without an "exit": the parent is gone. Its death's SIGTERM may come
+        # after this EOF, too late to run the handler above: the group goes here instead.
+        _kill_own_group()
     return 0
 
 

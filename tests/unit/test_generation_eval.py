@@ -459,3 +459,22 @@ def test_when_the_evaluation_process_dies_the_child_and_its_group_go_too(tmp_pat
         wait_until(lambda: not _alive(engine), 20, "the child's group to end with it")
     finally:
         proc.kill()
+
+
+def test_a_child_whose_input_ends_without_exit_ends_its_group(tmp_path):
+    """The parent's death closes the child's input too, and that EOF may come before the
+    death's SIGTERM: without an "exit" request, the child ends its group itself."""
+    from callbacks.builtin.generation_process import ChildProcess
+
+    pids = tmp_path / "pids"
+    python = _fake_python(tmp_path, f'sleep 300 & echo $$ $! > {pids}; exec {sys.executable} "$@"')
+    child = ChildProcess(python, 60)
+    try:
+        assert child.handle({"op": "hello"})["ok"]
+        _, engine = map(int, pids.read_text().split())
+        assert _alive(engine)
+        child.process.stdin.close()  # EOF, no "exit", the parent (this process) still alive
+        child.process.wait(20)
+        wait_until(lambda: not _alive(engine), 20, "the child's group to end on its input's EOF")
+    finally:
+        child.kill()
