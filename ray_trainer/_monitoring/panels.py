@@ -13,9 +13,13 @@ name (``_seconds``, ``_per_second``, ``_ratio``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["EVAL_PREFIX", "EVAL_VARIABLE", "PANELS", "RUN_VARIABLE", "Panel", "Series"]
+__all__ = [
+    "EVAL_PREFIX", "EVAL_VARIABLE", "PANELS", "RUN_VARIABLE", "Panel", "Series", "promql_string",
+    "substitute",
+]  # fmt: skip
 
 #: The dashboard variable holding the run (a Grafana multi-value variable, hence ``=~``).
 RUN_VARIABLE = "run"
@@ -150,3 +154,16 @@ PANELS: tuple[Panel, ...] = (
         (Series("checkpoints", _counter("checkpoints_saved"), "checkpoint_path", "on_save"),),
     ),
 )
+
+
+def promql_string(text: str) -> str:
+    """``text`` as an exact match inside a PromQL ``=~"..."`` (regex characters escaped)."""
+    return re.sub(r"([.+*?()\[\]{}|^$\\])", r"\\\\\1", text)
+
+
+def substitute(expr: str, run: str, eval_metric: str | None = None) -> str:
+    """A panel's PromQL with the dashboard's variables replaced for one run."""
+    expr = expr.replace(f"${RUN_VARIABLE}", promql_string(run))
+    if eval_metric is not None:
+        expr = expr.replace(f"${EVAL_VARIABLE}", promql_string(eval_metric))
+    return expr

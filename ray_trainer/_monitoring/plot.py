@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ray_trainer._monitoring.panels import EVAL_PREFIX, EVAL_VARIABLE, PANELS, RUN_VARIABLE, Panel
+from ray_trainer._monitoring.panels import (
+    EVAL_PREFIX,
+    EVAL_VARIABLE,
+    PANELS,
+    RUN_VARIABLE,
+    Panel,
+    promql_string,
+    substitute,
+)
 from ray_trainer._storage import Location, is_uri, locate
 
 __all__ = [
@@ -272,19 +280,6 @@ class Prometheus:
     def metric_names(self, match: str, start: float, end: float) -> list[str]:
         params = [("match[]", match), ("start", start), ("end", end)]
         return sorted(self.get("/api/v1/label/__name__/values", params) or [])
-
-
-def promql_string(text: str) -> str:
-    """``text`` as an exact match inside a PromQL ``=~"..."`` (regex characters escaped)."""
-    return re.sub(r"([.+*?()\[\]{}|^$\\])", r"\\\\\1", text)
-
-
-def substitute(expr: str, run: str, eval_metric: str | None = None) -> str:
-    """A panel's PromQL with the dashboard's variables replaced for one run."""
-    expr = expr.replace(f"${RUN_VARIABLE}", promql_string(run))
-    if eval_metric is not None:
-        expr = expr.replace(f"${EVAL_VARIABLE}", promql_string(eval_metric))
-    return expr
 
 
 def _legend(template: str, metric: dict[str, str]) -> str:

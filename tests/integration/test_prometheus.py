@@ -33,7 +33,7 @@ from support_paths import SUPPORT
 from waiting import wait_until
 
 from ray_trainer._monitoring.dashboard import EVAL_QUERY, RUN_QUERY
-from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, RUN_VARIABLE
+from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, substitute
 
 RUN = "promrun"
 #: The evaluation metrics the repeating panel must find: the in-loop one, and EvalOnSave's.
@@ -140,13 +140,6 @@ class Prometheus:
         self.log.close()
 
 
-def _substitute(expr: str, **values: str) -> str:
-    """Grafana's interpolation of one selected value per variable (names need no escaping)."""
-    for name, value in values.items():
-        expr = expr.replace(f"${name}", value)
-    return expr
-
-
 def _variable_values(prometheus: Prometheus) -> tuple[list[str], list[str]]:
     """The dashboard variables as Grafana's Prometheus datasource fills them: `label_values(
     METRIC, LABEL)` is the label's values on that metric's series; `metrics(REGEX)` the metric
@@ -166,9 +159,8 @@ def _panel_queries(evals: list[str]) -> list[tuple[str, str]]:
         copies = evals if panel.repeat == EVAL_VARIABLE else [None]
         for value in copies:
             for series in panel.series:
-                values = {RUN_VARIABLE: RUN, **({EVAL_VARIABLE: value} if value else {})}
                 what = f"{panel.title} / {series.legend}" + (f" [{value}]" if value else "")
-                out.append((what, _substitute(series.expr, **values)))
+                out.append((what, substitute(series.expr, RUN, value)))
     return out
 
 
