@@ -6,6 +6,7 @@
 #
 # Usage (from the checkout's root, .whl/ carried):  bash bench/gpu_run.sh SECONDS TABLE...
 #   e.g.  bash bench/gpu_run.sh 170 2 3 5      (at most 170 s a table)
+#   STEPS=120 CONFIGS=runner_compiled,hf_compiled bash bench/gpu_run.sh 400 1   (part of table 1)
 set -uo pipefail
 limit=$1
 shift
@@ -20,6 +21,7 @@ for table in "$@"; do
   started=$(date +%s)
   extra=()
   [ "$table" = 1 ] && extra=(--steps "${STEPS:-150}" --skip 50)  # about 6 minutes, not 10
+  [ "$table" = 1 ] && [ -n "${CONFIGS:-}" ] && extra+=(--configs "$CONFIGS")
   timeout "$limit" python3 bench/bench_gpu.py --table "$table" "${extra[@]}" \
     --json "$out/gpu-$table.json" > "$out/gpu-$table.log" 2>&1
   echo "== table $table: exit $?, $(( $(date +%s) - started )) s"
