@@ -8,8 +8,8 @@ token ids generated on the spot (no padding). Configurations, each timed over st
 * bare accelerate loop, eager (AdamW unfused) and compiled + fused AdamW (the baseline);
 * HF Trainer, eager and `torch_compile=True` (both with the fused AdamW, `adamw_torch_fused`);
 * `run_training`, eager and `compile=True`, each with no callbacks and with every built-in
-  callback plus a slow (0.5 s/event) actor-side callback; its figure is the tokens/s its own
-  logs report for the last window (it logs every `--skip` steps: the last `--skip` steps).
+  callback plus a slow (0.5 s/event) actor-side callback; its figure is from the tokens/s its
+  own logs report for the windows after step `--skip` (it logs every gcd(steps, skip) steps).
 
 For each: step ms, tokens/s, MFU (6N + attention FLOPs per token over the GPU's bf16 peak, from
 the runner's table) and the ratio of step time to the compiled bare loop. The targets the issue
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -130,6 +131,9 @@ def runner(shape: dict, steps: int, skip: int, compiled: bool, callbacks: bool, 
     from ray_trainer import run_training
 
     folder = tempfile.mkdtemp(prefix="bench_gpu_logs_")
+    # Windows that start at `skip` and end at `steps`: a window over the whole run would count
+    # the first steps (and, compiled, the compilation); 120 steps with a 50-step skip did so.
+    every = math.gcd(steps, skip)
 
     class Logs(TrainerCallback):  # in rank 0, at each log: never queued behind the slow callback
         runs_on = "rank0"
@@ -146,13 +150,15 @@ def runner(shape: dict, steps: int, skip: int, compiled: bool, callbacks: bool, 
         run_training(
             **runner_fields(shape, steps, cpu, storage),
             compile=compiled,
-            log_every_steps=skip if steps % skip == 0 else steps,
+            log_every_steps=every,
             callback_timeout_s=5,
             callbacks=[Logs(), *extra],
         )
-    with open(os.path.join(folder, f"{steps}.json")) as f:
-        window = json.load(f)  # the last window's figure
-    return shape["batch"] * shape["seq"] / window["tokens_per_s"]
+    seconds = []  # of each logged window after step `skip`: the timed steps only
+    for end in range(skip + every, steps + 1, every):
+        with open(os.path.join(folder, f"{end}.json")) as f:
+            seconds.append(shape["batch"] * shape["seq"] / json.load(f)["tokens_per_s"])
+    return sum(seconds) / len(seconds)
 
 
 def mfu_of(shape: dict, seconds: float, cpu: bool) -> float | None:

@@ -2,14 +2,16 @@
 
 GPT-2 124M shape (bench_gpu's FULL), bf16 autocast, fused AdamW, clip 1.0. Variants: the
 model's own loss; the chunked loss at its default chunk (sized for the device) and at 256 and
-2,048 positions; eager, then (`--compiled`) the whole model compiled. Then the CPU-GPU syncs of
-one eager chunked step and its profile (the top kernels by GPU time). With `--runner`, the
-profile of three steps of `run_training` itself (eager, one worker, in the Ray worker), taken by
-a rank-0 callback at `on_step_begin`, sorted by GPU time and by CPU time: what the runner's step
-does beyond the loop above. Without a GPU it runs bench_gpu's TINY shape on the CPU, to check
-the script (those figures mean nothing).
+2,048 positions; eager, then (`--compiled`) the whole model compiled, and the chunked loss
+with only the body compiled (as `run_training(compile=True)` does). Then the CPU-GPU syncs of
+one eager chunked step and its profile (the top kernels by GPU time). With `--runner`, what
+`run_training` itself does (one worker, in the Ray worker, eager or with `--compiled` compiled),
+taken by a rank-0 callback at `on_step_begin`: the stack of each call that makes the host wait
+for the device in one step, then the profile of three steps sorted by GPU time and by CPU time:
+what the runner's step does beyond the loop above. Without a GPU it runs bench_gpu's TINY
+shape on the CPU, to check the script (those figures mean nothing).
 
-Usage: python bench/gpu_probe.py [--compiled] [--runner]
+Usage: python bench/gpu_probe.py [--compiled] [--runner [--compiled]]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 from _gpu_shapes import FULL, TINY, TokenDataset, make_model, runner_fields  # noqa: E402
 
-from ray_trainer._worker.chunked_loss import use_chunked_loss  # noqa: E402
+from ray_trainer._worker.chunked_loss import chunked_body, use_chunked_loss  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -39,11 +41,17 @@ def sync():
         torch.cuda.synchronize()
 
 
-def run(chunk: int | None, compiled: bool, steps: int = 40, skip: int = 15, prof: bool = False):
+def run(
+    chunk: int | None, compiled: bool | str, steps: int = 40, skip: int = 15, prof: bool = False
+):
+    """ms a step; `compiled` True compiles the whole model, "body" only its transformer body
+    (what ``compile=True`` does with the chunked loss: the chunk loop stays eager)."""
     model = make_model(SHAPE).to(DEV)
     if chunk is not None:
         assert use_chunked_loss(model, chunk if chunk > 0 else None) is None
-    if compiled:
+    if compiled == "body":
+        chunked_body(model).compile()
+    elif compiled:
         model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=GPU)
     data = TokenDataset(SHAPE, (steps + 1) * SHAPE["batch"])
@@ -98,9 +106,13 @@ def run(chunk: int | None, compiled: bool, steps: int = 40, skip: int = 15, prof
     return ms
 
 
-def profile_runner(steps: int = 30, first: int = 20, count: int = 3) -> None:
-    """Prints the profile of `count` steps of an eager `run_training` from step `first`."""
+def profile_runner(compiled: bool, steps: int = 40, first: int = 30, count: int = 3) -> None:
+    """Prints where the host waits for the device in one step of `run_training` (step
+    `first` - 1: each synchronizing CUDA call's stack, from `torch.cuda.set_sync_debug_mode`),
+    then the profile of `count` steps from step `first` (eager, or with `compiled` the model
+    compiled as ``compile=True`` does)."""
     import tempfile
+    import traceback
 
     from _support import init_ray
 
@@ -114,12 +126,29 @@ def profile_runner(steps: int = 30, first: int = 20, count: int = 3) -> None:
 
         def __init__(self):
             self.prof = None
+            self.saved = None
 
         def on_step_begin(self, context, **kwargs):
             from torch.profiler import ProfilerActivity, profile
 
             step = context.global_step
-            if step == first:
+            if step == first - 1 and GPU:  # one step of sync stacks
+                stacks = []
+
+                def show(message, category, *args, **kwargs):
+                    stacks.append(f"{message}\n" + "".join(traceback.format_stack(limit=9)[:-2]))
+
+                self.saved = (warnings.showwarning, warnings.filters[:], stacks)
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                torch.cuda.set_sync_debug_mode("warn")
+            elif step == first:
+                if self.saved is not None:
+                    torch.cuda.set_sync_debug_mode("default")
+                    warnings.showwarning, warnings.filters[:], stacks = self.saved
+                    with open(os.path.join(out, "syncs.txt"), "w") as f:
+                        f.write(f"{len(stacks)} synchronizing calls in step {first - 1}:\n")
+                        f.write("\n".join(stacks))
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
                 self.prof = profile(activities=acts)
                 self.prof.__enter__()
@@ -135,9 +164,12 @@ def profile_runner(steps: int = 30, first: int = 20, count: int = 3) -> None:
     init_ray(num_cpus=os.cpu_count() or 2)
     with tempfile.TemporaryDirectory(prefix="gpu_probe_runs_") as storage:
         fields = runner_fields(SHAPE, steps, not GPU, storage)
-        run_training(**fields, log_every_steps=10, callbacks=[StepProfile()])
-    with open(os.path.join(out, "profile.txt")) as f:
-        print(f"run_training, steps {first} to {first + count - 1}:", f.read(), sep="\n")
+        run_training(**fields, compile=compiled, log_every_steps=10, callbacks=[StepProfile()])
+    label = "compiled" if compiled else "eager"
+    for name in ("syncs.txt", "profile.txt"):
+        if os.path.exists(os.path.join(out, name)):
+            with open(os.path.join(out, name)) as f:
+                print(f"run_training ({label}), {name}:", f.read(), sep="\n", flush=True)
 
 
 def main():
@@ -147,16 +179,16 @@ def main():
     opts = parser.parse_args()
     print(torch.cuda.get_device_name(0) if GPU else "CPU", torch.__version__, flush=True)
     if opts.runner:
-        return profile_runner()
+        return profile_runner(opts.compiled)
     for label, chunk in [("model's own loss", None), ("chunked, default", 0),
                          ("chunked 256", 256), ("chunked 2048", 2048)]:  # fmt: skip
         print(f"eager, {label}: {run(chunk, False):.1f} ms/step", flush=True)
     run(0, False, steps=16, skip=3, prof=True)
     if opts.compiled:
-        for label, chunk in [("model's own loss", None), ("chunked, default", 0)]:
-            print(
-                f"compiled, {label}: {run(chunk, True, steps=45, skip=25):.1f} ms/step", flush=True
-            )
+        for label, chunk, how in [("model's own loss", None, True), ("chunked, default", 0, True),
+                                  ("chunked, body only (as run_training)", 0, "body")]:  # fmt: skip
+            ms = run(chunk, how, steps=45, skip=25)
+            print(f"compiled, {label}: {ms:.1f} ms/step", flush=True)
 
 
 if __name__ == "__main__":

@@ -80,11 +80,16 @@ class Agreement:
         self.world = world
         flags = encode(requested)
         self.n_sums = 0 if sums is None else sums.numel()
-        values = torch.tensor(
+        # Built on the host, then copied without blocking: ``torch.tensor(..., device=cuda)``
+        # copies from pageable memory and waits for the stream, i.e. for this step's whole
+        # forward, every step. From pinned memory the copy is queued like a kernel.
+        on_gpu = torch.device(device).type == "cuda"
+        host = torch.tensor(
             [0.0, *map(float, counts), *flags, *extra, *[0.0] * self.n_sums],
             dtype=torch.float64,
-            device=device,
+            pin_memory=on_gpu,
         )
+        values = host.to(device, non_blocking=True)
         values[_LOSS] = loss_sum  # a device tensor: no sync
         if sums is not None:  # device values too (DPO's metric sums): no sync
             values[values.numel() - self.n_sums :] = sums

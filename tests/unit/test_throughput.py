@@ -118,3 +118,15 @@ def test_an_agreement_is_read_once_and_decodes_the_control():
     assert agreed.control == TrainerControl(should_save=True)
     assert agreement.result() is agreed  # read once, then kept
     assert agreement.requested is requested and not agreement.recorded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host-device sync needs a GPU")
+def test_starting_an_agreement_and_its_scale_never_wait_for_the_gpu():
+    loss = torch.ones((), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        agreement = Agreement(loss, [4, 6, 8], TrainerControl(), "cuda", 1, torch.cuda.Stream())
+        scale = agreement.scale(8.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert agreement.result().targets == 4 and float(scale) == 2.0
