@@ -57,6 +57,9 @@ def _fields(tmp_path, name, records, **extra):
         "worker_start_timeout_s": 15,  # the first restart after the loss waits it out
         "_records": str(records),
         "_eval": {"num_gpus": 0, "num_cpus": 1, "resources": {"eval": 1}},  # one of A's CPUs
+        # Ray Train sizes the group from Ray's autoscaling coordinator, whose view of the nodes
+        # is refreshed every 20 s: the loss and the return would be seen up to 20 s late each.
+        "_coordinator_tick_s": 0.5,
     }
 
 

@@ -22,6 +22,7 @@ def main() -> None:
     # An EvalOnSave scoring every save: on one CPU (True), or with these EvalOnSave arguments.
     evaluate = fields.pop("_eval", False)
     hold = fields.pop("_hold_while_small", None)  # [step, size]: see HoldWhileSmall
+    tick_s = fields.pop("_coordinator_tick_s", None)  # see start_autoscaling_coordinator
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": SUPPORT, **env}})
     from rt_support import (
         AllRanksRecorder,
@@ -30,11 +31,14 @@ def main() -> None:
         TinyDataset,
         TinyRegressor,
         constant_score_eval,
+        start_autoscaling_coordinator,
     )
 
     from callbacks import EvalOnSave
     from ray_trainer import RunFailedError, run_training
 
+    if tick_s is not None:
+        start_autoscaling_coordinator(tick_s)
     step_s = fields.pop("_step_s", 0.1)  # each step paced to this long
     report_cluster = fields.pop("_cluster_report", False)  # the node types, the autoscaler
     callbacks = [SlowSteps(step_s)] + ([AllRanksRecorder(records)] if records else [])
