@@ -277,13 +277,49 @@ class LocalCluster:
         resources: dict[str, float] | None = None,
         timeout_s: float = 60,
         hide: str | None = None,
+        attempts: int = 2,
     ) -> None:
         """Start a second raylet on `ip` (127.0.0.3, ...) that joins this head; wait until it
         is alive. Its ports are explicit and free, and its processes name this temp dir.
 
         With `hide`, the node runs in a private mount namespace with an empty tmpfs over that
         folder (`unshare --mount`; needs root): like a real second machine, it does not see
-        what the driver writes there."""
+        what the driver writes there.
+
+        `ray start` gives a raylet 30 s (fixed in Ray) to register with the GCS; on a loaded
+        2-core machine that was seen to run out ("The current node timed out during
+        startup"). Such a start is killed and tried again, up to `attempts` times in all."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_node(ip, num_cpus, resources, timeout_s, hide)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                self._kill_node(ip)
+                if attempt == attempts:
+                    raise
+
+    def _kill_node(self, ip: str) -> None:
+        """Kill the processes of a node start that failed (its command lines name `ip`)."""
+        procs = [
+            p
+            for p in self.processes()
+            if any(
+                m in " ".join(_cmdline(p))
+                for m in (f"--node-ip-address={ip}", f"--node_ip_address={ip}", f"{ip}:")
+            )
+        ]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=5)
+
+    def _start_node(
+        self,
+        ip: str,
+        num_cpus: int,
+        resources: dict[str, float] | None,
+        timeout_s: float,
+        hide: str | None,
+    ) -> None:
         taken = set(self.ports.values())
         ports = {name: _free_port(taken) for name in _NODE_PORT_NAMES}
         base = _port_block(_WORKER_PORTS, taken)
@@ -359,3 +395,10 @@ class LocalCluster:
             if not procs:
                 break
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
