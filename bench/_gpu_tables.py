@@ -560,8 +560,79 @@ def table_7(cpu: bool) -> dict[str, Any]:
                         "reference_device": reference["device"], "train_s": train_s}}  # fmt: skip
 
 
+# ---- table 8: generation evaluations --------------------------------------------------------
+
+
+def generation_checkpoint(folder: str, cpu: bool) -> str:
+    """A checkpoint folder whose ``hf/`` export is a Llama of table 4's 1.1B shape (random
+    weights, bf16, its vocabulary the tiny chat tokenizer's 1,024 tokens: about 1.0B parameters)
+    with that tokenizer and its Llama 3 chat template; on the CPU, table 4's tiny shape."""
+    import torch
+    import transformers
+
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    hf = os.path.join(folder, "hf")
+    make_tiny_chat_model(hf, style="llama3")  # the tokenizer, template and special ids
+    config = transformers.AutoConfig.from_pretrained(hf)
+    shape = LLAMA_TINY if cpu else LLAMA_1B
+    config.update({k: v for k, v in shape.items() if k != "vocab_size"})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32 if cpu else torch.bfloat16)
+    model.save_pretrained(hf)
+    return folder
+
+
+def _generation_task(evaluate: Any, checkpoint: str) -> dict[str, Any]:
+    """In a Ray task, as `EvalOnSave` runs its function: the metrics and the task's seconds."""
+    started = time.perf_counter()
+    metrics = evaluate(checkpoint, step=1)
+    return {**metrics, "task_s": time.perf_counter() - started}
+
+
 def table_8(cpu: bool) -> dict[str, Any]:
-    return {"skipped": "table 8 needs GenerationEval (issue 36), which has not landed"}
+    """`GenerationEval` with transformers (`backend="hf"`) on one checkpoint of a ~1B Llama,
+    in a Ray task with the GPU, as `EvalOnSave` runs it: load and generation seconds, answer
+    tokens/s, at two batch sizes. vLLM is not on the GPU machine, and its wheels are far more
+    than a call may carry (64 MiB): its row says so."""
+    import ray
+
+    from callbacks import GenerationEval
+    from ray_trainer._demo.chat import chat_conversations
+
+    n, new_tokens = (4, 8) if cpu else (64, 128)
+    work = tempfile.mkdtemp(prefix="bench_gpu_generation_")
+    checkpoint = generation_checkpoint(os.path.join(work, "checkpoint"), cpu)
+    prompts = [{"messages": m} for m in chat_conversations(n, seed=3)]  # last answer: reference
+    # A fresh worker process per task (max_calls=1): each row loads the checkpoint itself.
+    task = ray.remote(num_gpus=0 if cpu else 1, max_calls=1)(_generation_task)
+    rows, figures = [], {}
+    for batch in (16, 64) if not cpu else (2, 4):
+        engine = {"batch_size": batch, **({} if cpu else {"dtype": "bfloat16"})}
+        evaluate = GenerationEval(prompts, name="gen", backend="hf", max_new_tokens=new_tokens,
+                                  metrics=["exact_match"], engine=engine)  # fmt: skip
+        m = ray.get(task.remote(evaluate, checkpoint))
+        answer_tokens = m["gen/answer_tokens_mean"] * n
+        tokens_per_s = answer_tokens / m["gen/generate_s"]
+        figures[f"hf_batch_{batch}_answer_tokens_per_s"] = tokens_per_s
+        print(f"table 8: hf, batch {batch}: {tokens_per_s:,.0f} answer tokens/s", flush=True)
+        rows.append({
+            "backend": f"hf (transformers), batch {batch}",
+            "load (s)": f"{m['gen/load_s']:.1f}",
+            "generate (s)": f"{m['gen/generate_s']:.1f}",
+            "answer tokens/s": f"{tokens_per_s:,.0f}",
+            "mean answer tokens": f"{m['gen/answer_tokens_mean']:.1f}",
+            "task wall (s)": f"{m['task_s']:.1f}",
+        })  # fmt: skip
+    rows.append({"backend": "vllm", "load (s)": "-", "generate (s)": "-", "answer tokens/s": "-",
+                 "mean answer tokens": "-",
+                 "task wall (s)": "not run: vLLM is not on the GPU machine"})  # fmt: skip
+    head = (
+        f"One checkpoint of a Llama ({'tiny, CPU smoke' if cpu else '1.0B parameters, bf16'}), "
+        f"random weights; {n} chat prompts, greedy, max_new_tokens={new_tokens}; GenerationEval "
+        f"called in a Ray task with {'no GPU' if cpu else 'the GPU'} (as EvalOnSave runs it)."
+    )
+    return {"table": head + "\n\n" + table(rows), "figures": figures}
 
 
 TABLES = {2: table_2, 3: table_3, 4: table_4, 5: table_5, 6: table_6, 7: table_7, 8: table_8}
