@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,6 +40,35 @@ SHAPE = FULL if GPU else TINY
 def sync():
     if GPU:
         torch.cuda.synchronize()
+
+
+class SyncStacks:
+    """The stack of each call that makes the host wait for the device, between `start` and
+    `stop` (`torch.cuda.set_sync_debug_mode("warn")`'s warnings, caught); none on the CPU.
+    Not a `with` block: the runner's profile starts it in one callback and stops it in the
+    next."""
+
+    def __init__(self) -> None:
+        self.stacks: list[str] = []
+        self.saved = None
+
+    def start(self) -> SyncStacks:
+        if GPU:
+            self.saved = (warnings.showwarning, warnings.filters[:])
+            warnings.simplefilter("always")
+            warnings.showwarning = self._show
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def _show(self, message, category, *args, **kwargs) -> None:
+        self.stacks.append(f"{message}\n" + "".join(traceback.format_stack(limit=9)[:-2]))
+
+    def stop(self) -> list[str]:
+        if self.saved is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning, warnings.filters[:] = self.saved
+            self.saved = None
+        return self.stacks
 
 
 def run(
@@ -77,15 +107,10 @@ def run(
     sync()
     ms = (time.perf_counter() - t0) / (steps - skip) * 1e3
     if prof:
-        if GPU:
-            torch.cuda.set_sync_debug_mode(1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step(0)
-        if GPU:
-            torch.cuda.set_sync_debug_mode(0)
-        syncs = [str(w.message)[:90] for w in caught if "synchroniz" in str(w.message)]
-        print(f"  syncs in one step: {len(syncs)}", *syncs[:4], sep="\n    ")
+        syncs = SyncStacks().start()
+        step(0)
+        stacks = syncs.stop()
+        print(f"  syncs in one step: {len(stacks)}", *stacks[:4], sep="\n    ")
         from torch.profiler import ProfilerActivity, profile
 
         with profile(
@@ -112,7 +137,6 @@ def profile_runner(compiled: bool, steps: int = 40, first: int = 30, count: int 
     then the profile of `count` steps from step `first` (eager, or with `compiled` the model
     compiled as ``compile=True`` does)."""
     import tempfile
-    import traceback
 
     from _support import init_ray
 
@@ -126,29 +150,19 @@ def profile_runner(compiled: bool, steps: int = 40, first: int = 30, count: int 
 
         def __init__(self):
             self.prof = None
-            self.saved = None
+            self.syncs = SyncStacks()
 
         def on_step_begin(self, context, **kwargs):
             from torch.profiler import ProfilerActivity, profile
 
             step = context.global_step
-            if step == first - 1 and GPU:  # one step of sync stacks
-                stacks = []
-
-                def show(message, category, *args, **kwargs):
-                    stacks.append(f"{message}\n" + "".join(traceback.format_stack(limit=9)[:-2]))
-
-                self.saved = (warnings.showwarning, warnings.filters[:], stacks)
-                warnings.simplefilter("always")
-                warnings.showwarning = show
-                torch.cuda.set_sync_debug_mode("warn")
+            if step == first - 1:  # one step of sync stacks
+                self.syncs.start()
             elif step == first:
-                if self.saved is not None:
-                    torch.cuda.set_sync_debug_mode("default")
-                    warnings.showwarning, warnings.filters[:], stacks = self.saved
-                    with open(os.path.join(out, "syncs.txt"), "w") as f:
-                        f.write(f"{len(stacks)} synchronizing calls in step {first - 1}:\n")
-                        f.write("\n".join(stacks))
+                stacks = self.syncs.stop()
+                with open(os.path.join(out, "syncs.txt"), "w") as f:
+                    f.write(f"{len(stacks)} synchronizing calls in step {first - 1}:\n")
+                    f.write("\n".join(stacks))
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
                 self.prof = profile(activities=acts)
                 self.prof.__enter__()
