@@ -16,6 +16,7 @@ import functools
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -89,7 +90,8 @@ class Location:
         parent = self.path.rstrip("/").rsplit("/", 1)[0]
         self.fs.create_dir(parent, recursive=True)
         if self.is_local:
-            tmp = f"{self.path}.tmp{os.getpid()}"
+            # Unique to this writer: two threads of one driver may write the same file.
+            tmp = f"{self.path}.tmp{os.getpid()}-{threading.get_ident()}"
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.path)

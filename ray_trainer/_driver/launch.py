@@ -49,6 +49,7 @@ from ray_trainer._driver.reference import prepare_references
 from ray_trainer._driver.result import TrainingResult, build_result
 from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
 from ray_trainer._driver.signals import resume_hint, run_with_graceful_signals
+from ray_trainer._driver.trainer import torch_trainer_class
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
 from ray_trainer._storage import Location, locate
 from ray_trainer._worker.entry import train_loop_per_worker
@@ -191,7 +192,6 @@ def _fit(
     args: TrainingArgs, lists: CallbackLists, run: Location, plans: dict[str, DataPlan]
 ) -> TrainingResult:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     # What every node must see, checked before anything of the run is written.
     nodes = alive_nodes()
@@ -199,7 +199,7 @@ def _fit(
     launch = prepare_launch(args, lists, run, plans)
     forget_ray_checkpoint_list(run)
     prepare_ray_train()
-    trainer = TorchTrainer(
+    trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config={"spec": launch.spec},
         scaling_config=ScalingConfig(

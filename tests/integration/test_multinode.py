@@ -34,6 +34,7 @@ import urllib.request
 
 import pytest
 import yaml
+from driver_process import scenario_outcome
 from local_cluster import LocalCluster
 from rt_support import read_records
 from s3_server import S3Server
@@ -401,3 +402,46 @@ def test_status_of_an_unknown_run_exits_1_and_lists_live_runs(cluster, how):
     assert done.returncode == 1, done.stderr
     # The query runs beside the cluster either way and names the cluster it asked.
     assert f"no live run named no-such-run on {cluster.gcs_address}; live runs:" in done.stderr
+
+
+# ---- storage that a node cannot see -------------------------------------------------------
+
+
+def test_a_local_storage_path_a_node_cannot_see_is_refused_and_a_bucket_works(
+    cluster, chat, s3, tmp_path
+):
+    hidden = os.path.join(chat["hidden"], "storage")  # the worker nodes see an empty folder
+    os.makedirs(hidden)
+    data = os.path.join(hidden, "train.jsonl")  # only the driver sees it: shipped with the run
+    with open(data, "w") as f:
+        f.write("".join(json.dumps({"text": f"the quick brown fox number {i}"}) + "\n"
+                        for i in range(200)))  # fmt: skip
+    records = tmp_path / "records"
+    common = {
+        "data": data, "batch_size": 4, "num_workers": 2, "max_steps": 4, "save_every_steps": 2,
+        "placement_strategy": "SPREAD",  # one worker on each worker node
+        "demo": {"d_model": 32, "n_layers": 1, "n_heads": 2}, "max_length": 32,
+        "callbacks": [{"class": "AllRanksRecorder", "folder": str(records)}],
+    }  # fmt: skip
+    scenario = {
+        "env": s3.env(),
+        "runs": [
+            {**common, "run_name": "local-storage", "storage_path": os.path.join(hidden, "runs")},
+            {**common, "run_name": "bucket-storage", "storage_path": f"s3://{BUCKET}/two"},
+            # A local path that every node sees passes: the submitted job's run keeps its
+            # checkpoints in one, from workers on two nodes.
+        ],
+    }
+    env = {**cluster.env(), **s3.env()}
+    refused, trained = scenario_outcome(
+        "storage_driver.py", cluster.gcs_address, scenario, env, tmp_path
+    )
+    assert "StorageNotShared" in refused["error"], refused
+    assert all(ip in refused["error"] for ip in NODES) and "s3://" in refused["error"]
+    assert not os.path.exists(os.path.join(hidden, "runs", "local-storage"))  # nothing written
+    assert "error" not in trained, trained
+    assert trained["global_step"] == 4
+    mine = [r for r in read_records(str(records), "all_ranks") if r["event"] == "on_step_end"]
+    assert {r["rank"] for r in mine} == {0, 1}
+    assert len({r["node"] for r in mine}) == 2  # one worker on each worker node
+    assert "two/bucket-storage/checkpoint_00000004/rank1.complete" in s3.keys(BUCKET)

@@ -1,8 +1,8 @@
 """Losing a node mid-run, on a real two-node local cluster (a head and a second raylet).
 
-Killing the second node's raylet takes down the workers on it. With room left for the workers,
-Ray Train restarts them on the remaining node and the run completes from its latest checkpoint;
-with no room, the run fails with an error that says so, never a hang. A node drained for
+Killing the second node's raylet takes down the workers on it. Two runs lose it at once, each
+held at a known step: the one the remaining node has room for is restarted there by Ray Train and
+completes from its latest checkpoint; the other fails with an error that says so, never a hang. A node drained for
 preemption (what a spot reclaim looks like to Ray) makes the run save at its next step
 boundary; at the drain deadline Ray Train restarts the workers and the run resumes from there.
 """
@@ -30,40 +30,54 @@ def cluster():
     c.stop()
 
 
-def _train_then_kill(cluster, tmp_path, name, **fields):
-    """Start a run in a driver process; once its checkpoint at step 10 exists, kill the node."""
-    cluster.add_node(NODE, num_cpus=2, resources={"slot": 2})
-    fields = {
+def _fields(tmp_path, name, **fields):
+    """A 40-step run whose rank 0 holds at step 11 (its checkpoint of step 10 written) until the
+    worker group is restarted: the node is lost while the run is at a known step."""
+    return {
         "num_workers": 2,
         "max_steps": 40,
         "save_every_steps": 5,
         "max_failures": 1,
+        "placement_strategy": "SPREAD",  # one worker on each node
         "storage_path": str(tmp_path),
         "run_name": name,
+        "_hold_at": [str(tmp_path / f"{name}-hold"), 11],
         **fields,
     }
-    driver = start_driver(cluster, fields)
-    wait_for_run(driver, lambda: os.path.isdir(tmp_path / name / "checkpoint_00000010"), "step 10")
+
+
+@pytest.fixture(scope="module")
+def lost_node(cluster, tmp_path_factory):
+    """Two runs at once, each with a worker on the second node, which is lost under both: the
+    head alone still has room for one run's workers ("spread"), and not for the other's ("no-room":
+    each of its workers needs a "slot", and the head has 1)."""
+    tmp_path = tmp_path_factory.mktemp("lost-node")
+    cluster.add_node(NODE, num_cpus=2, resources={"slot": 2})
+    runs = {
+        "spread": {},
+        "no-room": {
+            "resources_per_worker": {"CPU": 1, "slot": 1},
+            "worker_start_timeout_s": 10,
+            "max_start_retries": 0,
+        },
+    }
+    drivers = {
+        name: start_driver(cluster, _fields(tmp_path, name, **f)) for name, f in runs.items()
+    }
+    for name, driver in drivers.items():
+        wait_for_run(driver, lambda n=name: (tmp_path / f"{n}-hold" / "held").exists(), "step 11")
     cluster.raylet(NODE).kill()
-    return driver_outcome(driver, "the node was lost")[0]
+    return {
+        name: driver_outcome(driver, "the node was lost")[0] for name, driver in drivers.items()
+    }
 
 
-def test_lost_node_restarts_on_the_remaining_node(cluster, tmp_path):
-    # SPREAD puts one worker on each node; the head alone still has room for both.
-    outcome = _train_then_kill(cluster, tmp_path, "spread", placement_strategy="SPREAD")
-    assert outcome == {"global_step": 40, "attempts": 2}
+def test_lost_node_restarts_on_the_remaining_node(lost_node):
+    assert lost_node["spread"] == {"global_step": 40, "attempts": 2}
 
 
-def test_lost_node_without_room_fails_clearly(cluster, tmp_path):
-    # Each worker needs a "slot": the head has 1, so after the loss 2 workers cannot fit.
-    outcome = _train_then_kill(
-        cluster,
-        tmp_path,
-        "no-room",
-        resources_per_worker={"CPU": 1, "slot": 1},
-        worker_start_timeout_s=10,
-        max_start_retries=0,
-    )
+def test_lost_node_without_room_fails_clearly(lost_node):
+    outcome = lost_node["no-room"]
     assert "error" in outcome, outcome
     assert "can no longer place the workers" in outcome["error"]
     assert "room for 1 such worker(s)" in outcome["error"]

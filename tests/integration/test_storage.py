@@ -3,23 +3,19 @@
 The bucket is moto's S3-compatible server on 127.0.0.1. The runs' drivers are processes of
 their own (`tests/support/storage_driver.py`) whose Ray job carries the endpoint and credentials
 to every worker, the callback actor and every evaluation task, as a cluster's instance profile
-would.
-The second test makes a real second "machine": a Ray node in a private mount namespace that
-sees an empty folder where the driver writes.
+would. A local `storage_path` that a second node cannot see is refused, and a bucket works
+there, on `test_multinode.py`'s cluster.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from local_cluster import LocalCluster
+from driver_process import scenario_outcome
 from rt_support import read_records
 from s3_server import S3Server
-from support_paths import SUPPORT
 
 BUCKET = "ray-trainer-tests"
 TEXTS = [f"the quick brown fox jumps over the lazy dog number {i}" for i in range(200)]
@@ -35,20 +31,6 @@ def s3():
     server.client().put_object(Bucket=BUCKET, Key="data/train.jsonl", Body=body)
     yield server
     server.stop()
-
-
-def _drive(address: str, scenario: dict, env: dict, cwd, timeout: float = 600) -> list:
-    done = subprocess.run(
-        [sys.executable, os.path.join(SUPPORT, "storage_driver.py"), address, json.dumps(scenario)],
-        env={**os.environ, **env},
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    line = next((x for x in done.stdout.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(line[len("OUTCOME ") :])
 
 
 def test_a_run_lives_in_a_bucket(ray_session, s3, tmp_path):
@@ -92,7 +74,7 @@ def test_a_run_lives_in_a_bucket(ray_session, s3, tmp_path):
         "load_model_of": 0,
     }
     address = ray_session.get_runtime_context().gcs_address
-    first, second = _drive(address, scenario, s3.env(), cwd)
+    first, second = scenario_outcome("storage_driver.py", address, scenario, s3.env(), cwd)
     run = f"{storage}/in-a-bucket"
     assert "error" not in first, first
     assert (first["global_step"], first["attempts"]) == (6, 2)
@@ -127,44 +109,3 @@ def test_a_run_lives_in_a_bucket(ray_session, s3, tmp_path):
     assert {2, 4, 6} <= set(steps)
     # Nothing of the run on the local disk: not in the working dir, not in the default storage.
     assert list(cwd.iterdir()) == [] and not os.path.exists(default_storage)
-
-
-def test_a_second_node_that_cannot_see_local_storage_refuses_it_and_a_bucket_works(s3, tmp_path):
-    hidden = tmp_path / "looks-shared"  # the second node sees an empty tmpfs here
-    records = tmp_path / "records"
-    cluster = LocalCluster(num_cpus=1)
-    cluster.start()
-    try:
-        cluster.add_node("127.0.0.3", num_cpus=1, hide=str(hidden))
-        data = hidden / "train.jsonl"  # only the driver sees it: shipped with the run
-        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-        common = {
-            "data": str(data),
-            "batch_size": 4,
-            "num_workers": 2,
-            "max_steps": 4,
-            "save_every_steps": 2,
-            "callbacks": [{"class": "AllRanksRecorder", "folder": str(records)}],
-            **TINY_LM,
-        }
-        scenario = {
-            "env": s3.env(),
-            "runs": [
-                {**common, "run_name": "local-storage", "storage_path": str(hidden / "runs")},
-                {**common, "run_name": "bucket-storage", "storage_path": f"s3://{BUCKET}/two"},
-                # A local path that every node sees passes: test_multinode's job run keeps its
-                # checkpoints in one, from workers on two nodes.
-            ],
-        }
-        env = {**cluster.env(), **s3.env()}
-        refused, trained = _drive(cluster.gcs_address, scenario, env, tmp_path)
-    finally:
-        cluster.stop()
-    assert "StorageNotShared" in refused["error"], refused
-    assert "127.0.0.3" in refused["error"] and "s3://" in refused["error"]
-    assert "error" not in trained, trained
-    assert trained["global_step"] == 4
-    mine = [r for r in read_records(str(records), "all_ranks") if r["event"] == "on_step_end"]
-    assert {r["rank"] for r in mine} == {0, 1}
-    assert len({r["node"] for r in mine}) == 2  # one worker on each node
-    assert "two/bucket-storage/checkpoint_00000004/rank1.complete" in s3.keys(BUCKET)

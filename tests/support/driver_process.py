@@ -1,5 +1,6 @@
 """A run's driver as its own process on a test cluster: `node_loss_driver.py`, started, waited
-for, and its ``OUTCOME`` line read back.
+for, and its ``OUTCOME`` line read back; or any driver script of `tests/support` given a
+scenario, run to its end (`scenario_outcome`).
 
 The pytest process (or a benchmark's) never joins the test cluster: it holds the shared embedded
 Ray session, or none. Every wait is bounded and fails with the driver's output.
@@ -56,3 +57,23 @@ def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str
     line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
     assert line, out[-4000:]
     return json.loads(line[len("OUTCOME ") :]), out
+
+
+def scenario_outcome(
+    script: str, address: str, scenario: dict[str, Any], env: dict[str, str], cwd: Any,
+    timeout_s: float = 600,
+) -> Any:  # fmt: skip
+    """Run ``python tests/support/SCRIPT ADDRESS SCENARIO_JSON`` (in `cwd`, with `env` over this
+    process's environment) to its end; the JSON of its ``OUTCOME`` line. Fails with the
+    driver's output when it printed none."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(SUPPORT, script), address, json.dumps(scenario)],
+        env={**os.environ, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    line = next((x for x in done.stdout.splitlines() if x.startswith("OUTCOME ")), None)
+    assert line, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return json.loads(line[len("OUTCOME ") :])

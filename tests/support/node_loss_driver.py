@@ -22,6 +22,7 @@ def main() -> None:
     # An EvalOnSave scoring every save: on one CPU (True), or with these EvalOnSave arguments.
     evaluate = fields.pop("_eval", False)
     hold = fields.pop("_hold_while_small", None)  # [step, size]: see HoldWhileSmall
+    hold_at = fields.pop("_hold_at", None)  # [folder, step]: see multinode_job.HoldAt
     tick_s = fields.pop("_coordinator_tick_s", None)  # see start_autoscaling_coordinator
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": SUPPORT, **env}})
     from rt_support import (
@@ -44,6 +45,10 @@ def main() -> None:
     callbacks = [SlowSteps(step_s)] + ([AllRanksRecorder(records)] if records else [])
     if hold:
         callbacks.append(HoldWhileSmall(*hold))
+    if hold_at:
+        from multinode_job import HoldAt
+
+        callbacks.append(HoldAt(*hold_at))
     if evaluate:
         options = evaluate if isinstance(evaluate, dict) else {"num_gpus": 0, "num_cpus": 1}
         callbacks.append(EvalOnSave(constant_score_eval, **options))

@@ -6,6 +6,7 @@ decision of which data files travel with a run. S3 itself is in tests/integratio
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,33 @@ def test_locations_on_the_local_disk(tmp_path):
         assert here == run.path  # local: no copy
     record.delete()
     assert not record.exists()
+
+
+def test_two_threads_writing_one_file_never_see_each_others_half(tmp_path):
+    # Two run_training calls in threads of one driver may write the same cache file: each
+    # writer has a temporary file of its own, and the file is always one writer's whole text.
+    target = locate(str(tmp_path / "cache" / "meta.json"))
+    texts = {name: name * 500_000 for name in "ab"}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def write(name: str) -> None:
+        start.wait()
+        try:
+            for _ in range(100):
+                target.write_text(texts[name])
+                assert target.read_text() in texts.values()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert target.read_text() in texts.values()
+    assert not list(tmp_path.rglob("*.tmp*"))
 
 
 def test_a_checkpoint_on_a_custom_filesystem_is_verified_found_and_loaded(tmp_path):

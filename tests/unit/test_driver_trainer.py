@@ -1,0 +1,38 @@
+"""Driver: the trainer class a run is launched with leaves out only Ray Train's Ray Data
+callback, and only without a Ray Dataset. Built, not fitted: no Ray starts."""
+
+from ray.train import ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+from ray_trainer._driver.trainer import torch_trainer_class
+
+
+def _callbacks(trainer) -> list[str]:
+    return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+
+def _noop():
+    pass
+
+
+def test_without_a_dataset_every_callback_but_the_ray_data_one_is_kept():
+    ours = torch_trainer_class()(_noop, scaling_config=ScalingConfig(num_workers=2))
+    plain = TorchTrainer(_noop, scaling_config=ScalingConfig(num_workers=2))
+    assert isinstance(ours, TorchTrainer)
+    # This Ray Train still has the callback: were it renamed or gone, this fails here.
+    assert DatasetsCallback.__name__ in _callbacks(plain)
+    assert _callbacks(ours) == [n for n in _callbacks(plain) if n != DatasetsCallback.__name__]
+    # Those a run relies on are still there: its gloo/nccl group, its placement group's cleaner.
+    assert {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= set(_callbacks(ours))
+
+
+def test_a_trainer_given_a_dataset_keeps_ray_datas_callback():
+    ours = torch_trainer_class()(
+        _noop, scaling_config=ScalingConfig(num_workers=1), datasets={"train": _noop}
+    )
+    assert DatasetsCallback.__name__ in _callbacks(ours)
+
+
+def test_the_class_is_built_once():
+    assert torch_trainer_class() is torch_trainer_class()
