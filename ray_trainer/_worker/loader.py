@@ -203,6 +203,10 @@ class StepLoader:
     pad_to: int = 1
     prefetch: bool = False
     layout: bool = False  # packed rows carry their `PackedLayout` (the model's attention uses it)
+    #: Page-locked host memory for a CUDA device: a copy from pageable memory first waits for
+    #: every kernel queued on the stream (CUDA stages it), so the host could never prepare a
+    #: step while the previous one runs; from pinned memory the copy is queued like a kernel.
+    pin: bool = False
     #: The worker count a step's samples are counted for (an elastic run's `max`; default:
     #: `world`). Fewer workers than that take more micro-batches each: the step is the same.
     logical_world: int | None = None
@@ -241,10 +245,12 @@ class StepLoader:
                 for ids in round_robin(samples, self.world, self.rank, self.batch_size)
             ]
             most = padded_micro_batches(len(samples), self.world, self.batch_size)
-            return mine + [_no_loss(mine[-1])] * (most - len(mine))
-        plan = pack_step(samples, self.dataset.lengths, self.world, self.max_tokens)
-        mine = [self._packed(b) for b in plan[self.rank]]
-        return mine + [self._filler()] * (micro_batches_per_rank(plan) - len(mine))
+            micro = mine + [_no_loss(mine[-1])] * (most - len(mine))
+        else:
+            plan = pack_step(samples, self.dataset.lengths, self.world, self.max_tokens)
+            mine = [self._packed(b) for b in plan[self.rank]]
+            micro = mine + [self._filler()] * (micro_batches_per_rank(plan) - len(mine))
+        return [_pinned(m) for m in micro] if self.pin else micro
 
     # ---- batching --------------------------------------------------------------------------
 
@@ -282,6 +288,12 @@ class StepLoader:
         if isinstance(self.dataset, PairDataset):
             empty_pairs(batch)
         return MicroBatch(batch, 0, len(filler), 0)
+
+
+def _pinned(micro: MicroBatch) -> MicroBatch:
+    """`micro` with its tensors in page-locked host memory (torch's caching host allocator)."""
+    batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in micro.batch.items()}
+    return MicroBatch(batch, micro.tokens, micro.positions, micro.targets)
 
 
 def _no_loss(micro: MicroBatch) -> MicroBatch:

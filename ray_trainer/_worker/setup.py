@@ -182,6 +182,7 @@ def _loader(args: TrainingArgs, workload: Workload, world: int, rank: int) -> St
         pad_to=max_tokens if (max_tokens and args.compile) else 1,
         prefetch=cache is not None and not cache.location.is_local,
         layout=workload.packed_layout,
+        pin=args.use_gpu and torch.cuda.is_available(),
     )
 
 
