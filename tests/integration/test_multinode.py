@@ -34,7 +34,7 @@ import urllib.request
 
 import pytest
 import yaml
-from driver_process import scenario_outcome
+from driver_process import outcome_in, scenario_outcome
 from local_cluster import LocalCluster
 from rt_support import read_records
 from s3_server import S3Server
@@ -120,9 +120,9 @@ def prepared(cluster, chat, s3):
         text=True,
         timeout=600,
     )  # fmt: skip
-    line = next((x for x in done.stdout.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(line[len("OUTCOME ") :])
+    found = outcome_in(done.stdout)
+    assert found is not None, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return found
 
 
 def test_the_driver_runs_on_a_head_without_cpu_and_sees_no_autoscaler(prepared):

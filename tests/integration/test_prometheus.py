@@ -28,6 +28,7 @@ import urllib.request
 
 import pytest
 import yaml
+from driver_process import outcome_in
 from local_cluster import HOST, LocalCluster, _free_port
 from support_paths import SUPPORT
 from waiting import wait_until
@@ -237,9 +238,8 @@ def test_every_panel_returns_the_runs_series_from_a_real_prometheus(cluster, tmp
     print(f"held after {at_hold - began:.1f} s, every series {at_series - at_hold:.1f} s later, "
           f"the run's end {ended - at_series:.1f} s after")  # fmt: skip
     out = log.read_text()
-    line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, out[-4000:]
-    outcome = json.loads(line[len("OUTCOME ") :])
+    outcome = outcome_in(out)
+    assert outcome is not None, out[-4000:]
     assert outcome["global_step"] == MAX_STEPS and outcome["callback_errors"] == [], outcome
 
     # The dashboard goes where this session's Grafana provisions Ray's own from.

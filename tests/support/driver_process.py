@@ -54,9 +54,9 @@ def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str
     except subprocess.TimeoutExpired:
         driver.kill()
         pytest.fail(f"the run hung after {after}")
-    line = next((x for x in out.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, out[-4000:]
-    return json.loads(line[len("OUTCOME ") :]), out
+    found = outcome_in(out)
+    assert found is not None, out[-4000:]
+    return found, out
 
 
 def scenario_outcome(
@@ -74,6 +74,22 @@ def scenario_outcome(
         text=True,
         timeout=timeout_s,
     )
-    line = next((x for x in done.stdout.splitlines() if x.startswith("OUTCOME ")), None)
-    assert line, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return json.loads(line[len("OUTCOME ") :])
+    found = outcome_in(done.stdout)
+    assert found is not None, f"rc={done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return found
+
+
+def outcome_in(output: str) -> Any:
+    """The JSON value a driver printed after ``OUTCOME `` in `output`; None when it printed none.
+
+    Ray forwards the job's worker logs to the driver's stdout from a thread of its own, and
+    `print` writes its text and its newline in two calls: a forwarded line can land on the same
+    line, after the JSON (or before the marker). The value is read from the marker to its own
+    end, whatever follows it.
+    """
+    for line in output.splitlines():
+        at = line.find("OUTCOME ")
+        if at >= 0:
+            value, _ = json.JSONDecoder().raw_decode(line[at + len("OUTCOME ") :])
+            return value
+    return None
