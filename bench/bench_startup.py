@@ -6,6 +6,8 @@ initialised, and is timed end to end (the call's wall time). Medians are reporte
 difference to their baseline.
 
 * bare: `TorchTrainer(fn).fit()` where fn builds the model, takes one accelerate step;
+* the same fit with run_training's trainer class: Ray Train's `TorchTrainer` without its Ray
+  Data callback (no `DatasetManager` actor per worker-group start, `_driver/trainer.py`);
 * run_training: the same step through the runner (validation, callbacks ObjectRef, the callback
   actor, summary);
 * run_training + actor-side callback: the same with one callback on the actor (events forwarded).
@@ -90,12 +92,16 @@ def bare_fn(config):
     opt.step()
 
 
-def time_bare() -> float:
+def time_bare(lean: bool = False) -> float:
+    """A bare fit; `lean`: through run_training's trainer class (Ray Train's `TorchTrainer`
+    without its Ray Data callback, so no `DatasetManager` actor at the worker group's start)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_trainer._driver.trainer import torch_trainer_class
+
     start = time.perf_counter()
-    TorchTrainer(
+    (torch_trainer_class() if lean else TorchTrainer)(
         bare_fn,
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=tempfile.mkdtemp(), name="bare"),
@@ -164,22 +170,22 @@ def main() -> dict:
         print(f"round {r}: embedded Ray {samples['ray'][-1]:.2f} s, with dashboard "
               f"{samples['ray_dashboard'][-1]:.2f} s")  # fmt: skip
     init_ray(num_cpus=4)
-    samples.update({"bare": [], "runner": [], "runner_actor": []})
     timed = {
         "bare": time_bare,
+        "bare_lean": lambda: time_bare(lean=True),
         "runner": lambda: time_runner(False),
         "runner_actor": lambda: time_runner(True),
     }
+    samples.update({key: [] for key in timed})
     for r in range(opts.rounds):  # the order rotates: no configuration always runs first
         keys = list(timed)
-        for key in keys[r % 3 :] + keys[: r % 3]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             samples[key].append(timed[key]())
-        print(f"round {r}: " + ", ".join(
-            f"{k} {samples[k][-1]:.2f} s" for k in ("bare", "runner", "runner_actor")
-        ))  # fmt: skip
+        print(f"round {r}: " + ", ".join(f"{k} {samples[k][-1]:.2f} s" for k in timed))
     ray.shutdown()
     groups = {
         "bare": ("bare", "bare TorchTrainer.fit (baseline)"),
+        "bare_lean": ("bare", "the same fit without Ray Train's Ray Data callback"),
         "runner": ("bare", "run_training"),
         "runner_actor": ("bare", "run_training + actor-side callback"),
         "ray": ("ray", "embedded Ray, no dashboard (baseline)"),
