@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from ray_trainer._data.cache import read_folder_meta, write_folder_meta
 from ray_trainer._data.encode import IGNORE_INDEX
 from ray_trainer._storage import Location, locate
 
 REFERENCE_VERSION = 1
-META_FILE = "meta.json"
 #: Sequences per forward of the reference pass.
 ROWS_PER_BATCH = 8
 #: Target positions whose logits are made at once (fp32: 1024 x vocab x 4 bytes).
@@ -67,11 +67,7 @@ def reference_location(cache: Location, key: str) -> Location:
 
 
 def read_meta(location: Location) -> dict[str, Any] | None:
-    text = location.child(META_FILE).read_text()
-    if text is None:
-        return None
-    meta = json.loads(text)
-    return meta if meta.get("version") == REFERENCE_VERSION else None
+    return read_folder_meta(location, REFERENCE_VERSION)
 
 
 def read_reference(location: Location) -> np.ndarray | None:
@@ -100,12 +96,11 @@ def write_meta(location: Location, pieces: list[tuple[int, int]], **meta: Any) -
     """The last word on a reference folder: its pieces ``(start, end)`` in order, then
     ``meta.json`` (complete)."""
     body = {
-        "version": REFERENCE_VERSION,
         "pieces": [list(p) for p in pieces],
         "sequences": sum(end - start for start, end in pieces),
         **meta,
     }
-    location.child(META_FILE).write_text(json.dumps(body, indent=1, sort_keys=True))
+    write_folder_meta(location, REFERENCE_VERSION, body)
 
 
 def slices(sequences: int, parts: int) -> list[tuple[int, int]]:

@@ -73,17 +73,31 @@ def write_meta(location: Location, meta: dict[str, Any], results: list[PieceResu
     location.child("lengths.npy").write_bytes(_npy(lengths))
     location.child("targets.npy").write_bytes(_npy(targets))
     pieces = [{"index": r.index, "samples": len(r.lengths)} for r in results]
-    body = {"version": CACHE_VERSION, **meta, "samples": len(lengths), "pieces": pieces}
-    location.child(META_FILE).write_text(json.dumps(body, indent=1, sort_keys=True))
+    body = {**meta, "samples": len(lengths), "pieces": pieces}
+    write_folder_meta(location, CACHE_VERSION, body)
 
 
 def read_meta(location: Location) -> dict[str, Any] | None:
     """The meta of a complete cache of this version, or None (missing, partial, other version)."""
+    return read_folder_meta(location, CACHE_VERSION)
+
+
+def write_folder_meta(location: Location, version: int, body: dict[str, Any]) -> None:
+    """Write `body`, stamped with its format's `version`, as the ``meta.json`` of a folder
+    written in pieces (the token cache, a reference folder beside it): the last file written,
+    the marker that the folder is complete."""
+    text = json.dumps({"version": version, **body}, indent=1, sort_keys=True)
+    location.child(META_FILE).write_text(text)
+
+
+def read_folder_meta(location: Location, version: int) -> dict[str, Any] | None:
+    """The ``meta.json`` of a complete folder of format `version`, or None (missing: the
+    folder is partial; another version: it is stale)."""
     text = location.child(META_FILE).read_text()
     if text is None:
         return None
     meta = json.loads(text)
-    return meta if meta.get("version") == CACHE_VERSION else None
+    return meta if meta.get("version") == version else None
 
 
 def _npy(array: np.ndarray) -> bytes:

@@ -72,6 +72,31 @@ def test_a_cache_without_its_meta_is_not_opened(tmp_path):
         TokenCache(location)
 
 
+def test_the_cache_and_its_reference_folders_share_one_versioned_meta(tmp_path):
+    import json
+
+    from ray_trainer import _reference
+
+    cache = cache_location(locate(str(tmp_path)), "abc123")
+    _write(cache, [_samples(0, 4)])
+    reference = _reference.reference_location(cache, "key")
+    assert _reference.read_meta(reference) is None  # no meta yet: partial
+    _reference.write_meta(reference, [(0, 2), (2, 4)], dtype="float32")
+    meta = _reference.read_meta(reference)
+    assert meta == {
+        "version": _reference.REFERENCE_VERSION,
+        "pieces": [[0, 2], [2, 4]],
+        "sequences": 4,
+        "dtype": "float32",
+    }
+    # A folder written by another version of its format is stale: read as absent, rebuilt.
+    for folder, read in ((cache, read_meta), (reference, _reference.read_meta)):
+        file = folder.child("meta.json")
+        body = json.loads(file.read_text())
+        file.write_text(json.dumps({**body, "version": body["version"] + 1}))
+        assert read(folder) is None
+
+
 def test_records_with_no_label_left_are_left_out_and_named_or_refused(tmp_path, caplog):
     import json
 
