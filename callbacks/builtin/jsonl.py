@@ -86,18 +86,6 @@ class JsonlLogger(RunFileLogger):
         self._append(record, context)
         self._sync(force=True)
 
-    def on_train_end(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor once at the end: closes the file (and puts it on the
-        run's storage)."""
-        self.close()
-        self._sync(force=True)
-
-    def close(self) -> None:
-        """Close the file (a later line reopens it in append mode)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
     # -- internals ---------------------------------------------------------------------------
 
     @staticmethod

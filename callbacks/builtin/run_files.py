@@ -25,10 +25,11 @@ SYNC_EVERY_S = 30.0
 
 class RunFileLogger(TrainerCallback):
     """Base class: ``JsonlLogger`` and ``TensorBoardLogger`` write a file (or a folder) of the
-    run, opened lazily where the callback runs and closed at ``on_train_end``.
+    run, opened lazily where the callback runs and closed (``close``) at ``on_train_end``.
 
-    Subclasses set ``_writer_attr`` (the attribute holding the open file or writer, never
-    pickled), call ``_resolve(context)`` to learn the path, and ``_sync()`` after writing.
+    Subclasses set ``_writer_attr`` (the attribute holding the open file or writer, anything
+    with a ``close()``, never pickled), call ``_resolve(context)`` to learn the path, and
+    ``_sync()`` after writing.
 
     Args:
         target: the local path to write; ``None`` for ``<name_in_run_dir>`` in the run folder.
@@ -54,6 +55,20 @@ class RunFileLogger(TrainerCallback):
     def on_train_begin(self, context: Any, **kwargs: Any) -> None:
         """Called on the callback actor before training: learns the run directory."""
         self._resolve(context)
+
+    def on_train_end(self, context: Any, **kwargs: Any) -> None:
+        """Called on the callback actor once at the end: closes the file or writer (and puts
+        it on the run's storage)."""
+        self.close()
+        self._sync(force=True)
+
+    def close(self) -> None:
+        """Flush and close the file or writer (a later event opens it again: a file in append
+        mode, a TensorBoard writer as a new event file)."""
+        writer = getattr(self, self._writer_attr)
+        if writer is not None:
+            writer.close()
+            setattr(self, self._writer_attr, None)
 
     @property
     def storage_path(self) -> str | None:

@@ -80,18 +80,6 @@ class TensorBoardLogger(RunFileLogger):
         scalars = {f"eval/{k}": v for k, v in (context.val_metrics or {}).items()}
         self._write(context, scalars, kwargs.get("eval_step", context.global_step), flush=True)
 
-    def on_train_end(self, context: Any, **kwargs: Any) -> None:
-        """Called on the callback actor once at the end: closes the writer (and puts the event
-        files on the run's storage)."""
-        self.close()
-        self._sync(force=True)
-
-    def close(self) -> None:
-        """Flush and close the writer (a later event opens a new one)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
     # -- internals ---------------------------------------------------------------------------
 
     def _write(self, context: Any, scalars: dict[str, Any], step: int, flush: bool) -> None:
