@@ -116,13 +116,21 @@ def check_record(
         check_messages(record.get("completion"), train_on=train_on, field="completion")
     else:
         for name in ("prompt", "completion") if fmt == "prompt_completion" else (text_field,):
-            if name not in record:
-                found = ", ".join(map(repr, record)) or "none"
-                raise RecordError(f"missing field {name!r} (found keys: {found})")
-            if not isinstance(record[name], str):
-                raise RecordError(
-                    f"field {name!r} must be a string, got a JSON {json_type(record[name])}"
-                )
+            string_field(record, name)
+
+
+def string_field(record: dict, name: str, *, if_missing: str = "", if_not_str: str = "") -> str:
+    """``record[name]``, a required string; else a :class:`RecordError` that names the field and
+    what was found, followed by the fix (`if_missing` or `if_not_str`, e.g. ``"; write ..."``)."""
+    if name not in record:
+        found = ", ".join(map(repr, record)) or "none"
+        raise RecordError(f"missing field {name!r} (found keys: {found}){if_missing}")
+    value = record[name]
+    if not isinstance(value, str):
+        raise RecordError(
+            f"field {name!r} must be a string, got a JSON {json_type(value)}{if_not_str}"
+        )
+    return value
 
 
 def json_type(value: Any) -> str:

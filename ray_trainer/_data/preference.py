@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from ray_trainer._data.chat import ChatTemplateError, RecordError, check_messages, json_type
+from ray_trainer._data.chat import (
+    ChatTemplateError,
+    RecordError,
+    check_messages,
+    json_type,
+    string_field,
+)
 from ray_trainer._data.encode import IGNORE_INDEX
 from ray_trainer._data.sources import DataFileError
 from ray_trainer._data.template import render, resolve_chat_template
@@ -125,15 +131,13 @@ def split_pair(record: Any, fmt: str) -> tuple[Any, Any, Any]:
 
 def _split_standard(record: dict) -> tuple[str, str, str]:
     for name in ("prompt", "chosen", "rejected"):
-        if name not in record:
-            found = ", ".join(map(repr, record)) or "none"
-            raise RecordError(f"missing field {name!r} (found keys: {found}); {_EXAMPLE}")
-        if not isinstance(record[name], str):
-            raise RecordError(
-                f"field {name!r} must be a string, got a JSON {json_type(record[name])}; write "
-                "a pair's fields all as strings, or all as lists of messages"
-            )
-        if not record[name].strip():
+        value = string_field(
+            record,
+            name,
+            if_missing=f"; {_EXAMPLE}",
+            if_not_str="; write a pair's fields all as strings, or all as lists of messages",
+        )
+        if not value.strip():
             why = (
                 "a pair's answers reply to a prompt"
                 if name == "prompt"

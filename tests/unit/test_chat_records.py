@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from ray_trainer._data.chat import ChatTemplateError, RecordError, check_messages, check_record
+from ray_trainer._data.chat import (
+    ChatTemplateError,
+    RecordError,
+    check_messages,
+    check_record,
+    string_field,
+)
 from ray_trainer._data.encode import IGNORE_INDEX, ByteTokenizer, Encoder
 from ray_trainer._data.template import resolve_chat_template
 from ray_trainer._demo.chat import chat_template, make_tiny_chat_tokenizer
@@ -148,3 +154,15 @@ def test_record_errors_of_plain_formats(tok):
         enc.encode({"text": "x"}, "markdown")
     with pytest.raises(ValueError, match="train_on"):
         Encoder(tok, train_on="assistants")
+
+
+def test_a_required_string_field_is_returned_or_refused_with_the_callers_fix():
+    # One check of a required string field, for the plain formats and for preference pairs.
+    assert string_field({"prompt": "a"}, "prompt") == "a"
+    fixes = {"if_missing": "; add it", "if_not_str": "; quote it"}
+    with pytest.raises(RecordError, match=r"^missing field 'x' \(found keys: 'y'\); add it$"):
+        string_field({"y": 1}, "x", **fixes)
+    with pytest.raises(RecordError, match=r"^missing field 'x' \(found keys: none\)$"):
+        string_field({}, "x")
+    with pytest.raises(RecordError, match=r"^field 'x' must be a string, got a JSON null; quote"):
+        string_field({"x": None}, "x", **fixes)
