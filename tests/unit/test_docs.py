@@ -236,6 +236,26 @@ def test_the_docs_cite_no_internal_issue_or_private_arrangement():
     assert found == [], "say what it means instead:\n" + "\n".join(found)
 
 
+# ---- The README is a front page ----------------------------------------------------------
+
+README_MAX_LINES = 250
+
+
+def test_the_readme_is_a_front_page_of_at_most_250_lines_linking_every_guide():
+    text = (ROOT / "README.md").read_text()
+    lines = len(text.splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines, more than {README_MAX_LINES}: move the details into a "
+        "guide in docs/ and link it"
+    )
+    # What a newcomer needs stays on it: the two commands, and a way to every guide.
+    assert "make demo" in text and "make test" in text
+    unlinked = sorted(
+        p.name for p in (ROOT / "docs").glob("*.md") if f"](docs/{p.name})" not in text
+    )
+    assert unlinked == [], f"guides the README's table does not link: {unlinked}"
+
+
 # ---- Code blocks: every ```python block compiles and uses no undefined name ---------------
 
 # Names a block may use without defining them: what the reader supplies. Declared here, in one
