@@ -6,8 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 # torch is installed first and pinned: the project's torch requirement is a range, and what a
-# plain install gets depends on the index (see the README). TORCH_INDEX_URL picks another index,
-# e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for PyTorch's CPU-only wheels.
+# plain install gets depends on the index (see docs/getting-started.md). TORCH_INDEX_URL picks
+# another index, e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for PyTorch's CPU-only wheels.
 TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 TORCH_FLAGS := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
