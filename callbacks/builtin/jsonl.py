@@ -107,12 +107,7 @@ class JsonlLogger(RunFileLogger):
 
     def _append(self, record: dict[str, Any], context: Any) -> None:
         if self._file is None:
-            path = self._resolve(context)
-            if path is None:
-                raise RuntimeError(
-                    "JsonlLogger: no path given and the context has no args['storage_path'] "
-                    "and run_name to put metrics.jsonl in; pass JsonlLogger(path=...)"
-                )
+            path = self._path_to_open(context, "path")
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             self._file = open(path, "ab", buffering=0)  # noqa: SIM115  # closed in on_train_end
         data = (json.dumps(json_safe(record), allow_nan=False) + "\n").encode()

@@ -93,6 +93,18 @@ class RunFileLogger(TrainerCallback):
                     self._resolved = os.path.join(run_dir, self._name_in_run_dir)
         return self._resolved
 
+    def _path_to_open(self, context: Any, argument: str) -> str:
+        """The local path to open now (`_resolve`'s); a ``RuntimeError`` naming the fix (the
+        constructor's `argument`) when none was given and no event has carried the run's args."""
+        path = self._resolve(context)
+        if path is None:
+            cls = type(self).__name__
+            raise RuntimeError(
+                f"{cls}: no {argument} given and the context has no args['storage_path'] and "
+                f"run_name to put {self._name_in_run_dir} in; pass {cls}({argument}=...)"
+            )
+        return path
+
     def _sync(self, force: bool = False) -> None:
         """Put the file on the run's storage: at once when ``force``, else at most every
         ``SYNC_EVERY_S`` seconds (nothing to do on local storage)."""

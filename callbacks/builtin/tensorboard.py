@@ -84,12 +84,7 @@ class TensorBoardLogger(RunFileLogger):
 
     def _write(self, context: Any, scalars: dict[str, Any], step: int, flush: bool) -> None:
         if self._writer is None:
-            log_dir = self._resolve(context)
-            if log_dir is None:
-                raise RuntimeError(
-                    "TensorBoardLogger: no log_dir given and the context has no "
-                    "args['storage_path'] and run_name; pass TensorBoardLogger(log_dir=...)"
-                )
+            log_dir = self._path_to_open(context, "log_dir")
             writer_class = importlib.import_module(self.backend).SummaryWriter
             self._writer = writer_class(log_dir=log_dir)
         for tag, value in scalars.items():

@@ -198,3 +198,13 @@ def test_dpo_lines_carry_trls_metrics_under_their_names(tmp_path):
     assert record["rewards/accuracies"] == 0.75 and record["logps/chosen"] == -40.5
     assert record["mfu"] == 0.1 and "note" not in record  # mfu is a fixed field; others not
     assert m.errors == []
+
+
+def test_no_path_and_no_run_folder_is_an_error_naming_the_fix():
+    logger = JsonlLogger(filename="train.jsonl")
+    message = (
+        r"^JsonlLogger: no path given .* to put train\.jsonl in; pass JsonlLogger\(path=...\)$"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        logger.on_log(TrainingContext(global_step=1, loss=1.0))
+    assert logger._file is None  # nothing opened
