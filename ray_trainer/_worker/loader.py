@@ -244,8 +244,10 @@ class StepLoader:
                 self._padded(ids)
                 for ids in round_robin(samples, self.world, self.rank, self.batch_size)
             ]
-            most = padded_micro_batches(len(samples), self.world, self.batch_size)
-            micro = mine + [_no_loss(mine[-1])] * (most - len(mine))
+            short = padded_micro_batches(len(samples), self.world, self.batch_size) - len(mine)
+            micro = mine
+            if short:  # only then: a filler copies the last micro-batch
+                micro = mine + [_no_loss(mine[-1])] * short
         else:
             plan = pack_step(samples, self.dataset.lengths, self.world, self.max_tokens)
             mine = [self._packed(b) for b in plan[self.rank]]
@@ -298,16 +300,23 @@ def _pinned(micro: MicroBatch) -> MicroBatch:
 
 def _no_loss(micro: MicroBatch) -> MicroBatch:
     """A filler for a padded step where this rank has fewer micro-batches than another (an
-    elastic run on fewer workers than its `max`): a real micro-batch with every label ignored,
-    so it takes no loss but runs the same collectives."""
+    elastic run on fewer workers than its `max`): a real micro-batch counted as no target and
+    no token, so it takes no loss but runs the same collectives. Its integer labels are all
+    ignored (a model that sums its own loss then adds zero); without them (no labels, or float
+    labels) it is the same samples again, and the step takes its zero from the model's
+    outputs (``workload.zero_loss``)."""
     batch = dict(micro.batch)
-    if "labels" not in batch:
-        raise ValueError(
-            "an elastic run on fewer workers than its max needs batches with 'labels' (a filler "
-            "micro-batch takes no loss by ignoring them); give the data a 'labels' field"
-        )
-    batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    if ignores_labels(batch):
+        batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
     return MicroBatch(batch, 0, micro.positions, 0)
+
+
+def ignores_labels(batch: dict[str, Any]) -> bool:
+    """Whether a batch's labels can be ignored one by one (integer labels, -100 ignored). A
+    micro-batch without such labels (none, or a regression's float labels) has no target only
+    as an elastic run's filler: real samples again, on which the model's loss is finite."""
+    labels = batch.get("labels")
+    return torch.is_tensor(labels) and not labels.dtype.is_floating_point
 
 
 def padded_micro_batches(samples: int, world: int, batch_size: int) -> int:

@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from ray_trainer._config import TrainingArgs
 from ray_trainer._models import ModelSpec, is_builtin, is_causal_lm
 from ray_trainer._storage import locate
+from ray_trainer._worker.loader import ignores_labels
 from ray_trainer._worker.loading import Materialize, build_model
 from ray_trainer._worker.lora import LoraAdapters, WholeModel, adapt
 
@@ -74,12 +75,13 @@ class Workload:
         if self.objective is not None:
             outputs, total = self.objective.forward(model, batch, targets)
             return outputs, total / self.norm
-        if self.sums_itself:
+        # A filler without labels to ignore repeats real samples: not the model's own sum.
+        if self.sums_itself and (targets or ignores_labels(batch)):
             outputs = model(**batch, num_items_in_batch=self.norm)
             return outputs, self.loss_fn(outputs, batch)
         outputs = model(**batch)
         if targets == 0:  # every rank still runs backward (DDP, FSDP): a zero on the graph
-            return outputs, zero_loss(outputs)
+            return outputs, zero_loss(outputs, batch)
         return outputs, self.loss_fn(outputs, batch) * (targets / self.norm)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
@@ -205,36 +207,52 @@ def _inner(model: nn.Module) -> nn.Module:
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The loss the model computed itself (HF style: `outputs.loss` or `outputs["loss"]`)."""
-    loss = outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    """The loss the model computed itself: `outputs.loss` or `outputs["loss"]` (HF style), or
+    the output itself when it is a 0-dim floating tensor (plain PyTorch's ``return loss``)."""
+    if torch.is_tensor(outputs):
+        if outputs.ndim == 0 and outputs.is_floating_point():
+            return outputs
+        raise ValueError(
+            f"the model returned a tensor of shape {tuple(outputs.shape)} ({outputs.dtype}), "
+            "not a loss: return the loss as a 0-dim floating tensor (or in outputs.loss), or "
+            "set TrainingArgs.loss_fn=(outputs, batch) -> loss"
+        )
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
     if loss is None:
         raise ValueError(
-            "the model returned no loss: return one from forward() when labels are given, "
-            "or set TrainingArgs.loss_fn=(outputs, batch) -> loss"
+            f"the model returned no loss ({type(outputs).__name__} without 'loss'): return one "
+            "from forward() (a 0-dim tensor, or outputs.loss when labels are given), or set "
+            "TrainingArgs.loss_fn=(outputs, batch) -> loss"
         )
     return loss
 
 
-def zero_loss(outputs: Any) -> torch.Tensor:
+def zero_loss(outputs: Any, batch: dict[str, Any] | None = None) -> torch.Tensor:
     """A loss of exactly zero that still reaches every parameter the forward used, so backward
     (and DDP's or FSDP's gradient collectives) runs as on any other micro-batch. Taken from the
-    logits (or the first other float output), never from a loss the model computed: that one is
-    a mean over no target, NaN, and so would be its gradient."""
+    logits (or the first other float output), not from a loss the model computed over labels
+    that are all ignored: that one is a mean over no target, NaN, and so would be its gradient.
+    A `batch` without labels to ignore (an elastic filler repeating real samples: no labels, or
+    a regression's float labels) has a finite loss: the zero is taken from it when the model
+    returned nothing else (a plain ``return loss``)."""
     if isinstance(outputs, torch.Tensor):
-        named = {"logits": outputs}
+        named = {"loss" if outputs.ndim == 0 else "logits": outputs}
     elif isinstance(outputs, dict):  # a dict or a transformers ModelOutput
         named = dict(outputs)
     elif isinstance(outputs, (tuple, list)):
         named = {str(i): t for i, t in enumerate(outputs)}
     else:
         named = dict(vars(outputs))
-    named.pop("loss", None)
+    loss = named.pop("loss", None)
     floats = [t for t in named.values() if torch.is_tensor(t) and t.is_floating_point()]
     floats.sort(key=lambda t: (t is not named.get("logits"), t.ndim == 0))  # a scalar: a loss
+    if not floats and torch.is_tensor(loss) and batch is not None and not ignores_labels(batch):
+        floats = [loss]
     if not floats:
         raise ValueError(
-            "a micro-batch has no target token and the model returned no float tensor "
-            "(logits) besides its loss to take a zero loss from: return the logits too"
+            "a micro-batch has no target token (every label ignored) and the model returned no "
+            "float tensor (logits) besides its loss, a mean over nothing, to take a zero loss "
+            "from: return the logits too (e.g. {'loss': loss, 'logits': logits})"
         )
     return floats[0].sum() * 0.0
 
