@@ -18,7 +18,7 @@ import pytest
 from generation_support import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-CHILD = ROOT / "callbacks" / "builtin" / "generation_child.py"
+CHILD = ROOT / "callbacks" / "builtin" / "generation" / "child" / "run_generation_child.py"
 ENV_VAR = "RAY_TRAINER_VLLM_PYTHON"
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...: hidden 64 over 2 heads.
 HIDDEN = 64

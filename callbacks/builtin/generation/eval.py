@@ -2,8 +2,9 @@
 
 An ``EvalOnSave`` function that generates an answer to each prompt with the checkpoint's
 ``hf/`` export, scores the answers and keeps every one in ``<checkpoint>/eval/<name>.jsonl``.
-The generating is ``generation_child``'s: its ``Session`` in this process (the ``hf`` backend),
-or that file run as a subprocess of another interpreter (``python=``, vLLM's environment),
+The generating is the generation child's (``child/generation_child``): its ``Session`` in this
+process (the ``hf`` backend), or the child run as a subprocess of another interpreter
+(``python=``, vLLM's environment, see ``process``),
 spoken to in JSON lines. Only the standard library is imported here at the top; pyarrow (data
 files, bucket uploads) and the generation libraries are imported when they are needed.
 """
@@ -19,9 +20,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from callbacks.builtin.generation_process import ChildDied, ChildProcess
-from callbacks.builtin.generation_prompts import read_rows, reference_of
-from callbacks.builtin.generation_samples import (
+from callbacks.builtin.generation.process import ChildDied, ChildProcess
+from callbacks.builtin.generation.prompts import read_rows, reference_of
+from callbacks.builtin.generation.samples import (
     SAMPLES_KEY,
     local_samples,
     samples_of,
@@ -322,9 +323,9 @@ class GenerationEval:
         if python is None and (backend == "vllm" or (backend == "auto" and _has_vllm())):
             python = sys.executable  # vLLM starts its own processes: never inside the task's
         if python is None:
-            from callbacks.builtin import generation_child
+            from callbacks.builtin.generation.child.generation_child.session import Session
 
-            return generation_child.Session()
+            return Session()
         return ChildProcess(python, self.timeout_s)
 
     # ---- keep_engine: the warm engine --------------------------------------------------------

@@ -1,6 +1,7 @@
 """Runs in the eval task (or the evaluator actor): the generation child as a subprocess.
 
-`ChildProcess` starts ``generation_child.py`` under a given interpreter (``python=``, a vLLM
+`ChildProcess` starts the generation child (``child/run_generation_child.py``) under a given
+interpreter (``python=``, a vLLM
 environment's) and speaks its JSON-lines protocol: one request line, one answer line, each
 waited for at most ``timeout_s``. The child leads a process group of its own and is told by the
 kernel when the process that started it dies (``die_with_parent``), so it ends its engine's
@@ -21,10 +22,13 @@ from typing import Any, NoReturn
 
 from callbacks.builtin.common import die_with_parent
 
-__all__ = ["CHILD", "ChildDied", "ChildProcess"]
+__all__ = ["CHILD", "CHILD_ROOT", "ChildDied", "ChildProcess"]
 
-#: The generation program, run as a plain file (it imports nothing of this package).
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generation_child.py")
+#: The folder the child's interpreter gets on its path: the ``generation_child`` package (which
+#: imports nothing of ``callbacks``) and its launcher, nothing else.
+CHILD_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child")
+#: The generation program's launcher, run as a plain file: its folder is ``CHILD_ROOT``.
+CHILD = os.path.join(CHILD_ROOT, "run_generation_child.py")
 #: Lines of the child's stderr kept for an error message.
 _STDERR_LINES = 40
 
