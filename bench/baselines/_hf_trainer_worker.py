@@ -1,7 +1,7 @@
 """The Hugging Face Trainer side of bench_hf_trainer.py: one process per rank, under torchrun.
 
 Launched by `bench_hf_trainer.py` as
-``python -m torch.distributed.run --nproc_per_node 2 bench/_hf_trainer_worker.py --steps N --out F``.
+``python -m torch.distributed.run --nproc_per_node 2 bench/baselines/_hf_trainer_worker.py --steps N --out F``.
 Each rank trains the demo's `TinyCausalLM` on its `AdditionDataset` with `transformers.Trainer`
 (gloo DDP on CPU), with the runner's settings: per-device batch 64, AdamW (weight decay 0.01 on
 matrices), linear warm-up then linear decay, grad clip 1.0, seed 42, no evaluation or saving,

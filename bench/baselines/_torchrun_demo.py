@@ -1,6 +1,6 @@
 """The torchrun side of bench_first_step.py: the demo's first step, one process per rank.
 
-Launched as ``python -m torch.distributed.run --nproc_per_node 2 bench/_torchrun_demo.py --out F``.
+Launched as ``python -m torch.distributed.run --nproc_per_node 2 bench/baselines/_torchrun_demo.py --out F``.
 What a user writing it by hand would do for `make demo`'s first step: build the demo (model and
 data), wrap the model in DDP over gloo, AdamW with the demo's settings, a distributed sampler,
 then one step (forward, backward, clip, optimizer). Rank 0 writes the first step's begin time

@@ -36,7 +36,7 @@ against computed in each step.
 Rounds alternate the order; medians. Targets: the runner's padded tokens/s >= 1.0x TRL's
 (precomputed reference both), packed >= 1.5x TRL's padded.
 
-Usage: python bench/bench_dpo.py [--pairs 256] [--steps 24] [--skip 4] [--rounds 1]
+Usage: python bench/baselines/bench_dpo.py [--pairs 256] [--steps 24] [--skip 4] [--rounds 1]
        [--batch-size 8] [--threads 1] [--quick] [--json OUT]
 """
 
@@ -57,8 +57,8 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402

@@ -1,7 +1,7 @@
 """Time to the first step of `make demo` against torchrun's, from the command's launch.
 
 * torchrun (baseline): ``python -m torch.distributed.run --nproc_per_node 2
-  bench/_torchrun_demo.py``: the demo's model and data, DDP over gloo, AdamW, one step, written
+  bench/baselines/_torchrun_demo.py``: the demo's model and data, DDP over gloo, AdamW, one step, written
   by hand (what a user of plain PyTorch runs);
 * ``make demo``: ``python -m ray_trainer.cli demo --num-workers 2`` (the embedded Ray with its
   dashboard, the CLI's default callbacks, the demo's validation of its inputs), one step, with
@@ -11,7 +11,7 @@ Each is a fresh process tree launched by this script; the figure is the time fro
 the first step's begin (``time.perf_counter`` is CLOCK_MONOTONIC, shared by the processes of a
 machine). Rounds alternate the sides; medians, and the difference to torchrun.
 
-Usage: python bench/bench_first_step.py [--rounds 3] [--json OUT]
+Usage: python bench/baselines/bench_first_step.py [--rounds 3] [--json OUT]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import emit, machine, table  # noqa: E402
 
 SIDES = {

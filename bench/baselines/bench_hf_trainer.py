@@ -4,7 +4,7 @@ Both sides train the demo's `TinyCausalLM` on its `AdditionDataset` with 2 CPU p
 DDP), per-device batch 64, AdamW lr 2e-3 (weight decay 0.01 on matrices), 50 warm-up steps then
 linear decay, grad clip 1.0, seed 42, logging every 50 steps, no evaluation or saving:
 
-* HF Trainer (baseline): `torchrun --nproc_per_node 2 bench/_hf_trainer_worker.py`, with a
+* HF Trainer (baseline): `torchrun --nproc_per_node 2 bench/baselines/_hf_trainer_worker.py`, with a
   `TrainerCallback` recording step-begin times, one keeping the logged loss, and HF's
   PrinterCallback printing each log;
 * this runner: `run_training` in a fresh Python process that starts its own embedded Ray, with
@@ -19,7 +19,7 @@ the steady-state steps (after `--skip` warm-up steps): the non-pad input tokens 
 (the demo's mean per item x 2 x 64, the same count for both sides) over the median step time.
 Rounds alternate the sides; medians are reported with the ratio runner / HF.
 
-Usage: python bench/bench_hf_trainer.py [--steps 200] [--skip 20] [--rounds 2] [--json OUT]
+Usage: python bench/baselines/bench_hf_trainer.py [--steps 200] [--skip 20] [--rounds 2] [--json OUT]
        [--num-workers 2]
 """
 
@@ -35,8 +35,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
 
 # Ranks per side (`--num-workers`): 2 fills this machine's 2 cores (the case measured in

@@ -8,7 +8,7 @@ each used between the first counted step and the last (the steps' timestamps com
 side's own step timer, on the same monotonic clock), with the training ranks' torch thread
 counts. Used for docs/benchmarks.md's "where the time goes" section.
 
-Usage: python bench/profile_cpu.py [--side runner] [--steps 200] [--skip 20]
+Usage: python bench/baselines/profile_cpu.py [--side runner] [--steps 200] [--skip 20]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 import bench_hf_trainer as bench  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -2,7 +2,7 @@
 
 Run from the repository root (no Ray)::
 
-    python bench/bench_chat_encode.py [--n 10000] [--rounds 3] [--max-exchanges 6] [--json OUT]
+    python bench/data/bench_chat_encode.py [--n 10000] [--rounds 3] [--max-exchanges 6] [--json OUT]
 
 Builds the tiny chat tokenizers of ``ray_trainer._demo.chat`` (ChatML and Llama-3 styles, with
 and without ``{% generation %}`` markers), generates ``--n`` conversations (an optional system
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 from ray_trainer._data.encode import Encoder
 from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_tokenizer

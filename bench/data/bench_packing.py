@@ -16,7 +16,7 @@ and the data preparation (CPU-seconds of the encoding tasks, time from `run_trai
 first step) on a cache miss (the first run) and on a cache hit. Rounds alternate the
 configurations; medians. Target: packed >= 1.5x the padded tokens/s, padding share <= 0.05.
 
-Usage: python bench/bench_packing.py [--conversations 2000] [--steps 30] [--rounds 2]
+Usage: python bench/data/bench_packing.py [--conversations 2000] [--steps 30] [--rounds 2]
        [--json OUT]
 """
 
@@ -33,8 +33,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402

@@ -7,7 +7,7 @@ calls it, so the figures are the evaluation's own wall time.
 The model is a tiny Llama-3-style chat model (`make_tiny_chat_model`, 2 layers, width 64, head
 size 32: vLLM's CPU attention needs one of its sizes), in three checkpoints of the same shape
 and tokenizer (the weights moved a little each time), asked `PROMPTS` chat questions for up to `MAX_NEW` tokens each, greedy.
-vLLM runs under `--python`, the interpreter of the environment `bench/vllm_env.sh` builds.
+vLLM runs under `--python`, the interpreter of the environment `bench/eval/vllm_env.sh` builds.
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ configurations (and their order); medians are reported with the ratio to in-loop
 With ``--generation --python PATH`` it measures instead `GenerationEval` on checkpoints of one
 chat model: transformers, vLLM cold and vLLM warm (``keep_engine=True``), their wall time per
 evaluation and whether their answers agree (`_eval_generation.py`; PATH is the interpreter of
-the vLLM environment, ``bash bench/vllm_env.sh`` prints it). Target: warm at least 3x faster
+the vLLM environment, ``bash bench/eval/vllm_env.sh`` prints it). Target: warm at least 3x faster
 than cold.
 
-Usage: python bench/bench_eval.py [--max-steps 80] [--save-every 20] [--eval-seconds 2]
+Usage: python bench/eval/bench_eval.py [--max-steps 80] [--save-every 20] [--eval-seconds 2]
        [--rounds 2] [--json OUT]
-       python bench/bench_eval.py --generation --python "$(bash bench/vllm_env.sh)" [--json OUT]
+       python bench/eval/bench_eval.py --generation --python "$(bash bench/eval/vllm_env.sh)" [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402

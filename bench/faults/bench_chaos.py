@@ -17,9 +17,9 @@ and lost (reported saved by rank 0 but not complete on storage), half-written ch
 folders left behind, the ``on_save`` events the actor was handed and those lost (a complete
 checkpoint whose ``on_save`` never reached the actor), the steps done twice, and whether the
 run ended at ``max_steps``. Target: nothing lost, ended at max_steps. Not in CI, not in
-``make bench``: ``python bench/bench_chaos.py`` (about 5 minutes; ``--quick``, about 2).
+``make bench``: ``python bench/faults/bench_chaos.py`` (about 5 minutes; ``--quick``, about 2).
 
-Usage: python bench/bench_chaos.py [--quick] [--faults 6] [--seed 0] [--json OUT]
+Usage: python bench/faults/bench_chaos.py [--quick] [--faults 6] [--seed 0] [--json OUT]
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402
+
 TESTS = os.path.join(ROOT, "tests", "support")  # the test suite's local cluster, tiny model
 sys.path.insert(0, TESTS)
 
@@ -92,7 +94,7 @@ class Chaos:
     outcomes: list[dict[str, Any]] = field(default_factory=list)
 
     def start_driver(self) -> None:
-        paths = [HERE, TESTS, ROOT]
+        paths = [*_bench_path.FOLDERS, TESTS, ROOT]
         env = {**self.cluster.env(), "CHAOS_PATH": os.pathsep.join(paths)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (*paths, env.get("PYTHONPATH")) if p)
         log_path = os.path.join(self.ledgers, f"driver-{len(self.drivers)}.log")

@@ -18,7 +18,7 @@ Reported, from every rank's event log (`time.monotonic`, one clock on one host):
 * the largest relative difference between the logged loss of a step and the baseline's (the
   losses after each change are those of the uninterrupted run, up to the reduction order).
 
-Not in CI; in ``make bench`` (about 8 minutes): ``python bench/bench_elastic.py [--json OUT]``.
+Not in CI; in ``make bench`` (about 8 minutes): ``python bench/faults/bench_elastic.py [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
+
 TESTS = os.path.join(ROOT, "tests", "support")  # the test suite's local cluster, tiny model
 sys.path.insert(0, TESTS)
 

@@ -25,7 +25,7 @@ report is rewritten after each table, so a run cut short keeps what it finished.
 `--configs bare_compiled,runner_compiled,...` runs only those configurations of table 1, in
 that order (the baseline always, first if it is not named), when a lease is too short for all.
 
-Usage: python bench/bench_gpu.py [--table 1] [--steps 300] [--skip 50] [--configs K,...]
+Usage: python bench/gpu/bench_gpu.py [--table 1] [--steps 300] [--skip 50] [--configs K,...]
                                  [--json OUT] [--smoke-cpu]
 """
 
@@ -40,8 +40,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _gpu_shapes import FULL, TINY, TokenDataset, make_model, runner_fields  # noqa: E402
 from _support import SlowActorCallback, emit, init_ray, machine, table  # noqa: E402
 

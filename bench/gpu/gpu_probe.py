@@ -11,7 +11,7 @@ for the device in one step, then the profile of three steps sorted by GPU time a
 what the runner's step does beyond the loop above. Without a GPU it runs bench_gpu's TINY
 shape on the CPU, to check the script (those figures mean nothing).
 
-Usage: python bench/gpu_probe.py [--compiled] [--runner [--compiled]]
+Usage: python bench/gpu/gpu_probe.py [--compiled] [--runner [--compiled]]
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(_bench_path.BENCH))  # the checkout: ray_trainer uninstalled
 
 import torch  # noqa: E402
 from _gpu_shapes import FULL, TINY, TokenDataset, make_model, runner_fields  # noqa: E402

@@ -40,7 +40,7 @@ backward, clip, AdamW step). Then:
   memory with the chunked loss against the model's own full-logits loss, a Llama-shaped model
   with a 128k vocabulary, 1k to 8k tokens; and the share of chat positions that need logits.
 
-Usage: python bench/bench_memory.py [--quick] [--workers 2,4] [--n-layer 8] [--saves 3]
+Usage: python bench/memory/bench_memory.py [--quick] [--workers 2,4] [--n-layer 8] [--saves 3]
        [--rounds 2] [--phases state,load,lora,loss] [--json OUT]
 """
 
@@ -59,8 +59,8 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _memory_counting import state_bytes  # noqa: E402
 from _support import emit, machine, table  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Run from the repository root (no Ray, no torch needed)::
 
-    python3 bench/bench_dispatch.py [--json OUT]
+    python3 bench/runner/bench_dispatch.py [--json OUT]
 
 Every case runs 7 times (rounds interleave the cases); the table shows the median ns per event, net of the empty-loop
 overhead, and its ratio to the direct method-call loop over the same 5 callbacks measured in
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 from callbacks import CallbackManager, TrainerCallback, TrainerControl, TrainingContext
 from callbacks._manager_async import AsyncCallbackManager

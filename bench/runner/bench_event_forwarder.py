@@ -19,7 +19,7 @@ Figures: CPU per event of the loop's thread (`time.thread_time`: what the loop p
 the whole sending process (`time.process_time`: Ray's own threads too; the actor's work is in
 another process), and the process's CPU as a share of one core over the paced run.
 
-Usage: python bench/bench_event_forwarder.py [--events 4000] [--step-ms 50] [--rounds 2] [--json OUT]
+Usage: python bench/runner/bench_event_forwarder.py [--events 4000] [--step-ms 50] [--rounds 2] [--json OUT]
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback, TrainingContext  # noqa: E402

@@ -38,7 +38,7 @@ process CPU time. The first `--warmup` counted steps of each configuration are d
 slowest 10% (hiccups of the shared machine), and the ratio is that figure over bare's. The
 spread column gives the lowest and highest ratio over four consecutive quarters of the rounds.
 
-Usage: python bench/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14] [--json OUT]
+Usage: python bench/runner/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14] [--json OUT]
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import (  # noqa: E402
     GradNormWatcher,
     LossKeeper,

