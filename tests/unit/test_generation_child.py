@@ -528,6 +528,27 @@ def test_the_subprocess_answers_one_json_line_per_request(models, tmp_path):
     assert "fake vllm: a raw write to fd 1" in "".join(stderr)
 
 
+def test_the_child_runs_from_a_copy_of_its_folder_with_the_standard_library_only(tmp_path):
+    """What a vLLM environment without ray-trainer gets: the child's folder is all it needs.
+    A copy of that folder away from the checkout, under `python -S` (no site-packages: neither
+    ray-trainer's install nor torch), still starts and answers; what it brings is the
+    generation_child package and its launcher, nothing else of the project."""
+    root = Path(CHILD).parent
+    assert sorted(p.name for p in root.iterdir() if p.name != "__pycache__") == [
+        "generation_child", "run_generation_child.py",
+    ]  # fmt: skip
+    copy = shutil.copytree(root, tmp_path / "child", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-S", str(copy / "run_generation_child.py")],
+        input=json.dumps({"op": "hello"}) + "\n" + json.dumps({"op": "exit"}) + "\n",
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    hello, bye = map(json.loads, done.stdout.splitlines())
+    assert hello["ok"] and hello["versions"]["torch"] is None  # no site-packages: no torch
+    assert bye == {"ok": True}
+
+
 def _pump(stream, lines: queue.Queue) -> None:
     for line in stream:
         lines.put(line)
