@@ -55,11 +55,11 @@ test-unit: install-dev
 	$(VPY) -m pytest tests/unit -m "not integration"
 
 # The real-vLLM tests (tests/vllm, not part of `make test`): build or reuse the vLLM env
-# (.venv-vllm/, by bench/vllm_env.sh; minutes the first time), then run the generation child
+# (.venv-vllm/, by bench/eval/vllm_env.sh; minutes the first time), then run the generation child
 # under its python. About two vLLM engine starts, a minute each on 2 cores.
 .PHONY: test-vllm
 test-vllm: install-dev
-	RAY_TRAINER_VLLM_PYTHON="$$(bash bench/vllm_env.sh)" && export RAY_TRAINER_VLLM_PYTHON && \
+	RAY_TRAINER_VLLM_PYTHON="$$(bash bench/eval/vllm_env.sh)" && export RAY_TRAINER_VLLM_PYTHON && \
 	  $(VPY) -m pytest tests/vllm -q -p no:cacheprovider
 
 demo: install

@@ -1,6 +1,7 @@
 """Shared parts of the benchmarks: callbacks that time steps, machine info, table printing.
 
-Imported by the benchmark driver and, through PYTHONPATH, by Ray workers and the actor.
+Imported by the benchmark driver and, through PYTHONPATH (every bench folder, ``_bench_path``),
+by Ray workers and the actor.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import statistics
 import time
 from typing import Any
 
-from callbacks import TrainerCallback
+import _bench_path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from callbacks import TrainerCallback
 
 
 class StepTimer(TrainerCallback):
@@ -123,7 +124,9 @@ def init_ray(num_cpus: int) -> None:
         log_to_driver=False,
         runtime_env={
             "env_vars": {
-                "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [*_bench_path.FOLDERS, os.environ.get("PYTHONPATH")])
+                )
             }
         },
     )

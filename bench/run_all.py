@@ -41,7 +41,7 @@ TIMEOUT_S = 3600  # per benchmark: a hung run fails instead of blocking forever
 
 @dataclass(frozen=True)
 class Bench:
-    script: str
+    script: str  # relative to bench/, e.g. "runner/bench_loop.py"
     title: str
     baseline: str  # one line: what the ratios are measured against
     full: list[str] = field(default_factory=list)  # extra arguments for the full run
@@ -81,21 +81,21 @@ def dpo_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
 
 BENCHES: dict[str, Bench] = {
     "dispatch": Bench(
-        "bench_dispatch.py",
+        "runner/bench_dispatch.py",
         "Callback dispatch, cost per event",
         "direct method calls on the same 5 callbacks in a plain Python loop (no manager), "
         "same process; median ns per event",
         quick=["--repeat", "3", "--target-s", "0.005"],
     ),
     "forward": Bench(
-        "bench_event_forwarder.py",
+        "runner/bench_event_forwarder.py",
         "Rank-0 cost of sending events to the callback actor",
         "one fire-and-forget Ray actor call per event to the same `CallbackActor`; CPU time of "
         "the sending process per event, steps paced as in training (8 events, then 50 ms)",
         quick=["--events", "800", "--rounds", "1"],
     ),
     "startup": Bench(
-        "bench_startup.py",
+        "runner/bench_startup.py",
         "Start-up: one-step run, and the embedded Ray's dashboard, wall time",
         "a bare `TorchTrainer(fn).fit()` taking the same one accelerate step on 2 workers, Ray "
         "already initialised; for the dashboard rows, the embedded Ray started without its "
@@ -105,7 +105,7 @@ BENCHES: dict[str, Bench] = {
         goals=startup_goals,
     ),
     "first_step": Bench(
-        "bench_first_step.py",
+        "baselines/bench_first_step.py",
         "Time to the first step: `make demo` against torchrun",
         "the demo's first step written by hand for `torchrun --nproc_per_node 2` (DDP over "
         "gloo, the same model, data and AdamW); each side a fresh process tree, from its launch "
@@ -113,7 +113,7 @@ BENCHES: dict[str, Bench] = {
         quick=["--rounds", "1"],
     ),
     "loop": Bench(
-        "bench_loop.py",
+        "runner/bench_loop.py",
         "Training step time (demo model, 2 workers)",
         "a bare accelerate loop (forward, backward, clip, optimizer and scheduler step), no "
         "callbacks, in the same 2 Ray "
@@ -128,14 +128,14 @@ BENCHES: dict[str, Bench] = {
         "floor row shows how far two identical loops land apart",
     ),
     "eval": Bench(
-        "bench_eval.py",
+        "eval/bench_eval.py",
         "Evaluation on save: whole-run wall time",
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
     ),
     "hf_trainer": Bench(
-        "bench_hf_trainer.py",
+        "baselines/bench_hf_trainer.py",
         "Against Hugging Face Trainer: tokens/s",
         "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
@@ -146,7 +146,7 @@ BENCHES: dict[str, Bench] = {
         goals=hf_trainer_goals,
     ),
     "hf_trainer_1rank": Bench(
-        "bench_hf_trainer.py",
+        "baselines/bench_hf_trainer.py",
         "Against Hugging Face Trainer, one rank each: tokens/s with a core left to Ray",
         "`transformers.Trainer` under `torchrun --nproc_per_node 1` (one compute thread, as a "
         "runner rank of 1 CPU) on the same model, data, batch size, steps, optimizer and "
@@ -160,7 +160,7 @@ BENCHES: dict[str, Bench] = {
         goals=hf_trainer_goals,
     ),
     "packing": Bench(
-        "bench_packing.py",
+        "data/bench_packing.py",
         "Chat data: packed against padded batches, tokens/s and data preparation",
         "the same 2-worker `run_training` of a tiny chat model on the same conversations "
         "(log-normal lengths, median ~200 tokens, longest 2,048) and samples per step, each "
@@ -171,7 +171,7 @@ BENCHES: dict[str, Bench] = {
         "share of at most 0.05",
     ),
     "dpo": Bench(
-        "bench_dpo.py",
+        "baselines/bench_dpo.py",
         "DPO against TRL's DPOTrainer: tokens/s padded and packed, the reference pass, memory",
         "TRL 1.16's `DPOTrainer` in one process (padded, `precompute_ref_log_probs=True`) on the "
         "same tiny chat model, uneven preference pairs, pairs per step, AdamW and torch threads, "
@@ -185,7 +185,7 @@ BENCHES: dict[str, Bench] = {
         goals=dpo_goals,
     ),
     "memory": Bench(
-        "bench_memory.py",
+        "memory/bench_memory.py",
         "Models larger than one device: FSDP against DDP, state per rank and checkpoints",
         "DDP through the runner's own `prepare` (accelerate) on the same GPT-2-shaped model "
         "(~96M parameters), the same number of gloo workers, in the same run; state = bytes of "
@@ -200,7 +200,7 @@ BENCHES: dict[str, Bench] = {
         "from_pretrained's whole load in every worker",
     ),
     "save": Bench(
-        "bench_save.py",
+        "runner/bench_save.py",
         "Checkpoints: the pause in training, synchronous against asynchronous",
         "synchronous saves (`ray.train.report` uploads, then training goes on), same strategy "
         "and storage; wall time against the same run without saves; 2 workers, a GPT-2-shaped "
@@ -210,7 +210,7 @@ BENCHES: dict[str, Bench] = {
         "synchronous one",
     ),
     "elastic": Bench(
-        "bench_elastic.py",
+        "faults/bench_elastic.py",
         "Elastic training: a node lost and back, on a local cluster with a CPU-less head",
         "an uninterrupted run on both nodes, same seed and global batch (num_workers=[1, 2])",
         quick=["--quick"],

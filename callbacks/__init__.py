@@ -17,7 +17,7 @@ from callbacks._serialize import CallbackPicklingError
 from callbacks.builtin.divergence import DivergenceDetector
 from callbacks.builtin.early_stopping import EarlyStopping
 from callbacks.builtin.eval_on_save import EvalOnSave
-from callbacks.builtin.generation_eval import GenerationEval
+from callbacks.builtin.generation.eval import GenerationEval
 from callbacks.builtin.jsonl import JsonlLogger
 from callbacks.builtin.lm_eval import LmEval
 from callbacks.builtin.mlflow import MLflowLogger

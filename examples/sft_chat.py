@@ -12,7 +12,7 @@ grades each checkpoint in an `EvalOnSave` task: it asks held-out conversations (
 assistant turn is the reference) with the checkpoint's template, scores the generated answers
 (`heldout/exact_match`, `heldout/contains`), keeps them in `<checkpoint>/eval/heldout.jsonl`,
 and the best checkpoint is kept by its score. With `--vllm-python` (the interpreter of the
-environment `bash bench/vllm_env.sh` builds) the answers come from vLLM, one engine kept warm
+environment `bash bench/eval/vllm_env.sh` builds) the answers come from vLLM, one engine kept warm
 for the whole run (`keep_engine=True`).
 
 Without `--model` it builds a tiny chat model (a Qwen2 shape, a byte-level BPE tokenizer, a

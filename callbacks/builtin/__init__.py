@@ -2,8 +2,9 @@
 
 Users import them from ``callbacks`` (``from callbacks import EarlyStopping``); a module here is
 named after what it holds: ``early_stopping``, ``divergence``, ``eval_on_save``, ``lm_eval``,
-``generation_eval`` (with ``generation_prompts``, ``generation_samples``, ``generation_process``
-and ``generation_child``, the generating program it runs in the eval task or as a subprocess),
+``generation`` (a package: ``GenerationEval`` in ``generation.eval``, with ``prompts``,
+``samples``, ``process`` and ``child/``, the generating program it runs in the eval task or as a
+subprocess),
 ``progress``, ``jsonl``, ``tensorboard``, ``ray_metrics``, ``mlflow``, ``wandb``. Beneath them:
 ``run_files`` (the base of the file loggers), ``tracker`` (the base of the experiment-tracker
 loggers) and ``common`` (helpers). They stand on the callback core (``callbacks._callback``,

@@ -21,7 +21,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from callbacks.builtin.common import as_float, die_with_parent
-from callbacks.builtin.generation_child import CPU_KV_CACHE_BYTES, vllm_lora_rank
+from callbacks.builtin.generation.child.generation_child.vllm_engine import (
+    CPU_KV_CACHE_BYTES,
+    vllm_lora_rank,
+)
+from callbacks.builtin.generation.process import CHILD_ROOT
 
 __all__ = ["LmEval", "flat_lm_eval_metrics"]
 
@@ -186,7 +190,7 @@ class LmEval:
                 f.write(_VLLM_MAIN)
             request = {
                 "out": out,
-                "child": os.path.join(os.path.dirname(__file__), "generation_child.py"),
+                "child": CHILD_ROOT,
                 "model_args": model_args,
                 "tasks": self.tasks,
                 "include": include,
@@ -355,7 +359,6 @@ def _read_json(path: str) -> dict[str, Any]:
 #: stdin and writes its answer to the request's "out" file (stdout is lm-eval's and vLLM's).
 _VLLM_MAIN = """
 import json
-import runpy
 import sys
 
 
@@ -391,9 +394,11 @@ def main():
         import vllm  # noqa: F401
     except Exception as e:
         return answer({"missing": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
-    child = runpy.run_path(req["child"])
+    sys.path.insert(0, req["child"])  # the generation child's root: its package and launcher only
+    from generation_child.request import why_vllm_cannot
+
     args = req["model_args"]
-    why = child["why_vllm_cannot"](args["pretrained"], args.get("lora_local_path"))
+    why = why_vllm_cannot(args["pretrained"], args.get("lora_local_path"))
     if why:
         return answer({"unsupported": why})
     from lm_eval import simple_evaluate

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from callbacks.builtin.generation_samples import local_samples, samples_of
+from callbacks.builtin.generation.samples import local_samples, samples_of
 from callbacks.builtin.tracker import TrackerLogger, flat_params, stable_id
 
 __all__ = ["WandbLogger"]

@@ -111,7 +111,7 @@ def test_generation_eval_in_an_eval_task_scores_a_chat_checkpoint_and_keeps_its_
     assert sorted(e["step"] for e in kept_runs) == [2, 4], result.evaluations
     assert all(0 <= e["metrics"]["kept/exact_match"] <= 1 for e in kept_runs)
     # The evaluator actor and its generation subprocess ended with the run.
-    assert not _processes_running("generation_child.py")
+    assert not _processes_running("run_generation_child.py")
     # It held a CPU for the whole run (num_cpus=1): every CPU is free again once it is gone.
     total = ray_session.cluster_resources()["CPU"]
     wait_until(lambda: ray_session.available_resources().get("CPU") == total, 30,

@@ -7,8 +7,11 @@ anywhere in a module: at the top, inside functions, under `TYPE_CHECKING`. The r
   (its `__init__`);
 - `import a.b.c` and `from a.b.c import y` point at `a.b.c` (or at `a.b.c.y` when `y` is a
   submodule); the parent packages Python runs on the way are not edges;
-- a plain import inside `bench/` (`import _support`) resolves to `bench/_support.py`, since the
-  benchmarks run with their folder on `sys.path`.
+- a plain import inside a folder that runs with folders of its own on `sys.path` resolves there
+  (`PLAIN_ROOTS`): in `bench/`, `import _support` is `bench/_support.py` from any subfolder
+  (`bench/_bench_path.py` puts bench/ and each subfolder on the path); in the generation child's
+  root, `import generation_child.main` is
+  `callbacks/builtin/generation/child/generation_child/main.py`.
 
 Run it as a script to print the circles: `python tests/support/import_graph.py`.
 """
@@ -23,11 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ray_trainer", "callbacks")
 BENCH = "bench"
+#: Folders whose modules import by plain name: the root -> whether its subfolders are on the
+#: path too (bench/ and every subfolder; the generation child's root only).
+PLAIN_ROOTS = {BENCH: True, "callbacks.builtin.generation.child": False}
 
 
 @dataclass
 class Graph:
-    """Modules by dotted name (bench modules as `bench.<name>`) and, per edge, where it is."""
+    """Modules by dotted name (bench modules as `bench.<folder>.<name>`) and, per edge, where."""
 
     root: Path = ROOT
     files: dict[str, Path] = field(default_factory=dict)
@@ -59,26 +65,33 @@ def _package_of(name: str, path: Path) -> str:
     return name if path.name == "__init__.py" else name.rpartition(".")[0]
 
 
+def _plain(name: str, target: str, files: dict[str, Path]) -> str:
+    """`target` as module `name` finds it by plain name: inside a plain root, the first of the
+    root's folders that holds it (see `PLAIN_ROOTS`); else `target` itself."""
+    for root, subfolders in PLAIN_ROOTS.items():
+        if not name.startswith(root + "."):
+            continue
+        folders = [root]
+        if subfolders:
+            folders += sorted({m.rpartition(".")[0] for m in files if m.startswith(root + ".")})
+        head = target.partition(".")[0]
+        for folder in folders:
+            if f"{folder}.{head}" in files:
+                return f"{folder}.{target}"
+    return target
+
+
 def _targets(node: ast.AST, name: str, path: Path, files: dict[str, Path]) -> list[str]:
     """The project modules that one import statement runs (see the module docstring)."""
-    in_bench = name.startswith(BENCH + ".")
     if isinstance(node, ast.Import):
-        out = []
-        for alias in node.names:
-            target = alias.name
-            if in_bench and f"{BENCH}.{target}" in files:
-                target = f"{BENCH}.{target}"
-            out.append(target)
-        return out
+        return [_plain(name, alias.name, files) for alias in node.names]
     assert isinstance(node, ast.ImportFrom)
     if node.level:
         base = _package_of(name, path).split(".")
         base = base[: len(base) - node.level + 1]
         module = ".".join([*base, node.module] if node.module else base)
     else:
-        module = node.module or ""
-        if in_bench and f"{BENCH}.{module}" in files:
-            module = f"{BENCH}.{module}"
+        module = _plain(name, node.module or "", files)
     out = []
     for alias in node.names:
         sub = f"{module}.{alias.name}"

@@ -1,4 +1,4 @@
-"""The arithmetic of `bench/bench_dpo.py`: which tokens count on either side, tokens/s from a
+"""The arithmetic of `bench/baselines/bench_dpo.py`: which tokens count on either side, tokens/s from a
 step clock, the generated pairs and the report's targets (no Ray, no TRL)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
+import _bench_path  # noqa: F401  (every bench folder on the path)
 from bench_dpo import (
     LABELS,
     batch_tokens,

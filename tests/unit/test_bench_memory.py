@@ -1,5 +1,5 @@
-"""The arithmetic of `bench/bench_memory.py`: what counts as a rank's bytes
-(`bench/_memory_counting.py`), how the ranks' reports become one configuration's figures, and
+"""The arithmetic of `bench/memory/bench_memory.py`: what counts as a rank's bytes
+(`bench/memory/_memory_counting.py`), how the ranks' reports become one configuration's figures, and
 the target (no process group, no Ray)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
+import _bench_path  # noqa: F401  (every bench folder on the path)
 from _memory_counting import local_bytes, state_bytes
 from bench_memory import PHASES, compare, summarise, target_ratio
 

@@ -1,4 +1,4 @@
-"""The generation child (`callbacks/builtin/generation_child.py`) without vLLM.
+"""The generation child (`callbacks/builtin/generation/child/`) without vLLM.
 
 The vLLM plumbing runs against a fake `vllm` package written into tmp_path (it records what the
 child asks of it and answers with canned tokens); the hf backend runs for real on a tiny Llama
@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 from generation_support import tiny_llama
 
-from callbacks.builtin import generation_child
-from callbacks.builtin.generation_child import Session
+from callbacks.builtin.generation.child.generation_child.session import Session
+from callbacks.builtin.generation.process import CHILD
 
-CHILD = Path(generation_child.__file__)
 CPU_ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": 1 << 28, "enforce_eager": True}
 PROMPTS = [
     {"text": "the cat sat on the mat"},
@@ -465,7 +464,7 @@ def test_hf_adapter_unmerged_equals_its_merged_export(models, adapters):
 
 
 def test_stop_strings_cut_the_answer():
-    from callbacks.builtin.generation_child import _finish
+    from callbacks.builtin.generation.child.generation_child.tokens import finish as _finish
 
     class Tok:
         def decode(self, ids, skip_special_tokens):
@@ -484,7 +483,7 @@ def test_stop_strings_cut_the_answer():
 def test_the_subprocess_answers_one_json_line_per_request(models, tmp_path):
     fake = _write_tree(tmp_path / "fake", FAKE_VLLM)
     child = subprocess.Popen(
-        [sys.executable, str(CHILD)],
+        [sys.executable, CHILD],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -527,6 +526,27 @@ def test_the_subprocess_answers_one_json_line_per_request(models, tmp_path):
     assert "not a JSON line" in bad["error"]
     assert long["kind"] == "bad_rows"
     assert "fake vllm: a raw write to fd 1" in "".join(stderr)
+
+
+def test_the_child_runs_from_a_copy_of_its_folder_with_the_standard_library_only(tmp_path):
+    """What a vLLM environment without ray-trainer gets: the child's folder is all it needs.
+    A copy of that folder away from the checkout, under `python -S` (no site-packages: neither
+    ray-trainer's install nor torch), still starts and answers; what it brings is the
+    generation_child package and its launcher, nothing else of the project."""
+    root = Path(CHILD).parent
+    assert sorted(p.name for p in root.iterdir() if p.name != "__pycache__") == [
+        "generation_child", "run_generation_child.py",
+    ]  # fmt: skip
+    copy = shutil.copytree(root, tmp_path / "child", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-S", str(copy / "run_generation_child.py")],
+        input=json.dumps({"op": "hello"}) + "\n" + json.dumps({"op": "exit"}) + "\n",
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    hello, bye = map(json.loads, done.stdout.splitlines())
+    assert hello["ok"] and hello["versions"]["torch"] is None  # no site-packages: no torch
+    assert bye == {"ok": True}
 
 
 def _pump(stream, lines: queue.Queue) -> None:

@@ -17,7 +17,7 @@ import pytest
 from waiting import wait_until
 
 from callbacks import GenerationEval
-from callbacks.builtin.generation_eval import ChildDied, normalize, samples_of
+from callbacks.builtin.generation.eval import ChildDied, normalize, samples_of
 
 CHAT = [{"role": "user", "content": "what does the cat do ?"}]
 #: A model position limit small enough to refuse a long request.
@@ -438,7 +438,7 @@ def test_when_the_evaluation_process_dies_the_child_and_its_group_go_too(tmp_pat
     holder = tmp_path / "holder.py"
     holder.write_text(
         "import sys, time\n"
-        "from callbacks.builtin.generation_process import ChildProcess\n"
+        "from callbacks.builtin.generation.process import ChildProcess\n"
         f"child = ChildProcess({python!r}, 60)\n"
         "assert child.handle({'op': 'hello'})['ok']\n"
         "print('up', flush=True)\n"
@@ -464,7 +464,7 @@ def test_when_the_evaluation_process_dies_the_child_and_its_group_go_too(tmp_pat
 def test_a_child_whose_input_ends_without_exit_ends_its_group(tmp_path):
     """The parent's death closes the child's input too, and that EOF may come before the
     death's SIGTERM: without an "exit" request, the child ends its group itself."""
-    from callbacks.builtin.generation_process import ChildProcess
+    from callbacks.builtin.generation.process import ChildProcess
 
     pids = tmp_path / "pids"
     python = _fake_python(tmp_path, f'sleep 300 & echo $$ $! > {pids}; exec {sys.executable} "$@"')

@@ -64,6 +64,12 @@ def test_the_graph_counts_every_kind_of_import(tmp_path):
         "callbacks/__init__.py": "",
         "bench/_support.py": "",
         "bench/bench_x.py": "import _support\nfrom _support import y\n",
+        "bench/sub/bench_y.py": "import _support\nfrom bench_x import z\nimport _helper\n",
+        "bench/sub/_helper.py": "",
+        "callbacks/builtin/generation/child/run.py": "from pkg.main import main\n",
+        "callbacks/builtin/generation/child/pkg/__init__.py": "",
+        "callbacks/builtin/generation/child/pkg/main.py": "from .session import s\n",
+        "callbacks/builtin/generation/child/pkg/session.py": "",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +81,12 @@ def test_the_graph_counts_every_kind_of_import(tmp_path):
     # `thing` is no submodule: the package's __init__; the parent run implicitly is no edge.
     assert edges["ray_trainer.pkg.c"] == {"ray_trainer.pkg", "ray_trainer.pkg.b"}
     assert edges["bench.bench_x"] == {"bench._support"}  # plain imports resolve inside bench/
+    # ... from any bench folder, to any bench folder (bench/_bench_path.py puts them all on the path)
+    assert edges["bench.sub.bench_y"] == {"bench._support", "bench.bench_x", "bench.sub._helper"}
+    # The generation child's root is on its own path: a plain import there resolves inside it.
+    child = "callbacks.builtin.generation.child"
+    assert edges[f"{child}.run"] == {f"{child}.pkg.main"}
+    assert edges[f"{child}.pkg.main"] == {f"{child}.pkg.session"}
     found = import_graph.circles(graph)
     assert found == [["ray_trainer.a", "ray_trainer.pkg.b"]]
     assert "ray_trainer/pkg/b.py:3 imports ray_trainer.a" in import_graph.describe(graph, found[0])

@@ -2,7 +2,7 @@
 
 The pytest process is the project's interpreter (it builds the models with transformers and
 peft); the generation child runs under RAY_TRAINER_VLLM_PYTHON, the interpreter that
-`bash bench/vllm_env.sh` builds. Without that variable every test here is skipped.
+`bash bench/eval/vllm_env.sh` builds. Without that variable every test here is skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from generation_support import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-CHILD = ROOT / "callbacks" / "builtin" / "generation_child.py"
+CHILD = ROOT / "callbacks" / "builtin" / "generation" / "child" / "run_generation_child.py"
 ENV_VAR = "RAY_TRAINER_VLLM_PYTHON"
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...: hidden 64 over 2 heads.
 HIDDEN = 64
