@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from callbacks import ALIASES, EVENTS
 from ray_trainer._errors import TrainingArgsError
+from ray_trainer._objectives import check_fields, objective_of
 
 HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
 
@@ -76,9 +77,11 @@ class TrainingArgs(BaseModel):
     # (docs/large-models.md); default: a chunk's fp32 logits near 32 MiB, at least 256 positions.
     chunked_loss: bool = True
     loss_chunk_size: int | None = Field(None, gt=0)
-    # Preference tuning (docs/preference.md): "dpo" trains on pairs {prompt, chosen, rejected}
-    # against a reference (the model as DPO starts), with TRL 1.16's losses.
-    objective: Literal["sft", "dpo"] = "sft"
+    # What the run trains for: one of the registered objectives (`ray_trainer._objectives`):
+    # "sft" (the next-token loss), or "dpo" (docs/preference.md): pairs {prompt, chosen,
+    # rejected} against a reference (the model as DPO starts), with TRL 1.16's losses. The
+    # fields below belong to DPO.
+    objective: str = "sft"
     dpo_beta: float = Field(0.1, gt=0)
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
     # Conservative DPO (sigmoid only): the probability that a pair's preference is flipped.
@@ -199,6 +202,11 @@ class TrainingArgs(BaseModel):
     on_optimizer_step: HookSpec = None
     on_checkpoint: HookSpec = None
     on_validation_loss: HookSpec = None
+
+    @field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, value: str) -> str:
+        return objective_of(value).name
 
     @field_validator("run_name")
     @classmethod
@@ -321,7 +329,7 @@ class TrainingArgs(BaseModel):
                 "loss_chunk_size sizes the chunked loss: drop it, or set chunked_loss=True"
             )
         _check_ranking(self)
-        _check_objective(self)
+        check_fields(self)  # another objective's fields, then the objective's own checks
         return self
 
     # ---- scaling --------------------------------------------------------------------------
@@ -428,55 +436,10 @@ class TrainingArgs(BaseModel):
                 out[k] = [getattr(c, "__qualname__", type(c).__name__) for c in v]
             else:
                 out[k] = repr(v)
+        # The names of the objective's own metrics in each log's batch_metrics (the built-in
+        # trackers export those: `callbacks.builtin.common.objective_metrics`).
+        out["objective_metrics"] = list(objective_of(self.objective).metrics)
         return out
-
-
-#: The DPO losses, each as TRL 1.16 computes it (``DPOConfig.loss_type``).
-DPO_LOSSES = ("sigmoid", "ipo")
-#: The fields that mean something under ``objective="dpo"`` only.
-_DPO_FIELDS = ("dpo_beta", "dpo_loss", "label_smoothing", "precompute_reference")
-
-
-def _check_objective(args: TrainingArgs) -> None:
-    """DPO's fields need ``objective="dpo"``, and DPO refuses what it defines otherwise."""
-    # Told by value, not by `model_fields_set`: `coerce` passes every field of a TrainingArgs.
-    if args.objective != "dpo":
-        stray = [f for f in _DPO_FIELDS if getattr(args, f) != TrainingArgs.model_fields[f].default]
-        if stray:
-            raise ValueError(
-                f"{', '.join(stray)} set with objective={args.objective!r}: they configure "
-                "preference tuning; set objective='dpo' too, or drop them"
-            )
-        return
-    if args.train_on != "assistant":
-        raise ValueError(
-            f"train_on={args.train_on!r} with objective='dpo': DPO takes its loss on each "
-            "answer's tokens (chosen and rejected), never on the prompt; drop train_on"
-        )
-    if args.loss_fn is not None:
-        raise ValueError(
-            "loss_fn with objective='dpo': the DPO loss is computed from each answer's summed "
-            "log-probabilities (dpo_loss picks TRL's sigmoid or ipo); drop loss_fn"
-        )
-    if args.data is None:
-        raise ValueError(
-            'objective=\'dpo\' needs data: preference pairs such as {"prompt": ..., "chosen": '
-            '..., "rejected": ...} (docs/preference.md)'
-        )
-    if not args.precompute_reference and args.lora is None and args.strategy == "fsdp":
-        raise ValueError(
-            "precompute_reference=False without lora under strategy='fsdp': the reference "
-            "would be a second sharded copy of the model in every step; keep "
-            "precompute_reference=True (the reference's log-probs are computed once, before "
-            "training), or train LoRA adapters (the reference is then the base, adapters off)"
-        )
-    if args.label_smoothing and args.dpo_loss != "sigmoid":
-        raise ValueError(
-            f"label_smoothing={args.label_smoothing!r} with dpo_loss={args.dpo_loss!r}: "
-            "label_smoothing makes the sigmoid loss conservative DPO (cDPO), it has no meaning "
-            "for IPO; set label_smoothing=0, or use "
-            "dpo_loss='sigmoid'"
-        )
 
 
 def _check_ranking(args: TrainingArgs) -> None:

@@ -19,7 +19,7 @@ Who computes it: the driver launches :func:`reference_piece` as Ray tasks (``_dr
 reference.py``), one slice of sequences each, on GPUs when the run uses them, else on CPUs,
 before any training worker starts (the whole cluster is still free). A model that needs sharding
 (``strategy="fsdp"``) is instead run forward-only by the training workers themselves, sharded,
-before their first step (``_worker/reference_pass.py``); both use :func:`sequence_logps` here.
+before their first step (``_worker/objectives/dpo_reference.py``); both use :func:`sequence_logps` here.
 """
 
 from __future__ import annotations

@@ -42,19 +42,13 @@ def throughput_of(context: Any) -> Any:
     return (context.batch_metrics or {}).get("tokens_per_s")
 
 
-#: The logged metrics of an objective other than next-token loss, with their names as the
-#: objective's peers write them (DPO's, TRL's: ``rewards/chosen``, ..., ``logps/rejected``).
-OBJECTIVE_METRICS = ("rewards/", "logps/")
-
-
 def objective_metrics(context: Any) -> dict[str, float]:
-    """The objective's own numbers among a log's ``batch_metrics`` (DPO's; empty for SFT)."""
+    """The objective's own numbers among a log's ``batch_metrics``: those its description
+    names, listed in the run's args (``args["objective_metrics"]``: DPO's are TRL's,
+    ``rewards/chosen``, ..., ``logps/rejected``; SFT has none)."""
     logged = getattr(context, "batch_metrics", None) or {}
-    return {
-        k: float(v)
-        for k, v in logged.items()
-        if k.startswith(OBJECTIVE_METRICS) and isinstance(v, (int, float))
-    }
+    names = (getattr(context, "args", None) or {}).get("objective_metrics") or ()
+    return {k: float(logged[k]) for k in names if isinstance(logged.get(k), (int, float))}
 
 
 def as_float(value: Any) -> float | None:

@@ -102,7 +102,7 @@ class JsonlLogger(RunFileLogger):
             "tokens_per_s": as_float(throughput),
             "samples_seen": context.samples_seen,
             "tokens_seen": context.tokens_seen,
-            **objective_metrics(context),  # DPO's rewards/..., logps/... (TRL's names)
+            **objective_metrics(context),  # the objective's (DPO's: TRL's rewards/..., logps/...)
         }
 
     def _append(self, record: dict[str, Any], context: Any) -> None:

@@ -70,7 +70,8 @@ class RayMetrics(TrainerCallback):
       is known (``peak_flops``, or a known GPU), ``ray_trainer_mfu_ratio`` (set at each
       ``on_log``); ``ray_trainer_workers`` (set at each attempt's ``on_train_begin``: an
       elastic run's size);
-    - under ``objective="dpo"``, a gauge per logged metric of TRL's (``rewards/chosen``,
+    - a gauge per metric of the run's objective (those the run's args name in
+      ``objective_metrics``: under ``objective="dpo"`` TRL's ``rewards/chosen``,
       ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
       ``logps/rejected``), named with ``/`` as ``_``: ``ray_trainer_rewards_accuracies``;
     - at each ``on_evaluate``: a gauge ``ray_trainer_eval_<metric>`` per evaluation metric name,

@@ -169,9 +169,10 @@ class CallbackActor:
         for event, wire, kwargs in batch.events:
             self.received[event] += 1
             self._status.update({k: wire.get(k) for k in _STATUS_FIELDS})
-            if event == "on_log":  # an objective's own metrics (DPO's rewards/..., logps/...)
+            if event == "on_log":  # the objective's own metrics (DPO's rewards/..., logps/...)
                 logged = wire.get("batch_metrics") or {}
-                own = {k: v for k, v in logged.items() if "/" in k}
+                named = (wire.get("args") or {}).get("objective_metrics") or ()
+                own = {k: logged[k] for k in named if k in logged}
                 if own:
                     self._status["objective_metrics"] = own
             if event == "on_save":

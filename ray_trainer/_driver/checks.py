@@ -22,6 +22,7 @@ from ray_trainer._cluster import SKIP_RESOURCE_CHECK, can_grow, live_nodes, miss
 from ray_trainer._config import TrainingArgs
 from ray_trainer._errors import CheckpointError, TrainingArgsError
 from ray_trainer._models import is_builtin
+from ray_trainer._objectives import resume_error
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, is_uri, locate
 
@@ -241,19 +242,10 @@ def _check_objective_resume(args: TrainingArgs, checkpoint: Location | None) -> 
         return
     from ray_trainer._checkpoint import check_complete
 
-    trained = check_complete(checkpoint).extra.get("objective", "sft")
-    if trained == args.objective:
-        return
-    fix = (
-        f"start DPO from it as model={checkpoint.name + '/hf'!r} (its Hugging Face export; "
-        "a LoRA run's with lora_export='merged' or 'both') in a new run_name"
-        if args.objective == "dpo"
-        else "continue it with objective='dpo', or start a new run_name"
-    )
-    raise TrainingArgsError(
-        f"objective: {checkpoint.name} was trained with objective={trained!r}, this run has "
-        f"objective={args.objective!r}; {fix}"
-    )
+    trained = check_complete(checkpoint).extra.get("objective")
+    error = resume_error(trained, args.objective, checkpoint.name)
+    if error is not None:
+        raise TrainingArgsError(error)
 
 
 def _check_strategy(args: TrainingArgs, checkpoint: Location | None) -> None:

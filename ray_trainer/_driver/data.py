@@ -5,8 +5,8 @@ Runs in the driver. :func:`plan_data` (before ``ray.init``) resolves ``data`` an
 the tokenizer (a chat format needs a chat template: refused here without one), and computes the
 fingerprint of what the workers will train on: the records (files' names, sizes and mtimes, or a
 dataset's fingerprint), the tokenizer, the template and the encoding settings (the objective and
-the pairs' format too, under ``objective="dpo"``: sources of preference pairs, refused under SFT,
-as any other source is under DPO). When the token
+the pairs' format too, for an objective whose description says so; the record formats each
+objective trains on are in its description, ``ray_trainer._objectives``). When the token
 cache of that fingerprint is complete on storage, nothing is read again; otherwise every record
 is checked here (file and line of the first bad one). :func:`prepare_data` (after ``ray.init``,
 before any worker starts) launches one preparation task per piece, wherever the cluster has a
@@ -38,12 +38,13 @@ from typing import Any
 from ray_trainer._config import TrainingArgs
 from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
 from ray_trainer._data.chat import ChatTemplateError, RecordError
-from ray_trainer._data.preference import _EXAMPLE, PairEncoder, pair_format
+from ray_trainer._data.preference import PairEncoder, pair_format
 from ray_trainer._data.prepare import EncodeSettings, encode_piece
 from ray_trainer._data.records import scan
 from ray_trainer._data.sources import DataFileError, Source, piece_content, resolve
 from ray_trainer._errors import TrainingArgsError
 from ray_trainer._models import ModelSpec
+from ray_trainer._objectives import names, objective_of
 from ray_trainer._storage import Location, locate
 
 logger = logging.getLogger("ray_trainer")
@@ -108,36 +109,34 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
 
 
 def check_objective(field: str, value: Any, source: Source | None, args: TrainingArgs) -> None:
-    """Refuse, before Ray starts, data the objective does not train on: DPO reads preference
-    pairs (from files or a ``datasets.Dataset``) for ``data`` and ``val_data`` alike, and SFT
-    refuses them (its loss has no meaning on a pair)."""
-    dpo = args.objective == "dpo"
+    """Refuse, before Ray starts, data the objective does not train on (its description's
+    ``data_formats``): DPO reads preference pairs (from files or a ``datasets.Dataset``) for
+    ``data`` and ``val_data`` alike, and SFT refuses them (its loss has no meaning on a pair)."""
+    objective = objective_of(args.objective)
+    example = f", e.g. {objective.data_example}" if objective.data_example else ""
     if source is None:
-        if dpo and value is not None:
+        if value is not None and not objective.takes_datasets:
             raise TrainingArgsError(
-                f"{field}: objective='dpo' reads preference pairs from files or a "
-                f"datasets.Dataset, got a {type(value).__name__}; write the pairs to a JSONL or "
-                f"Parquet file, e.g. {_EXAMPLE}, and pass its path"
+                f"{field}: objective={objective.name!r} reads {objective.data_noun} from files "
+                f"or a datasets.Dataset, got a {type(value).__name__}; write them to a JSONL or "
+                f"Parquet file{example}, and pass its path"
             )
         return
-    if dpo and source.fmt != "preference":
-        held = {
-            "messages": "'messages' records",
-            "conversational": "prompt/completion records (lists of messages)",
-            "prompt_completion": "prompt/completion records",
-            "text": f"{args.text_field!r} text records",
-        }.get(source.fmt, f"{source.fmt!r} records")
-        raise TrainingArgsError(
-            f"{field}: {source.name} holds {held}; objective='dpo' trains on preference pairs "
-            f"{{prompt, chosen, rejected}}, e.g. {_EXAMPLE}; point {field} at such pairs, or "
-            "set objective='sft'"
-        )
-    if not dpo and source.fmt == "preference":
-        raise TrainingArgsError(
-            f"{field}: {source.name} holds preference pairs (chosen/rejected); set "
-            "objective='dpo' to train on them (objective='sft' trains on 'messages', "
-            "prompt/completion or text records)"
-        )
+    if objective.takes(source.fmt):
+        return
+    held = {
+        "messages": "'messages' records",
+        "conversational": "prompt/completion records (lists of messages)",
+        "prompt_completion": "prompt/completion records",
+        "text": f"{args.text_field!r} text records",
+        "preference": "preference pairs (chosen/rejected)",
+    }.get(source.fmt, f"{source.fmt!r} records")
+    owners = [o.name for o in map(objective_of, names()) if o.takes(source.fmt)]
+    fix = f"set objective={owners[0]!r} to train on them, or " if owners else ""
+    raise TrainingArgsError(
+        f"{field}: {source.name} holds {held}; objective={objective.name!r} trains on "
+        f"{objective.data_noun}{example}; {fix}point {field} at such records"
+    )
 
 
 def _first_pair_format(source: Source) -> str | None:
@@ -194,7 +193,7 @@ def fingerprint(source: Source, settings: EncodeSettings, tokenizer: Any) -> str
         "max_length": settings.max_length,
         "text_field": settings.text_field,
     }
-    if settings.objective != "sft":  # only then: SFT caches keep the names they had
+    if objective_of(settings.objective).names_cache:  # SFT's caches keep the names they had
         body.update(objective=settings.objective, pair_format=settings.pair_format)
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:20]
 

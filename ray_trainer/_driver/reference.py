@@ -21,6 +21,7 @@ from typing import Any
 from ray_trainer._config import TrainingArgs
 from ray_trainer._driver.data import DataPlan
 from ray_trainer._models import ModelSpec
+from ray_trainer._objectives import objective_of
 from ray_trainer._reference import (
     read_meta,
     reference_key,
@@ -45,8 +46,9 @@ def reference_dtype(args: TrainingArgs) -> str:
 
 def prepare_references(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[str, str]:
     """``field -> reference folder`` of every cache of pairs, complete unless the workers
-    fill it (FSDP). Empty without DPO, or with ``precompute_reference=False``."""
-    if args.objective != "dpo" or not args.precompute_reference:
+    fill it (FSDP). Empty unless the objective needs a reference pass (DPO with
+    ``precompute_reference``, the default)."""
+    if not objective_of(args.objective).needs_reference(args):
         return {}
     spec = ModelSpec.of(args)
     dtype = reference_dtype(args)

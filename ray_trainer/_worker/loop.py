@@ -39,7 +39,6 @@ from callbacks import TrainerControl
 from ray_trainer._contract import RunSpec
 from ray_trainer._worker.agreement import Agreement
 from ray_trainer._worker.boundary import Schedule, decide
-from ray_trainer._worker.dpo import metrics_from_sums
 from ray_trainer._worker.loader import MicroBatch
 from ray_trainer._worker.resume import maybe_resume
 from ray_trainer._worker.saving import save
@@ -148,11 +147,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
 def _own_numbers(s: WorkerState) -> tuple[tuple[float, ...], Any]:
     """What the step's agreement carries of the loop's own: which asynchronous save each rank
     has written, and the objective's metric sums (DPO's, a device tensor; else None)."""
-    objective = s.workload.objective
-    return (
-        s.saves.numbers() if s.saves is not None else (),
-        objective.take_sums() if objective is not None else None,
-    )
+    return s.saves.numbers() if s.saves is not None else (), s.workload.objective.take_sums()
 
 
 def after_boundary(s: WorkerState, agreement: Agreement, schedule: Schedule) -> bool:
@@ -213,8 +208,10 @@ def _read(s: WorkerState, agreement: Agreement, apply: bool) -> TrainerControl:
         # The mean over every target token of the step (all micro-batches of all ranks).
         s.ctx.loss = agreed.loss_sum * s.workload.norm / max(agreed.targets, 1)
         s.window.add_agreed(agreed.tokens, agreed.positions)
-        if agreed.sums:  # DPO: the means over the step's pairs, with TRL's names
-            s.objective_metrics = metrics_from_sums(agreed.sums, agreed.targets)
+        if agreed.sums:  # the objective's metrics (DPO's: means over the step's pairs)
+            s.objective_metrics = s.workload.objective.metrics_from_sums(
+                agreed.sums, agreed.targets
+            )
     if apply:
         requested = agreement.requested
         if requested.stops:

@@ -23,6 +23,7 @@ from ray_trainer._storage import locate
 from ray_trainer._worker.export import choose_export
 from ray_trainer._worker.hooks import Hooks
 from ray_trainer._worker.loader import StepLoader
+from ray_trainer._worker.objectives import worker_objective
 from ray_trainer._worker.offload import build_offload
 from ray_trainer._worker.packing_check import check_packed_attention
 from ray_trainer._worker.parallel import prepare
@@ -56,9 +57,10 @@ def setup(spec: RunSpec) -> WorkerState:
         cpu=not args.use_gpu, mixed_precision="no" if args.strategy == "fsdp" else precision
     )
     set_seed(args.seed)  # same initial weights on every rank (FSDP shards each rank's copy)
-    frozen: list[Any] = []  # DPO with an in-step reference and no LoRA: the frozen copy
+    # The objective first (its registry entry names its module): the workload is built around it.
+    objective = worker_objective(args)
     workload = build_workload(
-        args, spec.data_caches, spec.chat_template, spec.references, reference_model=frozen
+        args, objective, spec.data_caches, spec.chat_template, spec.references
     )
     loader = _loader(args, workload, world, rank)
     steps_per_epoch = loader.steps_per_epoch
@@ -77,8 +79,7 @@ def setup(spec: RunSpec) -> WorkerState:
         workload.model, args, accelerator, make_optimizer, precision, workload.materialize
     )
     model, optimizer = parallel.model, parallel.optimizer
-    if workload.objective is not None:  # DPO: the reference, before any step changes the model
-        _reference(workload, parallel, frozen)
+    objective.after_placement(workload, parallel)  # before any step changes the model
     if args.packing:  # on the real model, before any step: packed samples must stay apart
         check_packed_attention(
             parallel.module(), accelerator.device, accelerator.autocast, loader.pad_to,
@@ -142,22 +143,8 @@ def setup(spec: RunSpec) -> WorkerState:
         export=choose_export(parallel, workload, args.save_hf_format),
         run=run,
     )
-    if workload.objective is not None and args.precompute_reference:
-        from ray_trainer._worker.reference_pass import fill_references
-
-        fill_references(state, spec.references)  # only where the driver left it (FSDP)
+    objective.before_training(state, spec.references)  # DPO: the references left to it (FSDP)
     return state
-
-
-def _reference(workload: Workload, parallel: Any, frozen: list[Any]) -> None:
-    """An in-step reference without LoRA: a frozen copy of the placed model, made now."""
-    from ray_trainer._worker.lora import WholeModel
-
-    if not workload.objective.reference or not isinstance(workload.adaptation, WholeModel):
-        return
-    from ray_trainer._worker.reference_pass import frozen_copy
-
-    frozen.append(frozen_copy(parallel.module()))
 
 
 def _loader(args: TrainingArgs, workload: Workload, world: int, rank: int) -> StepLoader:

@@ -58,5 +58,6 @@ class WorkerState:
     saves: Any = None  # with async_checkpoint: the AsyncSaves (async_save.py)
     export: Export | None = None  # the hf/ export of every checkpoint (export.py), or None
     run: Location | None = None  # the run folder on storage, located once (spec.run_dir)
-    # DPO: the last agreed step's metrics (TRL's names), added to every log's batch_metrics.
+    # The objective's metrics of the last agreed step (DPO's: TRL's names), added to every
+    # log's batch_metrics.
     objective_metrics: dict[str, float] = field(default_factory=dict)

@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from ray_trainer._worker.dpo import METRICS, metrics_from_sums
-from ray_trainer._worker.loader import count_targets
 from ray_trainer._worker.state import WorkerState
 
 
@@ -26,38 +24,37 @@ def evaluate(s: WorkerState) -> None:
     sampler = torch.utils.data.distributed.DistributedSampler(
         wl.val_dataset, num_replicas=s.world_size, rank=s.rank, shuffle=False
     )
-    # Pairs are read by their own dataset's collate (a held-out split's indices are its own).
-    collate = wl.val_dataset.collate if wl.objective is not None else wl.collate_fn
+    objective = wl.objective  # its validation step: the loss it trains with, its metrics
     loader = DataLoader(
-        wl.val_dataset, batch_size=s.args.batch_size, sampler=sampler, collate_fn=collate
+        wl.val_dataset,
+        batch_size=s.args.batch_size,
+        sampler=sampler,
+        collate_fn=objective.val_collate(wl),
     )
     was_training = model.training
     model.eval()
-    loss_sum, count = 0.0, 0  # token-weighted, as the training loss: sums over target counts
-    pair_sums = torch.zeros(len(METRICS), dtype=torch.float64)  # DPO: the metrics' sums
+    loss_sum, count = 0.0, 0  # weighted as the training loss: sums over target counts
+    own_sums = torch.zeros(len(objective.description.metrics), dtype=torch.float64)
     # The sampler pads the last ranks by repeating the first samples: those count for nothing.
     real, seen = len(range(s.rank, len(wl.val_dataset), s.world_size)), 0
-    pairs = wl.objective is not None
+    rows = objective.rows_per_item  # a batch's rows per item (DPO: 2 per pair)
     with torch.no_grad():
         for i, batch in enumerate(loader):
             if s.args.eval_max_batches is not None and i >= s.args.eval_max_batches:
                 break
-            items = _items(batch, pairs)
+            items = objective.val_items(batch)
             keep, seen = max(0, min(items, real - seen)), seen + items
             if 0 < keep < items:
-                batch = _first(batch, keep * (2 if pairs else 1), items * (2 if pairs else 1))
-            # On the host, before the copy: labels scored (DPO: pairs, 2 rows each).
-            targets = _items(batch, pairs) if pairs else count_targets(batch, wl.shifts_labels)
+                batch = _first(batch, keep * rows, items * rows)
+            # On the host, before the copy: what the loss sums over (labels scored; DPO: pairs).
+            targets = objective.val_targets(wl, batch)
             batch = {k: v.to(acc.device) for k, v in batch.items()}
             with acc.autocast():  # a batch of repeats only: run (a collective), count nothing
-                if pairs:  # the DPO loss of the validation pairs, and TRL's metrics
-                    sums, _ = wl.objective.sums(model, batch, targets)
-                    if keep:
-                        loss_sum += float(sums.loss)
-                        pair_sums += sums.metrics.double().cpu()
-                else:
-                    loss = wl.loss_sum(model, batch, targets)
-                    loss_sum += float(loss) if keep else 0.0
+                loss, sums = objective.val_sums(wl, model, batch, targets)
+            if keep:
+                loss_sum += float(loss)
+                if sums is not None:
+                    own_sums += sums.double().cpu()
             count += targets if keep else 0
         # Under FSDP every rank computes them (the model's forward is a collective): rank 0's count.
         computes = wl.rank0_metrics is not None and (s.rank == 0 or s.parallel.sharded)
@@ -70,30 +67,23 @@ def evaluate(s: WorkerState) -> None:
         dist.broadcast_object_list(holder, src=0)
         names = holder[0]
     mine = [extra.get(n, 0.0) if s.rank == 0 else 0.0 for n in names]
-    vec = torch.cat([torch.tensor([loss_sum, count, *mine], dtype=torch.float64), pair_sums])
+    vec = torch.cat([torch.tensor([loss_sum, count, *mine], dtype=torch.float64), own_sums])
     if s.world_size > 1:
         vec = vec.to(acc.device)
         dist.all_reduce(vec)
     values = vec.tolist()
     metrics = {"val_loss": values[0] / max(values[1], 1)}
     metrics.update(zip(names, values[2 : 2 + len(names)], strict=True))
-    if wl.objective is not None:  # val_rewards/accuracies, ...: means over the pairs
-        sums = values[2 + len(names) :]
-        metrics.update({f"val_{k}": v for k, v in metrics_from_sums(sums, values[1]).items()})
+    # The objective's metrics (DPO's val_rewards/accuracies, ...: means over the pairs).
+    own = objective.metrics_from_sums(values[2 + len(names) :], values[1])
+    metrics.update({f"val_{k}": v for k, v in own.items()})
     s.ctx.val_metrics = metrics
     s.hooks.fire("on_evaluate", val_metrics=metrics, eval_step=s.progress.global_step)
 
 
-def _items(batch: dict, pairs: bool) -> int:
-    """The samples of a validation batch (DPO: its pairs)."""
-    if pairs:
-        return len(batch["answer_tokens"]) // 2
-    return len(next(iter(batch.values())))
-
-
 def _first(batch: dict, rows: int, all_rows: int) -> dict:
-    """The batch's first `rows` rows: every value with a row per sample (DPO: per sequence)
-    is cut, the rest kept as it is."""
+    """The batch's first `rows` rows: every value with one row per row of the batch (DPO: per
+    sequence) is cut, the rest kept as it is."""
     return {
         k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() and len(v) == all_rows else v
         for k, v in batch.items()

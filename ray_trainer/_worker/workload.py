@@ -25,7 +25,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,9 +37,6 @@ from ray_trainer._storage import locate
 from ray_trainer._worker.loader import ignores_labels
 from ray_trainer._worker.loading import Materialize, build_model
 from ray_trainer._worker.lora import LoraAdapters, WholeModel, adapt
-
-if TYPE_CHECKING:
-    from ray_trainer._worker.dpo import DpoObjective
 
 logger = logging.getLogger("ray_trainer")
 
@@ -65,46 +62,30 @@ class Workload:
     materialize: Materialize | None = None
     # What LoRA changes (trainable parameters, checkpoints, the export), or the whole model.
     adaptation: WholeModel | LoraAdapters = field(default_factory=WholeModel)
-    # objective="dpo": pairs to their loss (`targets` then counts pairs), else None (SFT).
-    objective: DpoObjective | None = None
+    # The run's objective (its loss, batch layout, validation step: `_worker/objectives/`),
+    # built by setup from its registry entry first, since the workload is built around it.
+    # Required (SFT's too): the loop, setup and validation ask it, never its name.
+    objective: Any = field(kw_only=True)
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
-        """(outputs, the micro-batch's token-loss sum / `norm`) for backward. `targets` is the
-        count of labels the model scores in `batch`, known on the host (DPO: of pairs, and
-        the sum is of pair losses)."""
-        if self.objective is not None:
-            outputs, total = self.objective.forward(model, batch, targets)
-            return outputs, total / self.norm
-        # A filler without labels to ignore repeats real samples: not the model's own sum.
-        if self.sums_itself and (targets or ignores_labels(batch)):
-            outputs = model(**batch, num_items_in_batch=self.norm)
-            return outputs, self.loss_fn(outputs, batch)
-        outputs = model(**batch)
-        if targets == 0:  # every rank still runs backward (DDP, FSDP): a zero on the graph
-            return outputs, zero_loss(outputs, batch)
-        return outputs, self.loss_fn(outputs, batch) * (targets / self.norm)
-
-    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor], targets: int) -> Any:
-        """The token-loss sum of a batch (validation): no gradient needed."""
-        if self.sums_itself:
-            return self.loss_fn(model(**batch, num_items_in_batch=1.0), batch)
-        outputs = model(**batch)  # even with no target: under FSDP a forward is a collective
-        return 0.0 if targets == 0 else self.loss_fn(outputs, batch) * targets
+        """(outputs, the micro-batch's loss sum / `norm`) for backward: the objective's loss.
+        `targets` is what the loader counted in `batch` (labels the model scores; DPO: pairs)."""
+        return self.objective.step_loss(self, model, batch, targets)
 
 
 def build_workload(
     args: TrainingArgs,
+    objective: Any,
     caches: dict[str, str] | None = None,
     chat_template: str | None = None,
     references: dict[str, str] | None = None,
-    reference_model: list[Any] | None = None,
 ) -> Workload:
-    """The model, datasets and loss of this rank. ``caches`` names the token cache of each
-    data field the driver encoded (``data``, ``val_data``), rendered with ``chat_template``;
-    under DPO ``references`` names the folder of each one's reference log-probs, and
-    ``reference_model`` is where setup puts a frozen copy (an in-step reference, no LoRA)."""
+    """The model, datasets and loss of this rank, for `objective` (``objectives.
+    worker_objective``). ``caches`` names the token cache of each data field the driver encoded
+    (``data``, ``val_data``), rendered with ``chat_template``; ``references`` the folder of
+    each one's reference log-probs, for an objective that needs them."""
     if is_builtin(args.model) and args.data is None:
-        return _demo_workload(args)
+        return _demo_workload(args, objective)
     spec = ModelSpec.of(args)
     model, materialize = build_model(spec)  # a pretrained model: on the meta device, unfilled
     # Under LoRA the base frozen, adapters added (on meta with the base).
@@ -122,21 +103,21 @@ def build_workload(
             logger.info(
                 "chunked loss off: %s; the model computes its loss from full logits", reason
             )
+    objective.prepare(model, adaptation)
     tokenizer = spec.data_tokenizer()
     pad_id = _pad_id(tokenizer)
     caches = caches or {}
     references = references or {}
-    train = _dataset("data", args, caches, pad_id, references)
+    train = _dataset("data", args, objective, caches, pad_id, references)
     collate = getattr(train, "collate", None)
     val = None
     if args.val_data is not None:
-        val = _dataset("val_data", args, caches, pad_id, references)
+        val = _dataset("val_data", args, objective, caches, pad_id, references)
     if val is None and args.eval_every_steps:
         train, val = _hold_out(train, args.seed)
-    cached = "data" in caches
-    objective = None
-    if args.objective == "dpo":
-        objective = dpo_objective(model, args, adaptation, reference_model)
+    # The constant each micro-batch's loss sum is divided by (the same on every rank): about
+    # the targets of a rank's step (DPO: its pairs), so the sums stay near 1.
+    per_sample = objective.targets_per_sample(args, "data" in caches)
     return Workload(
         model,
         train,
@@ -147,7 +128,7 @@ def build_workload(
         pad_id=pad_id,
         sums_itself=args.loss_fn is None and takes_num_items(model),
         shifts_labels=is_causal_lm(model),
-        norm=_norm(args, cached),
+        norm=float(args.batch_size * args.grad_accum_steps * per_sample),
         chat_template=chat_template,
         end_of_turn_ids=_end_of_turn(tokenizer, chat_template),
         packed_layout=packed_layout,
@@ -155,55 +136,6 @@ def build_workload(
         adaptation=adaptation,
         objective=objective,
     )
-
-
-def _norm(args: TrainingArgs, cached: bool) -> float:
-    """The constant each micro-batch's loss sum is divided by (the same on every rank): about
-    the targets of a rank's step (DPO: its pairs), so the sums stay near 1."""
-    per_sample = args.max_length if cached and args.objective == "sft" else 1
-    return float(args.batch_size * args.grad_accum_steps * per_sample)
-
-
-def dpo_objective(
-    model: nn.Module, args: TrainingArgs, adaptation: Any, reference_model: Any = None
-) -> DpoObjective:
-    """A DPO run's objective (dropout off, as TRL's ``disable_dropout``). The reference: the
-    batches' precomputed log-probs; with ``precompute_reference=False`` the model itself with
-    its fresh LoRA adapters off, or `reference_model`, a frozen copy (setup makes it)."""
-    from ray_trainer._worker.dpo import DpoObjective
-
-    disable_dropout(model)
-    chunked = hasattr(_inner(model), "_ray_trainer_chunk_size")
-    objective = DpoObjective(args.dpo_beta, args.dpo_loss, args.label_smoothing, chunked)
-    if not args.precompute_reference:
-        objective.reference = in_step_reference(objective, model, adaptation, reference_model)
-    return objective
-
-
-def in_step_reference(objective: Any, model: nn.Module, adaptation: Any, frozen: Any) -> Any:
-    """``reference(inputs, sequence, n)``: the reference's log-probs computed in the step, with
-    no gradient: `model` with its LoRA adapters off (no second copy), else `frozen` (the model
-    as DPO started, once setup has placed it: ``frozen[0]``)."""
-
-    def reference(inputs: dict[str, Any], sequence: Any, n: int) -> torch.Tensor:
-        if isinstance(adaptation, WholeModel):
-            return objective.logps(frozen[0], inputs, sequence, n)
-        with adaptation.disabled(model):
-            return objective.logps(model, inputs, sequence, n)
-
-    return reference
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Every dropout of `model` off, as TRL's ``disable_dropout_in_model`` (DPO compares the
-    policy with a reference computed without dropout)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -292,26 +224,20 @@ def _pad_id(tokenizer: Any) -> int | None:
 
 
 def _dataset(
-    field: str, args: TrainingArgs, caches: dict[str, str], pad_id: Any, references: dict
+    field: str,
+    args: TrainingArgs,
+    objective: Any,
+    caches: dict[str, str],
+    pad_id: Any,
+    references: dict,
 ) -> Dataset:
     if field in caches:
-        from ray_trainer._worker.loader import CachedDataset, PairDataset
+        from ray_trainer._worker.loader import CachedDataset
 
         # The cache the driver named (a path or URI), on the run's storage.
         cache = locate(caches[field], args.storage_filesystem)
-        dataset = CachedDataset.open(cache, pad_id or 0)
-        if args.objective != "dpo":
-            return dataset
-        reference = None
-        if field in references:  # precomputed: the driver's tasks (or setup, under FSDP)
-            from ray_trainer._reference import read_reference
-
-            where = locate(references[field], args.storage_filesystem)
-            reference = read_reference(where)
-            # Under FSDP the workers fill it at setup (reference_pass.py); else the driver did.
-            if reference is None and args.strategy != "fsdp":
-                raise FileNotFoundError(f"{where.name}: no complete reference log-probs here")
-        return PairDataset(dataset, reference)
+        # As the objective lays its samples out (DPO: pairs of sequences).
+        return objective.dataset(CachedDataset.open(cache, pad_id or 0), field, args, references)
     spec = getattr(args, field)
     if isinstance(spec, type) or (callable(spec) and not hasattr(spec, "__getitem__")):
         spec = spec()
@@ -330,7 +256,7 @@ def _hold_out(train: Any, seed: int) -> tuple[Any, Any]:
     return random_split(train, [len(train) - n_val, n_val], generator=generator)
 
 
-def _demo_workload(args: TrainingArgs) -> Workload:
+def _demo_workload(args: TrainingArgs, objective: Any) -> Workload:
     from ray_trainer._demo import build_demo
 
     demo = build_demo(**args.demo)
@@ -346,4 +272,5 @@ def _demo_workload(args: TrainingArgs) -> Workload:
         sums_itself=args.loss_fn is None,
         norm=float(args.batch_size * args.grad_accum_steps * 8),
         adaptation=adaptation,
+        objective=objective,
     )

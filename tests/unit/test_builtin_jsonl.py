@@ -193,7 +193,9 @@ def test_filename_and_expanded_storage_path(tmp_path, monkeypatch):
 def test_dpo_lines_carry_trls_metrics_under_their_names(tmp_path):
     m = manager_for(JsonlLogger())
     dpo = {"rewards/accuracies": 0.75, "logps/chosen": -40.5, "mfu": 0.1, "note": "x"}
-    m.fire("on_log", log_ctx(10, tmp_path, batch_metrics=dpo))
+    ctx = log_ctx(10, tmp_path, batch_metrics=dpo)
+    ctx.args["objective_metrics"] = ["rewards/accuracies", "logps/chosen"]  # as DPO's args say
+    m.fire("on_log", ctx)
     (record,) = read_lines(tmp_path / "run1" / "metrics.jsonl")
     assert record["rewards/accuracies"] == 0.75 and record["logps/chosen"] == -40.5
     assert record["mfu"] == 0.1 and "note" not in record  # mfu is a fixed field; others not

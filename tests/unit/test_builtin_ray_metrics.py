@@ -332,7 +332,8 @@ def test_each_attempt_sets_the_worker_count(fake_metrics):
 def test_dpo_metrics_are_gauges_with_slashes_as_underscores(fake_metrics):
     _, _, m = make()
     dpo = {"rewards/accuracies": 0.75, "rewards/margins": 0.5, "logps/chosen": -40.0}
-    m.fire("on_log", log_ctx(10, batch_metrics={**dpo, "step_time": 0.1, "mfu": 0.2}))
+    args = {"objective_metrics": ["rewards/chosen", *dpo]}  # the names DPO's args carry
+    m.fire("on_log", log_ctx(10, args=args, batch_metrics={**dpo, "step_time": 0.1, "mfu": 0.2}))
     assert last(fake_metrics["trainer_rewards_accuracies"]) == (0.75, {"run": "r1"})
     assert last(fake_metrics["trainer_rewards_margins"]) == (0.5, {"run": "r1"})
     assert last(fake_metrics["trainer_logps_chosen"]) == (-40.0, {"run": "r1"})

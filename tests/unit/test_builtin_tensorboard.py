@@ -53,7 +53,11 @@ def test_writes_train_and_eval_scalars_to_the_run_dir(tmp_path):
     logger = TensorBoardLogger()
     m = CallbackManager([logger], global_callbacks=[])
     assert {"on_log", "on_evaluate", "on_train_end"} <= m.subscribed_events
-    args = {"storage_path": str(tmp_path), "run_name": "r1"}
+    args = {
+        "storage_path": str(tmp_path),
+        "run_name": "r1",
+        "objective_metrics": ["rewards/margins"],
+    }
     m.fire("on_train_begin", TrainingContext(run_name="r1", args=args))
     for step, loss in [(10, 2.0), (20, 1.5)]:
         ctx = TrainingContext(

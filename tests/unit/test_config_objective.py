@@ -8,9 +8,9 @@ import os
 import pytest
 
 from ray_trainer import TrainingArgs, run_training
-from ray_trainer._config import DPO_LOSSES
 from ray_trainer._errors import TrainingArgsError
-from ray_trainer._worker.dpo import check_dpo_options
+from ray_trainer._objectives.dpo import DPO_LOSSES
+from ray_trainer._worker.objectives.dpo_loss import check_dpo_options
 
 
 def test_sft_stays_the_default_and_dpo_takes_trls_defaults():

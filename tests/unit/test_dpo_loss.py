@@ -23,8 +23,9 @@ from ray_trainer._data.encode import IGNORE_INDEX
 from ray_trainer._data.preference import PairEncoder, encode_pairs
 from ray_trainer._demo.chat import make_tiny_chat_model
 from ray_trainer._worker.chunked_loss import sequence_logprobs, shifted_targets
-from ray_trainer._worker.dpo import (
+from ray_trainer._worker.objectives.dpo_loss import (
     METRICS,
+    PairLogps,
     check_dpo_options,
     dpo_loss,
     dpo_sums,
@@ -139,10 +140,8 @@ def test_first_step_equals_trls(tiny, loss_type, tmp_path):
         ref_chosen, ref_rejected = split_pairs(logps(ref, pairs, tokenizer.pad_token_id))
     chosen, rejected = split_pairs(logps(policy, pairs, tokenizer.pad_token_id))
     chosen_tokens, rejected_tokens = token_counts(pairs)
-    loss, metrics = dpo_loss(
-        chosen, rejected, ref_chosen, ref_rejected, beta=BETA, loss=loss_type,
-        chosen_tokens=chosen_tokens, rejected_tokens=rejected_tokens,
-    )  # fmt: skip
+    both = PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
+    loss, metrics = dpo_loss(both, beta=BETA, loss=loss_type)
     loss.backward()
 
     assert abs(loss.detach().item() - trl_loss) < 1e-5, (loss.detach().item(), trl_loss)
@@ -159,7 +158,7 @@ def test_policy_equal_to_reference_gives_ln2(tiny):
     chosen, rejected = split_pairs(logps(model, pairs, tokenizer.pad_token_id))
     with torch.no_grad():
         ref_chosen, ref_rejected = split_pairs(logps(model, pairs, tokenizer.pad_token_id))
-    loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=BETA)
+    loss, metrics = dpo_loss(PairLogps(chosen, rejected, ref_chosen, ref_rejected), beta=BETA)
     assert abs(loss.detach().item() - math.log(2)) < 1e-6
     assert metrics["rewards/margins"] == 0.0 and metrics["rewards/accuracies"] == 0.0
     assert metrics["logps/chosen"] == pytest.approx(chosen.detach().mean().item(), rel=1e-6)
@@ -172,9 +171,9 @@ def test_label_smoothing_is_conservative_dpo_and_zero_is_trls_sigmoid():
     g = torch.Generator().manual_seed(0)
     pc, pr, rc, rr = (torch.randn(5, generator=g) * 10 for _ in range(4))
     z = BETA * ((pc - rc) - (pr - rr))
-    plain = pair_losses(pc, pr, rc, rr, beta=BETA)
+    plain = pair_losses(PairLogps(pc, pr, rc, rr), beta=BETA)
     assert torch.equal(plain, -torch.nn.functional.logsigmoid(z))
-    smooth = pair_losses(pc, pr, rc, rr, beta=BETA, label_smoothing=0.2)
+    smooth = pair_losses(PairLogps(pc, pr, rc, rr), beta=BETA, label_smoothing=0.2)
     want = -0.8 * torch.nn.functional.logsigmoid(z) - 0.2 * torch.nn.functional.logsigmoid(-z)
     torch.testing.assert_close(smooth, want)
 
@@ -183,11 +182,11 @@ def test_ipo_averages_the_log_ratios_over_each_answers_tokens():
     pc, pr = torch.tensor([-4.0, -9.0]), torch.tensor([-6.0, -3.0])
     rc, rr = torch.tensor([-5.0, -8.0]), torch.tensor([-5.0, -4.0])
     nc, nr = torch.tensor([2, 3]), torch.tensor([4, 1])
-    got = pair_losses(pc, pr, rc, rr, beta=0.5, loss="ipo", chosen_tokens=nc, rejected_tokens=nr)
+    got = pair_losses(PairLogps(pc, pr, rc, rr, nc, nr), beta=0.5, loss="ipo")
     want = ((pc - rc) / nc - (pr - rr) / nr - 1 / (2 * 0.5)) ** 2
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="chosen_tokens and rejected_tokens"):
-        pair_losses(pc, pr, rc, rr, beta=0.5, loss="ipo")
+        pair_losses(PairLogps(pc, pr, rc, rr), beta=0.5, loss="ipo")
 
 
 @pytest.mark.parametrize(
@@ -220,7 +219,7 @@ def test_metrics_need_pairs():
 
 def test_an_empty_micro_batch_adds_an_exact_zero_that_reaches_the_policy():
     policy = torch.zeros(0, requires_grad=True)
-    sums = dpo_sums(policy, policy, torch.zeros(0), torch.zeros(0), beta=BETA)
+    sums = dpo_sums(PairLogps(policy, policy, torch.zeros(0), torch.zeros(0)), beta=BETA)
     assert sums.pairs == 0 and sums.loss.item() == 0.0
     sums.loss.backward()
     assert policy.grad is not None
@@ -243,10 +242,8 @@ def step_grads(model, pairs, refs, sizes, pad_id, loss_type):
         chosen, rejected = split_pairs(logps(model, part, pad_id))
         ref_chosen, ref_rejected = (r[start : start + size] for r in refs)
         nc, nr = token_counts(part)
-        sums = dpo_sums(
-            chosen, rejected, ref_chosen, ref_rejected, beta=BETA, loss=loss_type,
-            chosen_tokens=nc, rejected_tokens=nr,
-        )  # fmt: skip
+        both = PairLogps(chosen, rejected, ref_chosen, ref_rejected, nc, nr)
+        sums = dpo_sums(both, beta=BETA, loss=loss_type)
         (sums.loss / len(pairs)).backward()
         total += sums.metrics
         start += size
@@ -290,10 +287,10 @@ def _rank_step(rank: int, world: int) -> dict:
     def sums_of(lo, hi):
         chosen, rejected = split_pairs(every[2 * lo : 2 * hi])
         ref_chosen, ref_rejected = split_pairs(ref[2 * lo : 2 * hi])
-        return dpo_sums(
-            chosen, rejected, ref_chosen, ref_rejected, beta=BETA, loss="ipo",
-            chosen_tokens=counts[lo:hi], rejected_tokens=counts[lo:hi] + 1,
-        )  # fmt: skip
+        logps = PairLogps(
+            chosen, rejected, ref_chosen, ref_rejected, counts[lo:hi], counts[lo:hi] + 1
+        )
+        return dpo_sums(logps, beta=BETA, loss="ipo")
 
     mine = [sums_of(i, i + 1) for i in (2 * rank, 2 * rank + 1)]
     loss = sum(s.loss for s in mine) / 4

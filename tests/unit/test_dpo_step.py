@@ -1,7 +1,7 @@
 """A DPO micro-batch from the token cache to its loss (issue 35, points 2, 3 and 4), no Ray.
 
 The pairs of a cache laid out chosen, rejected, ... (as the preparation tasks write it) go
-through the loader's `PairDataset` (padded and packed), the reference pass of
+through DPO's `PairDataset` (padded and packed), the reference pass of
 ``ray_trainer._reference`` and `DpoObjective` on the tiny chat model:
 
 - the policy equal to its precomputed reference gives ln 2 (the reference pass and the step
@@ -30,10 +30,16 @@ from ray_trainer._models import ModelSpec
 from ray_trainer._reference import reference_model, sequence_logps, slices
 from ray_trainer._storage import locate
 from ray_trainer._worker.chunked_loss import use_chunked_loss
-from ray_trainer._worker.dpo import DpoObjective, dpo_loss, metrics_from_sums, split_pairs
-from ray_trainer._worker.loader import CachedDataset, PairDataset, StepLoader
+from ray_trainer._worker.loader import CachedDataset, StepLoader
+from ray_trainer._worker.objectives.dpo import DpoObjective, disable_dropout
+from ray_trainer._worker.objectives.dpo_loss import (
+    PairLogps,
+    dpo_loss,
+    metrics_from_sums,
+    split_pairs,
+)
+from ray_trainer._worker.objectives.dpo_pairs import PairDataset
 from ray_trainer._worker.packed_attention import use_packed_attention
-from ray_trainer._worker.workload import disable_dropout
 
 THINGS = ("sky", "grass", "sea", "sun", "moon", "tree", "road", "snow")
 BETA = 0.1
@@ -193,7 +199,7 @@ def micro_ids(dataset) -> list[int]:
 
 def test_lora_in_step_reference_is_the_base_with_adapters_off(pairs):
     pytest.importorskip("peft")
-    from ray_trainer._worker.workload import in_step_reference
+    from ray_trainer._worker.objectives.dpo import in_step_reference
 
     path, _, sequences, reference = pairs
     model = policy(path, lora=True)
@@ -250,9 +256,8 @@ def test_the_step_metrics_are_those_of_the_whole_batch(pairs):
     batch = {k: v for k, v in micro.batch.items()}
     inputs = {k: v for k, v in batch.items() if k not in ("sequence", "ref_logps", "answer_tokens")}
     logps = objective.logps(model, inputs, batch["sequence"], 16)
-    whole, expected = dpo_loss(
-        *split_pairs(logps), *split_pairs(batch["ref_logps"]), beta=BETA, loss="sigmoid"
-    )
+    whole_batch = PairLogps(*split_pairs(logps), *split_pairs(batch["ref_logps"]))
+    whole, expected = dpo_loss(whole_batch, beta=BETA, loss="sigmoid")
     assert abs(float(whole) - loss) < 1e-6
     assert metrics == pytest.approx(expected, abs=1e-5)
     assert metrics["rewards/accuracies"] in {k / 8 for k in range(9)}
@@ -294,8 +299,8 @@ def test_an_elastic_runs_filler_takes_no_pair_and_the_step_still_counts_them_all
 
 def test_without_lora_the_in_step_reference_is_a_frozen_copy(pairs):
     from ray_trainer._worker.lora import WholeModel
-    from ray_trainer._worker.reference_pass import frozen_copy
-    from ray_trainer._worker.workload import in_step_reference
+    from ray_trainer._worker.objectives.dpo import in_step_reference
+    from ray_trainer._worker.objectives.dpo_reference import frozen_copy
 
     path, _, sequences, reference = pairs
     model = policy(path)

@@ -223,3 +223,165 @@ def test_test_files_have_unique_basenames():
     names = [p.name for p in (ROOT / "tests").rglob("*.py") if "__pycache__" not in p.parts]
     clashes = sorted({n for n in names if names.count(n) > 1 and n != "conftest.py"})
     assert clashes == [], f"rename one of each: {clashes}"
+
+
+# ---- an objective is one seam -----------------------------------------------------------------
+
+#: The folders an objective's code lives in: its shared description, its worker-side module.
+OBJECTIVE_PACKAGES = ("ray_trainer/_objectives", "ray_trainer/_worker/objectives")
+#: Names an objective has or will have: no other module compares anything with them.
+OBJECTIVE_NAMES = frozenset({"sft", "dpo", "grpo"})
+
+
+def _names_an_objective(node: ast.AST) -> bool:
+    """An objective's name as a string, alone or in a tuple/list/set of them."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.lower() in OBJECTIVE_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_an_objective(e) for e in node.elts)
+    return False
+
+
+def _reads_the_objective(node: ast.AST) -> bool:
+    """`x.objective`, `x["objective"]` or `x.get("objective")`: the run's objective, read."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "objective"
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "objective"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        first = node.args[0] if node.args else None
+        return (
+            node.func.attr == "get"
+            and isinstance(first, ast.Constant)
+            and (first.value == "objective")
+        )
+    return False
+
+
+def _is_a_variant_class(node: ast.AST) -> bool:
+    """A class of one objective (`DpoObjective`, `PairDataset`), in an isinstance check."""
+    names = node.elts if isinstance(node, ast.Tuple) else [node]
+    return any(
+        (n.id if isinstance(n, ast.Name) else getattr(n, "attr", "")).endswith(
+            ("Objective", "PairDataset")
+        )
+        for n in names
+    )
+
+
+def _line(node: ast.AST) -> int:
+    return getattr(node, "lineno", 0)
+
+
+def objective_branches(root: Path) -> list[str]:
+    """`path:line what` for each place outside the objective packages under `root` that
+    branches on the objective: compares something with an objective's name, or compares or
+    tests the run's objective itself, or asks isinstance of an objective's own class. Reads
+    the code with `ast`; nothing runs."""
+    found = []
+    for folder in ("ray_trainer", "callbacks"):
+        for path in _modules(root / folder):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(OBJECTIVE_PACKAGES):
+                continue
+            nodes = sorted(ast.walk(ast.parse(path.read_text())), key=_line)
+            for node in nodes:
+                why = None
+                if isinstance(node, ast.Compare):
+                    operands = [node.left, *node.comparators]
+                    if any(_names_an_objective(o) for o in operands):
+                        why = "compares with an objective's name"
+                    elif any(_reads_the_objective(o) for o in operands):
+                        why = "compares the objective"
+                elif isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+                    tests = node.test.values if isinstance(node.test, ast.BoolOp) else [node.test]
+                    tests = [t.operand if isinstance(t, ast.UnaryOp) else t for t in tests]
+                    if any(_reads_the_objective(t) for t in tests):
+                        why = "tests the objective"
+                elif isinstance(node, ast.Match) and _reads_the_objective(node.subject):
+                    why = "matches the objective"
+                elif (
+                    isinstance(node, ast.Call)
+                    and getattr(node.func, "id", "") == "isinstance"
+                    and len(node.args) == 2
+                    and _is_a_variant_class(node.args[1])
+                ):
+                    why = "asks isinstance of an objective's class"
+                if why:
+                    found.append(f"{rel}:{node.lineno} {why}")
+    return found
+
+
+def test_no_module_outside_the_objectives_branches_on_one():
+    # STYLE.md 13: the rest of the code asks the objective's interface, never its name.
+    assert objective_branches(ROOT) == []
+
+
+def test_the_objective_check_catches_each_kind_of_branch(tmp_path):
+    # The check above would pass vacuously if it missed a kind: a small tree, each kind once.
+    files = {
+        "ray_trainer/a.py": """
+            def f(args, wl, ds, status):
+                if args.objective == "dpo":
+                    pass
+                x = 1 if "sft" != args.loss_kind else 2
+                if wl.objective is not None:
+                    pass
+                if not wl.objective:
+                    pass
+                ok = isinstance(ds, PairDataset) or isinstance(ds, (int, GrpoObjective))
+                if status.get("objective") in ("a", "b"):
+                    pass
+                match args.objective:
+                    case _:
+                        pass
+                return args.kind in ("GRPO",)
+        """,
+        "ray_trainer/clean.py": """
+            def f(args, objective, ds):
+                extra = {"objective": args.objective}  # recorded, not branched on
+                label = "dpo"  # a string alone is no branch
+                if objective.needs_reference(args) and isinstance(ds, dict):
+                    return objective.metrics, extra, label
+        """,
+        "ray_trainer/_objectives/dpo.py": 'def f(a):\n    return a.objective == "dpo"\n',
+        "ray_trainer/_worker/objectives/x.py": "def f(d):\n    return isinstance(d, PairDataset)\n",
+        "callbacks/b.py": 'def f(context):\n    return context.args["objective"] == "sft"\n',
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    assert objective_branches(tmp_path) == [
+        "ray_trainer/a.py:3 compares with an objective's name",
+        "ray_trainer/a.py:5 compares with an objective's name",
+        "ray_trainer/a.py:6 compares the objective",
+        "ray_trainer/a.py:8 tests the objective",
+        "ray_trainer/a.py:10 asks isinstance of an objective's class",
+        "ray_trainer/a.py:10 asks isinstance of an objective's class",
+        "ray_trainer/a.py:11 compares the objective",
+        "ray_trainer/a.py:13 matches the objective",
+        "ray_trainer/a.py:16 compares with an objective's name",
+        "callbacks/b.py:2 compares with an objective's name",
+    ]
+
+
+def test_each_objectives_worker_module_is_named_once_and_closes_no_circle():
+    # The registry names each objective's worker module as a dotted string, imported by
+    # `_worker/objectives/__init__.py` (the shared floor never imports a room): counted here
+    # as that module's import, the graph still has no circle.
+    from ray_trainer._objectives import names, objective_of
+
+    resolver = "ray_trainer._worker.objectives"
+    workers = {objective_of(n).worker for n in names()}
+    assert workers <= set(GRAPH.files), workers
+    assert all(w.startswith(resolver + ".") for w in workers), workers
+    graph = import_graph.Graph(
+        GRAPH.root, dict(GRAPH.files), {src: dict(dst) for src, dst in GRAPH.edges.items()}
+    )
+    text = GRAPH.files[resolver].read_text().splitlines()
+    line = next(i for i, t in enumerate(text, 1) if "import_module(" in t)
+    for worker in sorted(workers):
+        graph.add(resolver, worker, line)
+    assert set(graph.edges[resolver]) >= workers
+    found = import_graph.circles(graph)
+    assert not found, "\n\n".join(import_graph.describe(graph, c) for c in found)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from gloo_support import run_ranks
 
+from ray_trainer._worker.objectives.sft import SftObjective
 from ray_trainer._worker.validation import evaluate
 from ray_trainer._worker.workload import Workload, model_loss
 
@@ -42,7 +43,7 @@ def _evaluate(rank: int, world: int, n: int, batch_size: int) -> dict:
     model = Valued()
     fired = {}
     state = SimpleNamespace(
-        workload=Workload(model, Values(n), Values(n), None, model_loss),
+        workload=Workload(model, Values(n), Values(n), None, model_loss, objective=SftObjective()),
         accelerator=SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext),
         parallel=SimpleNamespace(module=lambda: model, sharded=False),
         args=SimpleNamespace(batch_size=batch_size, eval_max_batches=None),

@@ -78,6 +78,7 @@ def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=Non
     from ray_trainer._worker.hooks import Hooks
     from ray_trainer._worker.loader import CachedDataset, StepLoader
     from ray_trainer._worker.loop import train_step
+    from ray_trainer._worker.objectives.sft import SftObjective
     from ray_trainer._worker.packed_attention import use_packed_attention
     from ray_trainer._worker.parallel import Replicated, prepare
     from ray_trainer._worker.state import WorkerState
@@ -113,7 +114,10 @@ def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=Non
         parallel = prepare(model, args, acc, make_optimizer, "no")
     data = CachedDataset.open(locate(cache), pad_id=0)
     norm = float(batch * accum * MAX_LENGTH)
-    workload = Workload(model, data, None, data.collate, model_loss, sums_itself=True, norm=norm)
+    workload = Workload(
+        model, data, None, data.collate, model_loss, sums_itself=True, norm=norm,
+        objective=SftObjective(),
+    )  # fmt: skip
     loader = StepLoader(data, world=world, rank=rank, batch_size=batch, grad_accum=accum,
                         seed=0, pad_id=0, max_tokens=args.tokens_per_micro_batch,
                         layout=layout, logical_world=args.max_workers)  # fmt: skip

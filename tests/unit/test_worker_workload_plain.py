@@ -10,6 +10,7 @@ from plain_torch_support import LossModel, PlainPairs, PredictModel, mse
 from torch.utils.data import default_collate
 
 from ray_trainer._worker.loader import count_targets
+from ray_trainer._worker.objectives.sft import SftObjective
 from ray_trainer._worker.workload import Workload, model_loss, zero_loss
 
 
@@ -47,7 +48,9 @@ def test_a_step_of_labels_less_micro_batches_weighs_each_sample_once():
     torch.manual_seed(0)
     big, small = batch(8), batch(3, start=8)
     for model, loss_fn in ((LossModel(), model_loss), (PredictModel(), mse)):
-        wl = Workload(model, [], None, None, loss_fn, sums_itself=False, norm=16.0)
+        wl = Workload(
+            model, [], None, None, loss_fn, sums_itself=False, norm=16.0, objective=SftObjective()
+        )
         total = 0.0
         for b in (big, small):
             targets = count_targets(b, shifts_labels=True)
@@ -63,7 +66,9 @@ def test_a_step_of_labels_less_micro_batches_weighs_each_sample_once():
 def test_a_filler_without_labels_adds_zero_and_zero_gradients_to_every_parameter(model):
     # An elastic filler of labels-less batches is real samples counted as no target.
     loss_fn = mse if isinstance(model, PredictModel) else model_loss
-    wl = Workload(model, [], None, None, loss_fn, sums_itself=False, norm=8.0)
+    wl = Workload(
+        model, [], None, None, loss_fn, sums_itself=False, norm=8.0, objective=SftObjective()
+    )
     _, loss = wl.forward(model, batch(4), targets=0)
     assert loss.item() == 0.0
     loss.backward()
@@ -85,7 +90,9 @@ class SumsItself(torch.nn.Module):
 
 def test_a_model_summing_its_own_loss_takes_no_loss_from_a_labels_less_filler():
     model = SumsItself()
-    wl = Workload(model, [], None, None, model_loss, sums_itself=True, norm=8.0)
+    wl = Workload(
+        model, [], None, None, model_loss, sums_itself=True, norm=8.0, objective=SftObjective()
+    )
     b = batch(4)
     assert wl.forward(model, b, targets=4)[1].item() > 0
     _, loss = wl.forward(model, b, targets=0)  # the same samples again: a filler

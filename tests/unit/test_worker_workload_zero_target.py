@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ray_trainer._worker.objectives.sft import SftObjective
 from ray_trainer._worker.workload import Workload, zero_loss
 
 
@@ -36,7 +37,9 @@ def mean_ce(outputs, batch):
 
 
 def workload(model: nn.Module) -> Workload:
-    return Workload(model, [], None, None, mean_ce, sums_itself=False, norm=8.0)
+    return Workload(
+        model, [], None, None, mean_ce, sums_itself=False, norm=8.0, objective=SftObjective()
+    )
 
 
 def test_a_micro_batch_without_targets_adds_zero_and_finite_gradients():
@@ -50,7 +53,7 @@ def test_a_micro_batch_without_targets_adds_zero_and_finite_gradients():
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient: a DDP or FSDP reducer would wait"
         assert torch.equal(p.grad, torch.zeros_like(p)), name
-    assert wl.loss_sum(model, batch, targets=0) == 0.0
+    assert wl.objective.val_sums(wl, model, batch, targets=0)[0] == 0.0
 
 
 def test_a_micro_batch_with_targets_is_weighted_by_their_count():
@@ -60,7 +63,7 @@ def test_a_micro_batch_with_targets_is_weighted_by_their_count():
     expected = mean_ce(model(**batch), batch).item()
     _, loss = wl.forward(model, batch, targets=3)
     assert loss.item() == pytest.approx(expected * 3 / 8.0)
-    assert float(wl.loss_sum(model, batch, targets=3)) == pytest.approx(expected * 3)
+    assert float(wl.objective.val_sums(wl, model, batch, 3)[0]) == pytest.approx(expected * 3)
 
 
 @pytest.mark.parametrize("returns", ["dict", "tuple", "tensor"])
