@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ray_trainer._config import DPO_LOSSES
+from ray_trainer._config.args import DPO_LOSSES
 from ray_trainer._data.encode import IGNORE_INDEX
 
 #: The metrics of a DPO step, with TRL's names (so dashboards carry over), in the order of
@@ -235,7 +235,7 @@ def logps_from_logits(
     """Each sequence's summed target log-probability from full logits (a model the chunked
     loss does not apply to): the same sums as ``chunked_loss.sequence_logprobs``. With no
     target, zeros that still reach the logits (so every parameter gets a zero gradient)."""
-    from ray_trainer._worker.chunked_loss import shifted_targets
+    from ray_trainer._worker.model.chunked_loss import shifted_targets
 
     targets = shifted_targets(labels)
     keep = targets != IGNORE_INDEX

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ray_trainer._reference import sequence_logps, write_meta, write_piece
 from ray_trainer._storage import locate
-from ray_trainer._worker.loader import PairDataset
+from ray_trainer._worker.step.micro_batches import PairDataset
 
 logger = logging.getLogger("ray_trainer")
 

@@ -26,13 +26,13 @@ from preference_support import uneven_pairs
 from ray_trainer._data.cache import PieceResult, write_meta, write_piece
 from ray_trainer._data.preference import PairEncoder, encode_pairs
 from ray_trainer._demo.chat import make_tiny_chat_model
-from ray_trainer._models import ModelSpec
+from ray_trainer._model.spec import ModelSpec
 from ray_trainer._reference import reference_model, sequence_logps, slices
 from ray_trainer._storage import locate
-from ray_trainer._worker.chunked_loss import use_chunked_loss
 from ray_trainer._worker.dpo import DpoObjective, dpo_loss, metrics_from_sums, split_pairs
-from ray_trainer._worker.loader import CachedDataset, PairDataset, StepLoader
-from ray_trainer._worker.packed_attention import use_packed_attention
+from ray_trainer._worker.model.chunked_loss import use_chunked_loss
+from ray_trainer._worker.model.packed_attention import use_packed_attention
+from ray_trainer._worker.step.micro_batches import CachedDataset, PairDataset, StepLoader
 from ray_trainer._worker.workload import disable_dropout
 
 THINGS = ("sky", "grass", "sea", "sun", "moon", "tree", "road", "snow")
@@ -269,7 +269,7 @@ def test_reference_slices_keep_pairs_whole():
 
 
 def test_an_elastic_runs_filler_takes_no_pair_and_the_step_still_counts_them_all(pairs):
-    from ray_trainer._worker.loader import _no_loss
+    from ray_trainer._worker.step.micro_batches import _no_loss
 
     path, _, sequences, reference = pairs
     dataset = PairDataset(sequences, reference)
@@ -293,7 +293,7 @@ def test_an_elastic_runs_filler_takes_no_pair_and_the_step_still_counts_them_all
 
 
 def test_without_lora_the_in_step_reference_is_a_frozen_copy(pairs):
-    from ray_trainer._worker.lora import WholeModel
+    from ray_trainer._worker.model.adaptation import WholeModel
     from ray_trainer._worker.reference_pass import frozen_copy
     from ray_trainer._worker.workload import in_step_reference
 
