@@ -150,6 +150,8 @@ def test_no_run_process_imports_the_client():
     # The client room runs in the user's terminal: a run's driver, workers and actor never load it.
     for room in ROOMS[:3]:
         assert [e for e in _imports_of(room) if e[1].startswith(ROOMS[3])] == [], room
+    # ...and it stands on the shared floor only: it asks a run through its actor or the job API.
+    assert [e for e in _imports_of(ROOMS[3]) if e[1].startswith(ROOMS[:3])] == []
 
 
 def test_the_driver_reaches_the_worker_only_through_its_door():
