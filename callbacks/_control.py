@@ -24,7 +24,7 @@ class TrainerControl:
 
     The same object travels end to end: from a hook to the manager, from the callback actor to
     rank 0 (pickled with its fields), and into the step's all-reduce (encoded as numbers beside
-    it, in ``ray_trainer/_worker/agreement.py``).
+    it, in ``ray_trainer/_worker/step/agreement.py``).
 
     Args:
         should_training_stop: stop at that boundary (a final checkpoint is saved).

@@ -20,7 +20,7 @@ Each side imports this module; none imports another side's package (``_driver`` 
   evaluations, its callbacks' errors, the checkpoints saved). Nothing of the result is read
   from a disk.
 * every rank <-> every rank: the step's control and loss, agreed in one all-reduce
-  (``_worker/agreement.py``).
+  (``_worker/step/agreement.py``).
 * checkpoints: folders named ``checkpoint_dir_name(step)`` under the run folder, in the
   format of ``_checkpoint/`` (whose ``names.py`` names the folders and the actor's files).
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 from callbacks import TrainerControl
 from callbacks._events import NEVER_DROPPED_EVENTS
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 
 # ---- the callback actor ---------------------------------------------------------------------
 

@@ -204,7 +204,7 @@ def reference_model(spec: Any, device: Any, seed: int) -> Any:
         torch.manual_seed(seed)
         model = spec.build_model()
     else:
-        from ray_trainer._pretrained import SafetensorsFiles, empty_model, materialize
+        from ray_trainer._model.pretrained import SafetensorsFiles, empty_model, materialize
 
         model = empty_model(spec.hf_config())
         with SafetensorsFiles(folder) as files:

@@ -20,8 +20,8 @@ import argparse
 import sys
 from typing import Any
 
-from ray_trainer._config import TrainingArgs
-from ray_trainer._config_files import import_entries, parse_overrides
+from ray_trainer._config.args import TrainingArgs
+from ray_trainer._config.files import import_entries, parse_overrides
 from ray_trainer._errors import TrainingArgsError
 
 #: Exit codes of ``run`` and ``demo``: 0 trained, 1 training failed, 2 bad input (nothing ran);
@@ -110,11 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="no per-log progress lines")
 
     # The cluster commands define their own options, beside the code that reads them.
-    from ray_trainer._driver import control, status, submit
-    from ray_trainer._monitoring import install, plot
+    from ray_trainer._client import control, grafana, plot, status, submit
 
     status.add_parser(sub)
-    install.add_parser(sub)
+    grafana.add_parser(sub)
     plot.add_parser(sub)
     control.add_parsers(sub)
     submit.add_parser(sub)

@@ -399,11 +399,11 @@ def long_steps(config: dict[str, Any], length: int, chunked: bool, offload: bool
     the step time, or "oom" when it does not fit in `budget` bytes of the device."""
     import torch
 
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._worker.chunked_loss import use_chunked_loss
-    from ray_trainer._worker.offload import ActivationOffload
-    from ray_trainer._worker.parallel import checkpoint_forward
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._worker.assemble import _optimizer
+    from ray_trainer._worker.model.chunked_loss import use_chunked_loss
+    from ray_trainer._worker.model.offload import ActivationOffload
+    from ray_trainer._worker.model.parallel import checkpoint_forward
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")

@@ -164,7 +164,7 @@ def runner(shape: dict, steps: int, skip: int, compiled: bool, callbacks: bool, 
 def mfu_of(shape: dict, seconds: float, cpu: bool) -> float | None:
     import torch
 
-    from ray_trainer._worker.throughput import ModelShape, flops_per_token, mfu, peak_flops
+    from ray_trainer._worker.step.throughput import ModelShape, flops_per_token, mfu, peak_flops
 
     params = sum(p.numel() for p in make_model(shape).parameters())
     per_token = flops_per_token(ModelShape(params, shape["n_layer"], shape["n_embd"]), shape["seq"])

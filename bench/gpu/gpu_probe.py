@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(_bench_path.BENCH))  # the checkout: ray_trai
 import torch  # noqa: E402
 from _gpu_shapes import FULL, TINY, TokenDataset, make_model, runner_fields  # noqa: E402
 
-from ray_trainer._worker.chunked_loss import chunked_body, use_chunked_loss  # noqa: E402
+from ray_trainer._worker.model.chunked_loss import chunked_body, use_chunked_loss  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"

@@ -124,11 +124,11 @@ def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) ->
     import transformers
     from accelerate import Accelerator
 
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._worker.loading import build_model
-    from ray_trainer._worker.parallel import prepare
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._worker.assemble import _optimizer
+    from ray_trainer._worker.model.build import build_model
+    from ray_trainer._worker.model.parallel import prepare
 
     path = opts["path"]
     args = TrainingArgs(model=path, strategy=strategy, num_workers=world, mixed_precision="no")

@@ -36,11 +36,11 @@ def lora_rank(rank: int, world: int, strategy: str, opts: dict[str, Any]) -> dic
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._worker.lora import LoraAdapters, WholeModel
-    from ray_trainer._worker.parallel import prepare
-    from ray_trainer._worker.saving import sharded_state, write_state
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._worker.assemble import _optimizer
+    from ray_trainer._worker.checkpoints.saving import sharded_state, write_state
+    from ray_trainer._worker.model.adaptation import LoraAdapters, WholeModel
+    from ray_trainer._worker.model.parallel import prepare
 
     lora = LORA if opts["lora"] else None
     args = TrainingArgs(strategy=strategy, num_workers=world, mixed_precision="no", lora=lora)

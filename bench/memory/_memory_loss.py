@@ -51,9 +51,9 @@ def loss_steps(length: int, chunked: bool, steps: int, chunk: int | None = None)
     import torch
     import transformers
 
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._worker.chunked_loss import default_chunk_size, use_chunked_loss
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._worker.assemble import _optimizer
+    from ray_trainer._worker.model.chunked_loss import default_chunk_size, use_chunked_loss
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

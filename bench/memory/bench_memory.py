@@ -7,7 +7,7 @@ configuration, so that the machine's drift hits both alike). Every rank does wha
 worker does at setup and at its first step: seeds, builds a GPT-2-shaped model from a
 `transformers.GPT2Config` made here (nothing downloaded; ~96M parameters with the defaults: 8
 layers, width 768, 12 heads, vocabulary 50257, 1024 positions; 12 layers would be GPT-2 small's
-124M), spreads it with the runner's own `ray_trainer._worker.parallel.prepare` (DDP:
+124M), spreads it with the runner's own `ray_trainer._worker.model.parallel.prepare` (DDP:
 accelerate's DDP, as the runner; FSDP: torch's FSDP2 `fully_shard` on each GPT2Block, then the
 root, on a 1-D mesh), builds the runner's AdamW on it and takes one real step (forward,
 backward, clip, AdamW step). Then:
@@ -163,9 +163,9 @@ def _step_and_save(
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._worker.parallel import prepare
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._worker.assemble import _optimizer
+    from ray_trainer._worker.model.parallel import prepare
 
     args = TrainingArgs(strategy=strategy, num_workers=world, use_gpu=gpu, mixed_precision="no")
     accelerator = Accelerator(cpu=not gpu, mixed_precision="no")
@@ -217,8 +217,8 @@ def _timed_save(parallel: Any, rank: int) -> tuple[float, int, int]:
     temporary folder: (seconds on this rank, bytes of its files, number of files)."""
     import torch.distributed as dist
 
-    from ray_trainer._worker.lora import WholeModel
-    from ray_trainer._worker.saving import sharded_state, write_state
+    from ray_trainer._worker.checkpoints.saving import sharded_state, write_state
+    from ray_trainer._worker.model.adaptation import WholeModel
 
     folder = tempfile.mkdtemp(prefix=f"bench_memory_rank{rank}_")
     try:

@@ -76,7 +76,7 @@ _ATTEMPTS = iter(range(1, 1_000_000))  # each sender its own attempt: the actor 
 
 
 def bench_batched(actor_name: str, namespace: str, n: int, per_step: int, step_s: float) -> Meter:
-    from ray_trainer._worker.event_forwarder import EventForwarder
+    from ray_trainer._worker.step.event_forwarder import EventForwarder
 
     fwd = EventForwarder(
         actor_name,

@@ -16,7 +16,7 @@ Configurations:
   users write without this runner. The baseline.
 * bare, again: a second, identical bare loop. Its ratio is the noise floor of the method.
 * runner, no callbacks: the runner's own step (`train_step` + `after_boundary` from
-  `ray_trainer/_worker/loop.py`: hooks, the per-step agreement all-reduce, on_log every 50
+  `ray_trainer/_worker/step/loop.py`: hooks, the per-step agreement all-reduce, on_log every 50
   steps), built by the worker's own `setup` from a `RunSpec` that `prepare_launch` made, as in
   `run_training` (so with its callback actor).
 * runner + 3 worker-side callbacks: a step timer (rank 0), a grad-norm watcher (all ranks),
@@ -140,11 +140,12 @@ class RunnerLoop:
     """The runner's loop for one run spec, one optimizer step per call."""
 
     def __init__(self, spec) -> None:
-        from ray_trainer._worker import loop, setup
+        from ray_trainer._worker import assemble
         from ray_trainer._worker.boundary import Schedule
+        from ray_trainer._worker.step import loop
 
         self.loop = loop
-        self.s = setup.setup(spec)
+        self.s = assemble.setup(spec)
         self.s.hooks.fire("on_init_end")
         self.s.hooks.fire("on_train_begin")
         self.steps = _runner_steps(self.s.loader)

@@ -23,7 +23,6 @@ from ray_trainer._checkpoint.format import (
     rng_state,
     set_rng_state,
     shared_storage_aliases,
-    tied_aliases,
     verify,
     write_rank_part,
 )
@@ -36,6 +35,7 @@ from ray_trainer._checkpoint.reading import (
     open_checkpoint,
 )
 from ray_trainer._errors import CheckpointError
+from ray_trainer._model.ties import tied_aliases
 
 __all__ = [
     "HF_ADAPTER_DIR",

@@ -68,19 +68,6 @@ class TrainerState:
 TIED_WEIGHTS = "tied_weights"
 
 
-def tied_aliases(named: Any) -> dict[str, str]:
-    """The tied names among ``(name, tensor)`` pairs (``module.named_parameters(
-    remove_duplicate=False)``): each name of a tensor seen before, mapped to its first name."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in named:
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
-        else:
-            first[id(tensor)] = name
-    return aliases
-
-
 def shared_storage_aliases(state: dict[str, Any]) -> dict[str, str]:
     """The tied names of a state dict of whole tensors: a tensor sharing another's storage."""
     first: dict[tuple, str] = {}
@@ -131,9 +118,9 @@ def write_rank_part(
     """Write this rank's files into `folder`, the completion manifest last (unless `complete`
     is False: the caller writes it, with `manifest`, once its other files are written too).
     `extra_files` are paths relative to `folder` that this rank already wrote there (the model
-    and optimizer, ``_worker/saving.write_state``; the HF export): they go into its manifest too. `save_id` names this save: a
-    checkpoint whose ranks' manifests name different saves is incomplete. Returns the files
-    (relative name -> size)."""
+    and optimizer, ``_worker/checkpoints/saving.write_state``; the HF export): they go into its
+    manifest too. `save_id` names this save: a checkpoint whose ranks' manifests name different
+    saves is incomplete. Returns the files (relative name -> size)."""
     import torch
 
     files = {name: os.path.getsize(os.path.join(folder, name)) for name in extra_files}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,20 @@ from ray_trainer._checkpoint.format import (
 )
 from ray_trainer._errors import CheckpointError
 from ray_trainer._storage import Location, local_copy, locate
+
+# Where `ModelSpec` lived before the rooms of issue 47 (`_model/spec.py` now): a checkpoint
+# written then names it in its model_spec.pkl. Spelt in parts so that the rewrite of module
+# paths that moved it leaves this name alone.
+_OLD_SPEC_MODULE = ".".join(("ray_trainer", "_models"))
+
+
+class _SpecUnpickler(pickle.Unpickler):
+    """Reads a model_spec.pkl (cloudpickle writes plain pickle), older module names mapped."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _OLD_SPEC_MODULE:
+            module = "ray_trainer._model.spec"
+        return super().find_class(module, name)
 
 
 @dataclass
@@ -86,7 +101,7 @@ class LocalCheckpoint:
                 "load_model_state()"
             )
         with open(path, "rb") as f:
-            return cloudpickle.load(f)
+            return _SpecUnpickler(f).load()
 
     def model_state(self, template: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole model's weights: ``model.pt``, or the FSDP shards gathered into

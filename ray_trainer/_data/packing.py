@@ -15,7 +15,7 @@ epochs and schedules mean the same either way.
 
 A packed row's `layout` (a `PackedLayout`: which positions belong to which sample, by groups of
 similar lengths) is planned here too, on the host, for the worker's packed attention
-(``ray_trainer._worker.packed_attention``), which runs each group of samples on its own.
+(``ray_trainer._worker.model.packed_attention``), which runs each group of samples on its own.
 """
 
 from __future__ import annotations

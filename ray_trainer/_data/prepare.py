@@ -36,7 +36,7 @@ class EncodeSettings:
     """How records become samples: the run's tokenizer (as a `ModelSpec` builds it) and the
     `TrainingArgs` fields that decide the encoding. Part of the cache's fingerprint."""
 
-    model_spec: Any  # ray_trainer._models.ModelSpec (for build_tokenizer)
+    model_spec: Any  # ray_trainer._model.spec.ModelSpec (for build_tokenizer)
     chat_template: str | None
     train_on: str
     max_length: int

@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ray_trainer._models import load_transformers
-
 #: The words of `make_tiny_causal_lm`'s tokenizer (after <pad>=0, <eos>=1, <unk>=2).
 TINY_WORDS: tuple[str, ...] = (
     "the", "cat", "dog", "sat", "ran", "on", "mat", "home", "what", "did", "do", "?", "it",
@@ -37,9 +35,9 @@ def make_tiny_causal_lm(
         >>> run_training(model=str(make_tiny_causal_lm("runs/tiny-gpt2")), data="train.jsonl")
     """
     import torch
+    import transformers  # ray-trainer[hf]
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    transformers = load_transformers("tiny GPT-2")
     vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>", *TINY_WORDS])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -19,9 +19,9 @@ from callbacks._state import is_stateful
 from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
 from ray_trainer._checkpoint.names import checkpoint_names
 from ray_trainer._cluster import SKIP_RESOURCE_CHECK, can_grow, live_nodes, missing
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import CheckpointError, TrainingArgsError
-from ray_trainer._models import is_builtin
+from ray_trainer._model.spec import is_builtin
 from ray_trainer._objectives import resume_error
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, is_uri, locate
@@ -102,7 +102,7 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
     from ray_trainer._driver.data import plan_data
 
     if isinstance(args.model, str) and not is_builtin(args.model):
-        from ray_trainer._models import check_model_ref
+        from ray_trainer._model.spec import check_model_ref
 
         check_model_ref(args.model, allow_download=args.allow_download)
     plans = plan_data(args)
@@ -126,11 +126,11 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
     if args.strategy == "fsdp" or args.activation_checkpointing:
         _check_blocks(args)
     if args.lora is not None:
-        from ray_trainer._lora.checks import check_lora_model
+        from ray_trainer._driver.lora_checks import check_lora_model
 
         check_lora_model(args)
     if args.compile:
-        from ray_trainer._compile_probe import missing_compile_toolchain
+        from ray_trainer._model.compile_probe import missing_compile_toolchain
 
         problem = missing_compile_toolchain(args.use_gpu)  # here; each worker checks again
         if problem:
@@ -151,8 +151,8 @@ def check_enough_samples(args: TrainingArgs, plans: dict[str, Any]) -> None:
 def _check_blocks(args: TrainingArgs) -> None:
     """The blocks FSDP shards (and activation checkpointing recomputes) exist: found on the
     model built on the meta device (no memory, no weights read)."""
-    from ray_trainer._blocks import find_blocks
-    from ray_trainer._models import ModelSpec
+    from ray_trainer._model.blocks import find_blocks
+    from ray_trainer._model.spec import ModelSpec
 
     model = ModelSpec.of(args).build_meta_model()
     why = "fsdp" if args.strategy == "fsdp" else "checkpointing"
@@ -217,7 +217,7 @@ def check_storage(args: TrainingArgs) -> Location:
     run = storage.child(args.run_name)
     latest = next(complete_checkpoints(run), None)
     _check_strategy(args, latest)
-    from ray_trainer._lora.checks import check_lora_resume
+    from ray_trainer._driver.lora_checks import check_lora_resume
 
     # The workers resume from the run's newest checkpoint, else from resume_from.
     resumed = latest or (locate(args.resume_from) if args.resume_from is not None else None)

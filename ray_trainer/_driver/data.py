@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
 from ray_trainer._data.chat import ChatTemplateError, RecordError
 from ray_trainer._data.preference import PairEncoder, pair_format
@@ -43,7 +43,7 @@ from ray_trainer._data.prepare import EncodeSettings, encode_piece
 from ray_trainer._data.records import scan
 from ray_trainer._data.sources import DataFileError, Source, piece_content, resolve
 from ray_trainer._errors import TrainingArgsError
-from ray_trainer._models import ModelSpec
+from ray_trainer._model.spec import ModelSpec
 from ray_trainer._objectives import names, objective_of
 from ray_trainer._storage import Location, locate
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from callbacks import ALIASES, EVENTS
 from ray_trainer._actor.actor import start_actor
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 from ray_trainer._contract import NAMESPACE, ActorSummary, RunSpec, actor_name, forwarded_events
 from ray_trainer._driver.checks import (
     ResourceRequestError,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import TrainingArgsError
 from ray_trainer._storage import is_uri, locate
 

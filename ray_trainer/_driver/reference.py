@@ -18,9 +18,9 @@ import logging
 import time
 from typing import Any
 
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 from ray_trainer._driver.data import DataPlan
-from ray_trainer._models import ModelSpec
+from ray_trainer._model.spec import ModelSpec
 from ray_trainer._objectives import objective_of
 from ray_trainer._reference import (
     read_meta,

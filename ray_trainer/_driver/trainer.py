@@ -4,8 +4,8 @@ without what a run that passes no Ray Dataset never uses).
 Runs in the driver, where `_fit` builds the trainer. Ray Train 2.60 gives every run a Ray Data
 callback (``DatasetsCallback``), which starts a ``DatasetManager`` actor beside the controller
 each time a worker group starts, whether or not the run has a Ray Dataset. A run of ours never
-has one: the workers read the token cache themselves (``_worker/loader.py``). That actor is one
-more process per start and per restart, importing Ray Train and Ray Data (about 3 CPU-seconds
+has one: the workers read the token cache themselves (``_worker/step/micro_batches.py``). That
+actor is one more process per start and per restart, importing Ray Train and Ray Data (about 3 CPU-seconds
 each on the 2-core test machine, against some 35 for a whole two-worker start). The callback is
 left out only where this Ray has it as this module knows it; any other Ray gets its
 `TorchTrainer` unchanged (and `test_driver_trainer.py` fails on the Ray that changed).

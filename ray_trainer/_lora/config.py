@@ -113,7 +113,7 @@ def default_targets(model: Any, shard_modules: list[str] | None) -> list[str]:
     """Every linear layer inside the model's blocks (those FSDP shards): their last names when
     that picks no layer outside the blocks (``["c_attn", "c_fc", "c_proj"]``), else their full
     names. peft's ``"all-linear"`` knows Hugging Face models only; this knows any model."""
-    from ray_trainer._blocks import ShardingError, find_blocks
+    from ray_trainer._model.blocks import ShardingError, find_blocks
 
     try:
         blocks = find_blocks(model, shard_modules)
@@ -171,7 +171,7 @@ def lora_config(fields: dict[str, Any], model: Any, shard_modules: list[str] | N
             f"{head!r} out of target_modules, or untie the weights (tie_word_embeddings=False "
             "in the model's config)"
         )
-    from ray_trainer._models import is_causal_lm
+    from ray_trainer._model.spec import is_causal_lm
 
     # peft's causal-LM task wraps a Hugging Face model only (one that saves itself).
     if "task_type" not in fields and hasattr(model, "save_pretrained") and is_causal_lm(model):
@@ -209,7 +209,7 @@ def wrap(
     """`model` wrapped by ``peft.get_peft_model``: the base frozen, LoRA layers added (random
     with torch's generator: seed it first for identical adapters on every rank). `on_meta`:
     the base is on the meta device, and the adapters are made there directly (no memory; the
-    caller fills them, see ``_worker/lora.py``).
+    caller fills them, see ``_worker/model/adaptation.py``).
 
     Raises:
         LoraSetupError: peft cannot wrap this model, or nothing was adapted.

@@ -46,7 +46,7 @@ def _weights(folder: Any, digest: Any) -> None:
     """File names and sizes, and the first row of each file's first and last tensors."""
     import torch
 
-    from ray_trainer._pretrained import SafetensorsFiles
+    from ray_trainer._model.pretrained import SafetensorsFiles
 
     with SafetensorsFiles(folder) as files:
         by_file: dict[str, list[tuple[int, str]]] = {}

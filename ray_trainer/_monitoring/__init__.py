@@ -1,1 +1,4 @@
-"""Anywhere: watching a run from outside it: its panels, the Grafana dashboard, the plot."""
+"""Anywhere: what watching a run draws: its panels and the Grafana dashboard (pure data).
+
+``ray-trainer grafana install`` and ``ray-trainer plot`` use them from ``_client/``.
+"""

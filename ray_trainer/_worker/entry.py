@@ -12,6 +12,6 @@ from typing import Any
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Run one rank of the training loop on the ``RunSpec`` in ``config["spec"]`` (worker)."""
-    from ray_trainer._worker.loop import run_worker
+    from ray_trainer._worker.step.loop import run_worker
 
     run_worker(config["spec"])

@@ -1,6 +1,6 @@
 """Training worker: `WorkerState`, everything one rank's loop mutates, in one place.
 
-Built by ``setup.py`` once per worker-group start and passed to every function of the loop (never
+Built by ``assemble.py`` once per worker-group start and passed to every function of the loop (never
 a global). It stands beneath the modules that read it (the loop, saving, resume, validation,
 the asynchronous saves), so none of them imports the setup that builds it.
 """
@@ -14,14 +14,14 @@ import torch
 
 from callbacks import TrainingContext
 from ray_trainer._checkpoint import TrainerState
-from ray_trainer._config import TrainingArgs
+from ray_trainer._config.args import TrainingArgs
 from ray_trainer._contract import RunSpec
 from ray_trainer._storage import Location
-from ray_trainer._worker.export import Export
-from ray_trainer._worker.hooks import Hooks
-from ray_trainer._worker.loader import StepLoader
-from ray_trainer._worker.parallel import Replicated, Sharded
-from ray_trainer._worker.throughput import ModelShape, Window
+from ray_trainer._worker.checkpoints.export import Export
+from ray_trainer._worker.model.parallel import Replicated, Sharded
+from ray_trainer._worker.step.hooks import Hooks
+from ray_trainer._worker.step.micro_batches import StepLoader
+from ray_trainer._worker.step.throughput import ModelShape, Window
 from ray_trainer._worker.workload import Workload
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ray_trainer._contract import WorkerSummary
-from ray_trainer._worker.saving import checkpoint_location
+from ray_trainer._worker.checkpoints.saving import checkpoint_location
 from ray_trainer._worker.state import WorkerState
 
 

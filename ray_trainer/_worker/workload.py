@@ -31,12 +31,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ray_trainer._config import TrainingArgs
-from ray_trainer._models import ModelSpec, is_builtin, is_causal_lm
+from ray_trainer._config.args import TrainingArgs
+from ray_trainer._model.spec import ModelSpec, is_builtin, is_causal_lm
 from ray_trainer._storage import locate
-from ray_trainer._worker.loader import ignores_labels
-from ray_trainer._worker.loading import Materialize, build_model
-from ray_trainer._worker.lora import LoraAdapters, WholeModel, adapt
+from ray_trainer._worker.model.adaptation import LoraAdapters, WholeModel, adapt
+from ray_trainer._worker.model.build import Materialize, build_model
+from ray_trainer._worker.step.micro_batches import ignores_labels
 
 logger = logging.getLogger("ray_trainer")
 
@@ -92,11 +92,11 @@ def build_workload(
     model, materialize, adaptation = adapt(model, materialize, spec, args)
     packed_layout = False
     if args.packing:  # each sample attends to itself alone, without a [T, T] mask
-        from ray_trainer._worker.packed_attention import use_packed_attention
+        from ray_trainer._worker.model.packed_attention import use_packed_attention
 
         packed_layout = use_packed_attention(model)
     if args.loss_fn is None and args.chunked_loss and is_causal_lm(model) and _is_hf(model):
-        from ray_trainer._worker.chunked_loss import use_chunked_loss
+        from ray_trainer._worker.model.chunked_loss import use_chunked_loss
 
         reason = use_chunked_loss(model, args.loss_chunk_size)
         if reason is not None:  # said once per worker
@@ -232,7 +232,7 @@ def _dataset(
     references: dict,
 ) -> Dataset:
     if field in caches:
-        from ray_trainer._worker.loader import CachedDataset
+        from ray_trainer._worker.step.micro_batches import CachedDataset
 
         # The cache the driver named (a path or URI), on the run's storage.
         cache = locate(caches[field], args.storage_filesystem)

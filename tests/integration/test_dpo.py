@@ -206,7 +206,7 @@ def prepare_references_plan(args) -> dict[str, str]:
     """The reference folders a run would use, without computing them."""
     from ray_trainer._driver.data import plan_data
     from ray_trainer._driver.reference import reference_dtype
-    from ray_trainer._models import ModelSpec
+    from ray_trainer._model.spec import ModelSpec
     from ray_trainer._reference import reference_key, reference_location
 
     spec = ModelSpec.of(args)

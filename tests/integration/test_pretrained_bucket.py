@@ -45,7 +45,7 @@ def s3_env(bucket, monkeypatch):
 
 
 def test_a_model_on_a_bucket_loads_as_from_pretrained_loads_it_locally(s3_env):
-    from ray_trainer._models import ModelSpec, check_model_ref
+    from ray_trainer._model.spec import ModelSpec, check_model_ref
 
     uri, local = s3_env
     check_model_ref(uri)  # the driver's check: config and safetensors are there
@@ -65,7 +65,7 @@ def test_a_model_on_a_bucket_loads_as_from_pretrained_loads_it_locally(s3_env):
 
 
 def test_a_range_of_rows_is_read_in_place(s3_env):
-    from ray_trainer._pretrained import SafetensorsFiles, pretrained_folder
+    from ray_trainer._model.pretrained import SafetensorsFiles, pretrained_folder
 
     uri, local = s3_env
     with (
@@ -78,7 +78,7 @@ def test_a_range_of_rows_is_read_in_place(s3_env):
 
 
 def test_a_bucket_folder_without_safetensors_is_refused_before_training(s3_env):
-    from ray_trainer._models import ModelLoadError, check_model_ref
+    from ray_trainer._model.spec import ModelLoadError, check_model_ref
 
     with pytest.raises(ModelLoadError, match=r"config-only.*no \*\.safetensors"):
         check_model_ref(f"s3://{BUCKET}/models/config-only")

@@ -243,8 +243,8 @@ def test_every_panel_returns_the_runs_series_from_a_real_prometheus(cluster, tmp
     assert outcome["global_step"] == MAX_STEPS and outcome["callback_errors"] == [], outcome
 
     # The dashboard goes where this session's Grafana provisions Ray's own from.
-    from ray_trainer._monitoring import install
+    from ray_trainer._client import grafana
 
-    written = install.install(os.path.join(cluster.temp_dir, "session_latest"))
+    written = grafana.install(os.path.join(cluster.temp_dir, "session_latest"))
     assert (written.parent / "default_grafana_dashboard.json").is_file()
     assert json.loads(written.read_text())["uid"] == "ray-trainer"

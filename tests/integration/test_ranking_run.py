@@ -163,7 +163,7 @@ def test_resume_keeps_the_ranking_and_the_best_checkpoint(runs):
 
 
 def test_status_shows_the_best_checkpoint_and_the_evaluations_per_checkpoint(runs):
-    from ray_trainer._driver.status import format_status
+    from ray_trainer._client.status import format_status
 
     status = runs["status"]
     print(json.dumps(status, indent=1, default=str))  # shown when an assertion fails

@@ -13,6 +13,12 @@ anywhere in a module: at the top, inside functions, under `TYPE_CHECKING`. The r
   root, `import generation_child.main` is
   `callbacks/builtin/generation/child/generation_child/main.py`.
 
+Folders: `folder_graph` condenses the graph at each package: its sub-packages are the nodes, an
+edge A -> B wherever a module at or under A imports one at or under B; `folder_circles` are that
+graph's circles, so two sibling packages that import each other (even through different modules,
+with no module circle) are found. Modules beside the sub-packages are not nodes: a package may
+stand on its parent's modules (`_worker/state.py`) and they on it.
+
 Run it as a script to print the circles: `python tests/support/import_graph.py`.
 """
 
@@ -38,6 +44,8 @@ class Graph:
     root: Path = ROOT
     files: dict[str, Path] = field(default_factory=dict)
     edges: dict[str, dict[str, int]] = field(default_factory=dict)  # src -> {dst: line}
+    # A folder graph's edges: the module import that makes each (importer, imported, line).
+    via: dict[str, dict[str, tuple[str, str, int]]] = field(default_factory=dict)
 
     def add(self, src: str, dst: str, line: int) -> None:
         if dst != src and dst in self.files:
@@ -167,10 +175,61 @@ def describe(graph: Graph, component: list[str]) -> str:
     return "\n".join(lines)
 
 
+def packages(graph: Graph) -> list[str]:
+    """The packages of the graph (a module whose file is an `__init__.py`), bench excluded."""
+    return sorted(n for n, p in graph.files.items() if p.name == "__init__.py")
+
+
+def folder_graph(graph: Graph, parent: str) -> Graph:
+    """The sub-packages of `parent` as one node each, with the imports between them (each edge
+    at the first module import that makes it)."""
+    prefix = parent + "."
+    subs = {n for n in packages(graph) if n.startswith(prefix) and "." not in n[len(prefix) :]}
+    folders = Graph(root=graph.root, files={s: graph.files[s] for s in sorted(subs)})
+
+    def folder(name: str) -> str | None:
+        if not name.startswith(prefix):
+            return None
+        top = prefix + name[len(prefix) :].split(".")[0]
+        return top if top in subs else None
+
+    for src, targets in sorted(graph.edges.items()):
+        a = folder(src)
+        for dst in targets:
+            b = folder(dst)
+            if a and b and a != b and b not in folders.edges.get(a, {}):
+                folders.edges.setdefault(a, {})[b] = 0
+                folders.via.setdefault(a, {})[b] = (src, dst, targets[dst])
+    return folders
+
+
+def folder_circles(graph: Graph) -> list[tuple[Graph, list[str]]]:
+    """Every circle between sibling packages, under every package of the project."""
+    found = []
+    for parent in packages(graph):
+        folders = folder_graph(graph, parent)
+        found += [(folders, c) for c in circles(folders)]
+    return found
+
+
+def describe_folders(folders: Graph, component: list[str]) -> str:
+    """A folder circle and, for each of its edges, one module import that makes it."""
+    members = set(component)
+    lines = [f"folder circle of {len(component)} packages: {', '.join(component)}"]
+    for src in component:
+        for dst, (module, imported, line) in sorted(folders.via.get(src, {}).items()):
+            if dst in members:
+                lines.append(f"  {src} -> {dst}: {module}:{line} imports {imported}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     g = build()
     found = circles(g)
     for c in found:
         print(describe(g, c))
-    print(f"{len(found)} circle(s) in {len(g.files)} modules")
-    sys.exit(1 if found else 0)
+    folder_found = folder_circles(g)
+    for folders, c in folder_found:
+        print(describe_folders(folders, c))
+    print(f"{len(found)} circle(s) in {len(g.files)} modules, {len(folder_found)} between folders")
+    sys.exit(1 if found or folder_found else 0)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ray_trainer._data.encode import IGNORE_INDEX
-from ray_trainer._worker.loader import count_targets
 from ray_trainer._worker.objectives.base import WorkerObjective
+from ray_trainer._worker.step.micro_batches import count_targets
 
 
 def smoothed_sum(logits: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:

@@ -369,7 +369,7 @@ def test_the_actor_is_told_what_to_keep_and_ray_trains_list_is_forgotten(tmp_pat
 
 
 def test_status_lines_show_the_best_and_each_checkpoints_evaluations():
-    from ray_trainer._driver.retention import format_checkpoints
+    from ray_trainer._client.status import format_checkpoints
 
     ranked = {
         "ranked_by": "acc",

@@ -7,8 +7,8 @@ from callbacks import CallbackManager, TrainingContext
 from ray_trainer._actor.requests import OutsideRequests
 from ray_trainer._driver import console
 from ray_trainer._driver.signals import exit_code_of, stop_reason_of
-from ray_trainer._worker import event_forwarder
-from ray_trainer._worker.hooks import Hooks
+from ray_trainer._worker.step import event_forwarder
+from ray_trainer._worker.step.hooks import Hooks
 
 
 def test_rank_0_sends_a_heartbeat_with_its_progress_when_nothing_else_went(monkeypatch):

@@ -24,8 +24,8 @@ from bench_dpo import (
     tokens_per_s,
 )
 
-from ray_trainer._worker.loader import pack_row
 from ray_trainer._worker.objectives.dpo_pairs import sequence_index
+from ray_trainer._worker.step.micro_batches import pack_row
 
 
 def test_a_padded_batch_counts_its_attention_mask():

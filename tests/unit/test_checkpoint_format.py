@@ -10,7 +10,7 @@ import torch
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._storage import locate
-from ray_trainer._worker.saving import write_state
+from ray_trainer._worker.checkpoints.saving import write_state
 
 
 def _write_full(folder, world=2, step=7):

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from ray_trainer._worker.parallel import checkpoint_forward
+from ray_trainer._worker.model.parallel import checkpoint_forward
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_trainer._worker.chunked_loss import (
+from ray_trainer._worker.model.chunked_loss import (
     IGNORE_INDEX,
     _fused_sum,
     chunked_loss_sum,

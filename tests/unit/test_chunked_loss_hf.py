@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from ray_trainer._worker.chunked_loss import IGNORE_INDEX, chunked_body, use_chunked_loss
+from ray_trainer._worker.model.chunked_loss import IGNORE_INDEX, chunked_body, use_chunked_loss
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 97
@@ -173,7 +173,7 @@ def test_each_listed_family_still_computes_its_logits_as_the_heads_projection(na
     calls its head on the hidden states and changes the logits no further."""
     import inspect
 
-    from ray_trainer._worker.chunked_loss import CHUNKED_FAMILIES
+    from ray_trainer._worker.model.chunked_loss import CHUNKED_FAMILIES
 
     cls = getattr(transformers, name)
     assert cls.config_class.model_type in CHUNKED_FAMILIES

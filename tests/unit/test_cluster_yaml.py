@@ -26,7 +26,7 @@ def raw():
 
 @pytest.fixture(scope="module")
 def run_config():
-    from ray_trainer._config import TrainingArgs
+    from ray_trainer._config.args import TrainingArgs
 
     return TrainingArgs.from_yaml(ROOT / "examples" / "cluster_run.yaml", [])
 

@@ -11,7 +11,7 @@ import pytest
 from callbacks import ALIASES, EVENTS, CallbackPicklingError, TrainerCallback
 from ray_trainer import TrainingArgs, TrainingArgsError, run_training
 from ray_trainer._data.sources import DataFileError
-from ray_trainer._models import ModelLoadError
+from ray_trainer._model.spec import ModelLoadError
 from ray_trainer._storage import locate
 
 

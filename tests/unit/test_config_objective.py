@@ -67,7 +67,7 @@ def _checkpoint(folder, objective: str | None) -> str:
     """A complete checkpoint whose trainer state records `objective` (None: written before
     DPO existed, an SFT one)."""
     from ray_trainer import _checkpoint as ckpt
-    from ray_trainer._models import ModelSpec
+    from ray_trainer._model.spec import ModelSpec
 
     os.makedirs(folder)
     state = ckpt.TrainerState(global_step=2, strategy="ddp")

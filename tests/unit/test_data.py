@@ -8,7 +8,7 @@ import torch
 
 from ray_trainer._data.encode import ByteTokenizer, Encoder
 from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
-from ray_trainer._worker.loader import collate_batch
+from ray_trainer._worker.step.micro_batches import collate_batch
 
 # ---- ByteTokenizer -------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import torch
 
 from ray_trainer._data.encode import Encoder
 from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_model
-from ray_trainer._worker.loader import collate_batch
+from ray_trainer._worker.step.micro_batches import collate_batch
 
 transformers = pytest.importorskip("transformers")
 

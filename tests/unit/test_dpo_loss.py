@@ -22,7 +22,7 @@ from preference_support import uneven_pairs
 from ray_trainer._data.encode import IGNORE_INDEX
 from ray_trainer._data.preference import PairEncoder, encode_pairs
 from ray_trainer._demo.chat import make_tiny_chat_model
-from ray_trainer._worker.chunked_loss import sequence_logprobs, shifted_targets
+from ray_trainer._worker.model.chunked_loss import sequence_logprobs, shifted_targets
 from ray_trainer._worker.objectives.dpo_loss import (
     METRICS,
     PairLogps,

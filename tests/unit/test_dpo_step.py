@@ -26,11 +26,11 @@ from preference_support import uneven_pairs
 from ray_trainer._data.cache import PieceResult, write_meta, write_piece
 from ray_trainer._data.preference import PairEncoder, encode_pairs
 from ray_trainer._demo.chat import make_tiny_chat_model
-from ray_trainer._models import ModelSpec
+from ray_trainer._model.spec import ModelSpec
 from ray_trainer._reference import reference_model, sequence_logps, slices
 from ray_trainer._storage import locate
-from ray_trainer._worker.chunked_loss import use_chunked_loss
-from ray_trainer._worker.loader import CachedDataset, StepLoader
+from ray_trainer._worker.model.chunked_loss import use_chunked_loss
+from ray_trainer._worker.model.packed_attention import use_packed_attention
 from ray_trainer._worker.objectives.dpo import DpoObjective, disable_dropout
 from ray_trainer._worker.objectives.dpo_loss import (
     PairLogps,
@@ -39,7 +39,7 @@ from ray_trainer._worker.objectives.dpo_loss import (
     split_pairs,
 )
 from ray_trainer._worker.objectives.dpo_pairs import PairDataset
-from ray_trainer._worker.packed_attention import use_packed_attention
+from ray_trainer._worker.step.micro_batches import CachedDataset, StepLoader
 
 THINGS = ("sky", "grass", "sea", "sun", "moon", "tree", "road", "snow")
 BETA = 0.1
@@ -274,7 +274,7 @@ def test_reference_slices_keep_pairs_whole():
 
 
 def test_an_elastic_runs_filler_takes_no_pair_and_the_step_still_counts_them_all(pairs):
-    from ray_trainer._worker.loader import _no_loss
+    from ray_trainer._worker.step.micro_batches import _no_loss
 
     path, _, sequences, reference = pairs
     dataset = PairDataset(sequences, reference)
@@ -298,7 +298,7 @@ def test_an_elastic_runs_filler_takes_no_pair_and_the_step_still_counts_them_all
 
 
 def test_without_lora_the_in_step_reference_is_a_frozen_copy(pairs):
-    from ray_trainer._worker.lora import WholeModel
+    from ray_trainer._worker.model.adaptation import WholeModel
     from ray_trainer._worker.objectives.dpo import in_step_reference
     from ray_trainer._worker.objectives.dpo_reference import frozen_copy
 

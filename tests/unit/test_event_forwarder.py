@@ -6,7 +6,7 @@ import concurrent.futures
 
 from callbacks import TrainerControl, TrainingContext
 from ray_trainer._contract import BatchReply
-from ray_trainer._worker.event_forwarder import EventForwarder
+from ray_trainer._worker.step.event_forwarder import EventForwarder
 
 
 class FakeActor:

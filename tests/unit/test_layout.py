@@ -2,6 +2,13 @@
 
 Reads every module's imports with `ast` (`tests/support/import_graph.py`; no import is
 executed), so an import inside a function or under `TYPE_CHECKING` counts like any other.
+
+Circles are checked twice: between modules, and between folders. A folder is a package
+directory under ray_trainer/ or callbacks/; folders are compared with their siblings, the
+sub-packages of one parent (`_worker/step/` with `_worker/model/`, `_lora/` with `_config/`),
+each standing for every module at or under it. Package A may import package B only where B
+imports nothing of A, directly or through other sibling packages, whichever modules make the
+imports: two folders that import each other are one room cut in two, even with no module circle.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import pytest
 ROOT = import_graph.ROOT
 PACKAGE = ROOT / "ray_trainer"
 CALLBACKS = ROOT / "callbacks"
-ROOMS = ("ray_trainer._driver", "ray_trainer._worker", "ray_trainer._actor")
+ROOMS = ("ray_trainer._driver", "ray_trainer._worker", "ray_trainer._actor", "ray_trainer._client")
 # The first line of every module's docstring names the process (or processes) that run it.
 PROCESS_WORDS = (
     "driver", "worker", "actor", "every process", "terminal", "eval task", "anywhere",
@@ -42,6 +49,42 @@ def _imports_of(prefix: str) -> list[tuple[str, str]]:
 def test_no_import_circle_anywhere():
     found = import_graph.circles(GRAPH)
     assert not found, "\n\n".join(import_graph.describe(GRAPH, c) for c in found)
+
+
+def test_no_import_circle_between_folders():
+    found = import_graph.folder_circles(GRAPH)
+    assert not found, "\n\n".join(import_graph.describe_folders(g, c) for g, c in found)
+
+
+def test_the_folder_check_catches_a_circle_without_a_module_circle(tmp_path):
+    # pkg/a/x.py imports pkg/b/y.py and pkg/b/z.py imports pkg/a/w.py: no module circle, but
+    # the folders a and b import each other. pkg/c/ imports a and b and nothing imports c.
+    files = {
+        "ray_trainer/__init__.py": "",
+        "ray_trainer/pkg/__init__.py": "",
+        "ray_trainer/pkg/shared.py": "from ray_trainer.pkg.c import v\n",
+        "ray_trainer/pkg/a/__init__.py": "",
+        "ray_trainer/pkg/a/x.py": "from ray_trainer.pkg.b.y import thing\n",
+        "ray_trainer/pkg/a/w.py": "",
+        "ray_trainer/pkg/b/__init__.py": "",
+        "ray_trainer/pkg/b/y.py": "thing = 1\n",
+        "ray_trainer/pkg/b/z.py": "def f():\n    from ray_trainer.pkg.a import w\n",
+        "ray_trainer/pkg/c/__init__.py": "import ray_trainer.pkg.a.x, ray_trainer.pkg.shared\n",
+        "ray_trainer/pkg/c/v.py": "",
+        "callbacks/__init__.py": "",
+        "bench/_support.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph.build(tmp_path)
+    assert import_graph.circles(graph) == []  # pkg.c and pkg.shared: a module, not a folder
+    found = import_graph.folder_circles(graph)
+    assert [c for _, c in found] == [["ray_trainer.pkg.a", "ray_trainer.pkg.b"]]
+    text = import_graph.describe_folders(*found[0])
+    assert "ray_trainer.pkg.b -> ray_trainer.pkg.a: ray_trainer.pkg.b.z:2 imports" in text
+    (tmp_path / "ray_trainer/pkg/b/z.py").write_text("")
+    assert import_graph.folder_circles(import_graph.build(tmp_path)) == []
 
 
 def test_the_graph_counts_every_kind_of_import(tmp_path):
@@ -115,6 +158,14 @@ def test_worker_and_actor_never_import_each_other():
     assert [e for e in _imports_of("ray_trainer._actor") if e[1].startswith(ROOMS[1])] == []
 
 
+def test_no_run_process_imports_the_client():
+    # The client room runs in the user's terminal: a run's driver, workers and actor never load it.
+    for room in ROOMS[:3]:
+        assert [e for e in _imports_of(room) if e[1].startswith(ROOMS[3])] == [], room
+    # ...and it stands on the shared floor only: it asks a run through its actor or the job API.
+    assert [e for e in _imports_of(ROOMS[3]) if e[1].startswith(ROOMS[:3])] == []
+
+
 def test_the_driver_reaches_the_worker_only_through_its_door():
     # The entry module imports the loop inside the function Ray Train runs in the worker.
     reached = {dst for _, dst in _imports_of("ray_trainer._driver") if dst.startswith(ROOMS[1])}
@@ -122,7 +173,7 @@ def test_the_driver_reaches_the_worker_only_through_its_door():
     entry = ast.parse((PACKAGE / "_worker" / "entry.py").read_text())
     top = [n for n in entry.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not [n for n in top if (getattr(n, "module", "") or "").startswith("ray_trainer")]
-    assert set(GRAPH.edges["ray_trainer._worker.entry"]) == {"ray_trainer._worker.loop"}
+    assert set(GRAPH.edges["ray_trainer._worker.entry"]) == {"ray_trainer._worker.step.loop"}
 
 
 def test_shared_modules_import_no_process_room():
@@ -142,7 +193,37 @@ def test_shared_modules_import_no_process_room():
         if dst.startswith(ROOMS)
     ]
     assert found == []
-    assert not [dst for dst in GRAPH.edges["ray_trainer"] if dst.startswith(ROOMS[1:])]
+    assert not [dst for dst in GRAPH.edges["ray_trainer"] if dst.startswith(ROOMS[1:3])]
+
+
+def test_the_top_holds_at_most_ten_shared_modules():
+    # Beside the rooms and the shared packages, a few modules of their own: what belongs
+    # together is a package (`_config/`, `_model/`), not more files at the top.
+    top = [p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "cli")]
+    assert len(top) <= 10, sorted(top)
+
+
+def test_the_demo_and_the_data_pipeline_stand_on_the_floor_only():
+    # `_model/spec.py` builds the demo's model and reads the data's tokenizer: the demo and the
+    # data pipeline import nothing of it (nor of `_config`, `_lora`, `_checkpoint`), only the
+    # floor's modules (`_storage.py`...), so no folder above them is imported back.
+    floor = {f"ray_trainer.{p.stem}" for p in PACKAGE.glob("_*.py")}
+    # `_reference.py` (DPO's reference log-probs, cached beside the token cache) leaves the top
+    # for the objective seam (issue 47, point 1).
+    floor.discard("ray_trainer._reference")
+    for package in ("ray_trainer._demo", "ray_trainer._data"):
+        found = [
+            (src, dst)
+            for src, dst in _imports_of(package)
+            if dst not in floor and not dst.startswith(package)
+        ]
+        assert found == [], package
+    for module in floor:
+        assert not [
+            d
+            for d in GRAPH.edges.get(module, {})
+            if d.startswith(("ray_trainer._demo", "ray_trainer._data"))
+        ], module
 
 
 def test_the_data_pipeline_imports_no_ray():
@@ -178,7 +259,7 @@ def test_every_module_names_its_process_first(path):
 def test_the_training_step_reads_in_one_screen():
     import inspect
 
-    from ray_trainer._worker import loop
+    from ray_trainer._worker.step import loop
 
     source = inspect.getsource(loop.train_step).splitlines()
     assert len(source) <= 50, f"train_step is {len(source)} lines"
@@ -202,8 +283,9 @@ REPOSITORY_TESTS = {"layout", "cluster_yaml", "docs"}
 
 def test_a_modules_unit_tests_are_found_by_its_name():
     # tests/unit/test_<name>[_<topic>].py, where <name> ends a module's or package's dotted path
-    # (underscores dropped, dots as "_"): `_worker/lora.py` -> test_worker_lora.py or
-    # test_lora_....py, `callbacks/builtin/jsonl.py` -> test_builtin_jsonl.py.
+    # (underscores dropped, dots as "_"): `_worker/model/adaptation.py` -> test_adaptation.py,
+    # test_model_adaptation_....py or test_worker_model_adaptation.py, `callbacks/builtin/jsonl.py`
+    # -> test_builtin_jsonl.py.
     names = set()
     for module in GRAPH.files:
         parts = [p.lstrip("_") for p in module.split(".")]

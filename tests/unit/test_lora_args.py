@@ -23,9 +23,9 @@ def base(tmp_path_factory):
 
 def _wrapped(model_path: str, export: str = "merged"):
     """The run's model as a DDP worker builds it (the base on meta, filled), B made non-zero."""
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._worker.loading import build_model
-    from ray_trainer._worker.lora import apply_lora
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._worker.model.adaptation import apply_lora
+    from ray_trainer._worker.model.build import build_model
 
     args = TrainingArgs(model=model_path, lora=LORA, lora_export=export)
     spec = ModelSpec.of(args)
@@ -63,7 +63,7 @@ def test_the_lora_field_takes_a_lora_config_or_a_dict_and_refuses_what_is_not_su
 
 def test_default_targets_are_every_linear_layer_inside_the_blocks(base):
     from ray_trainer._lora.config import default_targets
-    from ray_trainer._models import ModelSpec
+    from ray_trainer._model.spec import ModelSpec
 
     gpt2 = ModelSpec(model=base).build_meta_model()
     assert default_targets(gpt2, None) == ["c_attn", "c_fc", "c_proj"]  # not lm_head
@@ -78,7 +78,7 @@ def test_default_targets_are_every_linear_layer_inside_the_blocks(base):
 
 
 def test_the_base_is_frozen_and_the_optimizer_holds_the_adapters_alone(base):
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._worker.assemble import _optimizer
 
     args, _, model, _ = _wrapped(base)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -99,7 +99,7 @@ def test_the_base_is_frozen_and_the_optimizer_holds_the_adapters_alone(base):
 def test_the_merged_export_computes_what_base_plus_adapter_computes(base, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from ray_trainer._worker.lora import lora_export
+    from ray_trainer._worker.model.adaptation import lora_export
 
     args, _, model, _ = _wrapped(base)
     lora_export(model, args.lora_export, args.model).write(str(tmp_path), lambda t: t, True)
@@ -180,7 +180,7 @@ def test_a_model_peft_cannot_wrap_and_missing_target_modules_are_refused(base, t
 
 def test_resuming_across_lora_and_onto_another_base_is_refused(base, tmp_path):
     from ray_trainer._lora.fingerprint import base_fingerprint
-    from ray_trainer._models import ModelSpec
+    from ray_trainer._model.spec import ModelSpec
 
     _, spec, model, record = _wrapped(base)
     lora_ckpt = _checkpoint(tmp_path / "a" / "checkpoint_00000002", spec, model, record)
@@ -203,7 +203,7 @@ def test_resuming_across_lora_and_onto_another_base_is_refused(base, tmp_path):
 
 def test_lm_eval_opens_an_adapter_export_on_its_base_fetched_from_a_bucket(base, tmp_path):
     from callbacks import LmEval
-    from ray_trainer._worker.lora import lora_export
+    from ray_trainer._worker.model.adaptation import lora_export
 
     args, _, model, _ = _wrapped(base, export="adapter")
     uri = f"file://{base}"  # a base named by URI, as a run on a bucket names it

@@ -20,10 +20,10 @@ def base(tmp_path_factory):
 
 
 def _lora_model(base: str, **fields):
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._worker.loading import build_model
-    from ray_trainer._worker.lora import apply_lora
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._worker.model.adaptation import apply_lora
+    from ray_trainer._worker.model.build import build_model
 
     args = TrainingArgs(model=base, lora=LORA, **fields)
     spec = ModelSpec.of(args)
@@ -41,8 +41,8 @@ def _loss_and_grads(model, ids):
 
 
 def test_compiled_lora_gives_the_eager_loss_and_adapter_gradients(base):
-    from ray_trainer._compile_probe import missing_compile_toolchain
-    from ray_trainer._worker.parallel import _compile
+    from ray_trainer._model.compile_probe import missing_compile_toolchain
+    from ray_trainer._worker.model.parallel import _compile
 
     if missing_compile_toolchain(False):
         pytest.skip(missing_compile_toolchain(False))

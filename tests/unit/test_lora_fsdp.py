@@ -23,11 +23,11 @@ def base(tmp_path_factory):
 
 def _sharded_lora(model_path: str, export: str = "both"):
     """The run's model as a worker builds it: on meta, wrapped, sharded, then filled."""
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._worker.loading import build_model
-    from ray_trainer._worker.lora import apply_lora
-    from ray_trainer._worker.parallel import _shard
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._worker.model.adaptation import apply_lora
+    from ray_trainer._worker.model.build import build_model
+    from ray_trainer._worker.model.parallel import _shard
 
     args = TrainingArgs(model=model_path, lora=LORA, strategy="fsdp", lora_export=export)
     spec = ModelSpec.of(args)
@@ -40,7 +40,7 @@ def _sharded_lora(model_path: str, export: str = "both"):
 
 
 def _optimizer(args, model):
-    from ray_trainer._worker.setup import _optimizer
+    from ray_trainer._worker.assemble import _optimizer
 
     return _optimizer(model, args, torch.device("cpu"))
 
@@ -48,9 +48,9 @@ def _optimizer(args, model):
 def save_zero_load(rank: int, world: int, model_path: str, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ray_trainer._worker.lora import LoraAdapters
-    from ray_trainer._worker.resume import load_shards
-    from ray_trainer._worker.saving import sharded_state
+    from ray_trainer._worker.checkpoints.resume import load_shards
+    from ray_trainer._worker.checkpoints.saving import sharded_state
+    from ray_trainer._worker.model.adaptation import LoraAdapters
 
     args, model, record = _sharded_lora(model_path)
     optimizer = _optimizer(args, model)
@@ -88,8 +88,8 @@ def test_every_ranks_part_of_every_adapter_is_saved_and_found_back(base, tmp_pat
 
 
 def export_and_compare(rank: int, world: int, model_path: str, folder: str) -> dict:
-    from ray_trainer._worker.export import full_tensor as _full
-    from ray_trainer._worker.lora import lora_export
+    from ray_trainer._worker.checkpoints.export import full_tensor as _full
+    from ray_trainer._worker.model.adaptation import lora_export
 
     args, model, _ = _sharded_lora(model_path)
     with torch.no_grad():  # non-zero B: the merge must add something
@@ -133,7 +133,7 @@ def test_merged_and_adapter_exports_of_a_sharded_model_compute_what_it_computes(
 def chunked_against_own(rank: int, world: int, model_path: str) -> dict:
     """The same sharded LoRA model, with its own loss and with the chunked loss: each rank's
     loss and every adapter's whole gradient (gathered)."""
-    from ray_trainer._worker.chunked_loss import use_chunked_loss
+    from ray_trainer._worker.model.chunked_loss import use_chunked_loss
 
     generator = torch.Generator().manual_seed(rank)  # each rank its own rows
     ids = torch.randint(3, 16, (2, 12), generator=generator)  # the tiny vocabulary

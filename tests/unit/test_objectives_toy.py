@@ -19,9 +19,9 @@ from toy_objective import SMOOTHED_SFT, registered
 
 from ray_trainer import TrainingArgs
 from ray_trainer._objectives import names
-from ray_trainer._worker.loader import StepLoader
 from ray_trainer._worker.objectives import worker_objective
 from ray_trainer._worker.objectives.sft import SftObjective
+from ray_trainer._worker.step.micro_batches import StepLoader
 from ray_trainer._worker.workload import build_workload
 
 SMOOTHING = 0.2

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ray_trainer import TrainingArgs
-from ray_trainer._worker.offload import ActivationOffload, build_offload
+from ray_trainer._worker.model.offload import ActivationOffload, build_offload
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_trainer._data.packing import layout
-from ray_trainer._worker.packed_attention import packed_attention
+from ray_trainer._worker.model.packed_attention import packed_attention
 
 HEADS, DIM = 2, 8
 

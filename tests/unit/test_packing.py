@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ray_trainer._data.packing import epoch_order, micro_batches_per_rank, pack, pack_step
-from ray_trainer._worker.loader import StepLoader, collate_batch
+from ray_trainer._worker.step.micro_batches import StepLoader, collate_batch
 
 
 class Lengths(torch.utils.data.Dataset):

@@ -54,10 +54,10 @@ def _load_sharded(rank, world, paths, strategy):
 def _load_one(world, path, strategy):
     from accelerate import Accelerator
 
-    from ray_trainer._config import TrainingArgs
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._worker.loading import build_model
-    from ray_trainer._worker.parallel import prepare
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._worker.model.build import build_model
+    from ray_trainer._worker.model.parallel import prepare
 
     args = TrainingArgs(model=path, strategy=strategy, num_workers=world, mixed_precision="no")
     model, materialize = build_model(ModelSpec.of(args))
@@ -118,8 +118,8 @@ def test_fsdp_on_two_ranks_loads_what_from_pretrained_loads(gpt2, llama):
 
 
 def test_ddp_loads_the_whole_model_in_one_process(gpt2, llama, monkeypatch):
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._pretrained import fill
+    from ray_trainer._model.pretrained import fill
+    from ray_trainer._model.spec import ModelSpec
 
     monkeypatch.setattr(fill, "CHUNK_BYTES", 100)  # bf16 -> fp32 through many small reads
 
@@ -135,8 +135,8 @@ def test_ddp_loads_the_whole_model_in_one_process(gpt2, llama, monkeypatch):
 def test_a_parameter_the_files_lack_is_refused_by_name(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._pretrained import WeightsError
+    from ray_trainer._model.pretrained import WeightsError
+    from ray_trainer._model.spec import ModelSpec
 
     path = tiny_llama(tmp_path / "m", torch.float32, max_shard_size="10MB")
     weights = load_file(os.path.join(path, "model.safetensors"))
@@ -147,8 +147,8 @@ def test_a_parameter_the_files_lack_is_refused_by_name(tmp_path):
 
 
 def test_a_shape_that_differs_from_the_config_is_refused(tmp_path):
-    from ray_trainer._models import ModelSpec
-    from ray_trainer._pretrained import WeightsError
+    from ray_trainer._model.pretrained import WeightsError
+    from ray_trainer._model.spec import ModelSpec
 
     path = tiny_llama(tmp_path / "m", torch.float32, max_shard_size="10MB")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -161,7 +161,7 @@ def test_a_shape_that_differs_from_the_config_is_refused(tmp_path):
 def test_a_tensor_left_on_the_meta_device_is_refused_by_name():
     from torch import nn
 
-    from ray_trainer._pretrained import WeightsError, check_materialized
+    from ray_trainer._model.pretrained import WeightsError, check_materialized
 
     class Block(nn.Module):
         def __init__(self):

@@ -15,7 +15,7 @@ from pyarrow import fs as pafs
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer import load_model
-from ray_trainer._models import ModelSpec
+from ray_trainer._model.spec import ModelSpec
 from ray_trainer._storage import local_copy, locate
 
 

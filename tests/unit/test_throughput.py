@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from callbacks import TrainerControl
-from ray_trainer._worker import throughput as tp
-from ray_trainer._worker.agreement import Agreement
-from ray_trainer._worker.setup import optimizer_options
+from ray_trainer._worker.assemble import optimizer_options
+from ray_trainer._worker.step import throughput as tp
+from ray_trainer._worker.step.agreement import Agreement
 
 
 def test_tokens_exclude_padding_by_mask_pad_id_or_labels():
@@ -98,7 +98,7 @@ def test_fused_adamw_on_cuda_only():
 def test_a_missing_compiler_is_named_with_the_fix(monkeypatch):
     import shutil
 
-    from ray_trainer._compile_probe import missing_compile_toolchain
+    from ray_trainer._model.compile_probe import missing_compile_toolchain
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)

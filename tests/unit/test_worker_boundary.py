@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from callbacks import TrainerControl
-from ray_trainer._worker.agreement import FLAGS, decode, encode
 from ray_trainer._worker.boundary import Decision, Schedule, decide
-from ray_trainer._worker.resume import position_after
+from ray_trainer._worker.checkpoints.resume import position_after
+from ray_trainer._worker.step.agreement import FLAGS, decode, encode
 
 SCHEDULE = Schedule(total_steps=100, log_every_steps=10, eval_every_steps=25, save_every_steps=50)
 NOTHING = TrainerControl()

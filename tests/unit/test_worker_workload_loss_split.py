@@ -75,13 +75,13 @@ def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=Non
 
     from callbacks import CallbackManager, TrainerCallback, TrainingContext
     from ray_trainer import TrainingArgs
-    from ray_trainer._worker.hooks import Hooks
-    from ray_trainer._worker.loader import CachedDataset, StepLoader
-    from ray_trainer._worker.loop import train_step
+    from ray_trainer._worker.model.packed_attention import use_packed_attention
+    from ray_trainer._worker.model.parallel import Replicated, prepare
     from ray_trainer._worker.objectives.sft import SftObjective
-    from ray_trainer._worker.packed_attention import use_packed_attention
-    from ray_trainer._worker.parallel import Replicated, prepare
     from ray_trainer._worker.state import WorkerState
+    from ray_trainer._worker.step.hooks import Hooks
+    from ray_trainer._worker.step.loop import train_step
+    from ray_trainer._worker.step.micro_batches import CachedDataset, StepLoader
     from ray_trainer._worker.workload import Workload, model_loss
 
     class Grads(TrainerCallback):
@@ -99,7 +99,7 @@ def _step(rank, world, batch, accum, packing, model_path, cache, elastic_max=Non
     model = AutoModelForCausalLM.from_pretrained(model_path)
     layout = packing and use_packed_attention(model)  # as build_workload does
     if chunk is not None:
-        from ray_trainer._worker.chunked_loss import use_chunked_loss
+        from ray_trainer._worker.model.chunked_loss import use_chunked_loss
 
         assert use_chunked_loss(model, chunk) is None
     acc = Accelerator(cpu=True)
@@ -170,8 +170,8 @@ def test_the_worker_check_accepts_a_model_that_keeps_packed_samples_apart(setup)
 
     from transformers import AutoModelForCausalLM
 
-    from ray_trainer._worker.packed_attention import use_packed_attention
-    from ray_trainer._worker.packing_check import PackingError, check_packed_attention
+    from ray_trainer._worker.model.packed_attention import use_packed_attention
+    from ray_trainer._worker.model.packing_check import PackingError, check_packed_attention
 
     model = AutoModelForCausalLM.from_pretrained(setup[0]).train()
     model.config.use_cache = False  # as training runs it
@@ -194,7 +194,7 @@ def test_the_worker_check_refuses_a_model_without_position_ids():
     from contextlib import nullcontext
 
     from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
-    from ray_trainer._worker.packing_check import PackingError, check_packed_attention
+    from ray_trainer._worker.model.packing_check import PackingError, check_packed_attention
 
     with pytest.raises(PackingError, match="does not take position_ids"):
         check_packed_attention(TinyCausalLM(TinyLMConfig(vocab_size=20)), "cpu", nullcontext, 12)

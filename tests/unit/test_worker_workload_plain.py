@@ -9,8 +9,8 @@ import torch
 from plain_torch_support import LossModel, PlainPairs, PredictModel, mse
 from torch.utils.data import default_collate
 
-from ray_trainer._worker.loader import count_targets
 from ray_trainer._worker.objectives.sft import SftObjective
+from ray_trainer._worker.step.micro_batches import count_targets
 from ray_trainer._worker.workload import Workload, model_loss, zero_loss
 
 

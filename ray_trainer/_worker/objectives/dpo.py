@@ -23,7 +23,7 @@ from torch import nn
 from ray_trainer._data.encode import IGNORE_INDEX
 from ray_trainer._objectives.dpo import DPO
 from ray_trainer._storage import locate
-from ray_trainer._worker.lora import WholeModel
+from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
 from ray_trainer._worker.objectives.dpo_loss import (
     DpoSums,
@@ -42,7 +42,7 @@ def logps_from_logits(
     """Each sequence's summed target log-probability from full logits (a model the chunked
     loss does not apply to): the same sums as ``chunked_loss.sequence_logprobs``. With no
     target, zeros that still reach the logits (so every parameter gets a zero gradient)."""
-    from ray_trainer._worker.chunked_loss import shifted_targets
+    from ray_trainer._worker.model.chunked_loss import shifted_targets
 
     targets = shifted_targets(labels)
     keep = targets != IGNORE_INDEX

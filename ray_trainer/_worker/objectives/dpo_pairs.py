@@ -17,7 +17,12 @@ import torch
 from torch.utils.data import Dataset
 
 from ray_trainer._data.cache import TokenCache
-from ray_trainer._worker.loader import CachedDataset, MicroBatch, collate_batch, pack_row
+from ray_trainer._worker.step.micro_batches import (
+    CachedDataset,
+    MicroBatch,
+    collate_batch,
+    pack_row,
+)
 
 
 class PairDataset(Dataset):

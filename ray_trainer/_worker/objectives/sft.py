@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ray_trainer._objectives.sft import SFT
-from ray_trainer._worker.loader import count_targets, ignores_labels
 from ray_trainer._worker.objectives.base import WorkerObjective
+from ray_trainer._worker.step.micro_batches import count_targets, ignores_labels
 from ray_trainer._worker.workload import zero_loss
 
 

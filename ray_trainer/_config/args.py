@@ -1,0 +1,476 @@
+"""Every process: `TrainingArgs`, validated in the driver before any Ray resource is taken.
+
+Runs in the driver. The validated args travel to the workers (and to the callback actor) as a
+plain dict; the objects in them (model factories, datasets, callbacks) travel cloudpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from callbacks import ALIASES, EVENTS
+from ray_trainer._errors import TrainingArgsError
+from ray_trainer._objectives import check_fields, objective_of
+
+HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
+
+#: An elastic run's default `max_failures`: Ray Train counts a node lost without a preemption
+#: notice as a worker-group failure, and each lost spot node costs one.
+ELASTIC_MAX_FAILURES = 10
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class TrainingArgs(BaseModel):
+    """Arguments of one training run.
+
+    Args:
+        model: ``None`` or ``"tiny-lm"`` for the built-in demo transformer; a callable returning
+            an ``nn.Module``; or a Hugging Face causal LM name, local path or bucket URI
+            (``ray-trainer[hf]``).
+        data: ``None`` for the built-in addition task; a JSONL file of text; a torch ``Dataset``;
+            or a callable returning one.
+        max_steps: optimizer steps to train for (``None``: ``num_epochs`` passes over the data).
+        batch_size: micro-batch size per worker; the global batch is
+            ``batch_size * grad_accum_steps * num_workers`` (with an elastic
+            ``num_workers=(min, max)``, of ``max`` at every size).
+        callbacks: callback instances or functions; ``on_<event>`` fields take a function or a list.
+
+    Example:
+        >>> args = TrainingArgs(max_steps=200, num_workers=2, save_every_steps=50)
+        >>> args.batch_size
+        32
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=False)
+
+    # What to train.
+    model: str | Callable[..., Any] | None = None
+    data: str | Any | None = None
+    val_data: str | Any | None = None
+    loss_fn: Callable[..., Any] | None = None
+    tokenizer: str | None = None
+    # Hugging Face names are loaded from a local folder or the HF cache only, unless this is set.
+    allow_download: bool = False
+    text_field: str = "text"
+    max_length: int = Field(128, gt=0)
+    demo: dict[str, Any] = Field(default_factory=dict)
+    # Chat data and packing (docs/chat.md). A Jinja chat template, or the path of a file with
+    # one: it overrides the tokenizer's own.
+    chat_template: str | None = None
+    # Which tokens take the loss in chat records: every assistant turn (and the token that ends
+    # it), the last assistant turn only, or every token.
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    # Pack samples into micro-batches of at most `max_tokens_per_batch` tokens, without padding
+    # (default: batch_size x max_length).
+    packing: bool = False
+    max_tokens_per_batch: int | None = Field(None, gt=0)
+    # A Hugging Face causal LM of a checked family computes its loss over the positions that
+    # have a target only, `loss_chunk_size` positions at a time, never holding the full logits
+    # (docs/large-models.md); default: a chunk's fp32 logits near 32 MiB, at least 256 positions.
+    chunked_loss: bool = True
+    loss_chunk_size: int | None = Field(None, gt=0)
+    # What the run trains for: one of the registered objectives (`ray_trainer._objectives`):
+    # "sft" (the next-token loss), or "dpo" (docs/preference.md): pairs {prompt, chosen,
+    # rejected} against a reference (the model as DPO starts), with TRL 1.16's losses. The
+    # fields below belong to DPO.
+    objective: str = "sft"
+    dpo_beta: float = Field(0.1, gt=0)
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    # Conservative DPO (sigmoid only): the probability that a pair's preference is flipped.
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    # The reference's log-probs computed once before training, by Ray tasks, into the token
+    # cache; False: in each step (LoRA: the base with the adapters off; else a frozen copy).
+    precompute_reference: bool = True
+
+    # How long and how.
+    max_steps: int | None = Field(None, gt=0)
+    num_epochs: int = Field(1, gt=0)
+    batch_size: int = Field(32, gt=0)
+    grad_accum_steps: int = Field(1, gt=0)
+    learning_rate: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
+    seed: int = 42
+
+    # Parallelism (docs/large-models.md).
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    # Class names of the blocks FSDP shards one by one (default: the model's _no_split_modules,
+    # else the children of its nn.ModuleLists); each is also the unit of activation checkpointing.
+    fsdp_shard_modules: list[str] | None = None
+    fsdp_reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    # Move what forward saves for backward to pinned host memory (a GPU only; with activation
+    # checkpointing, the checkpointed blocks' inputs), and back for backward.
+    offload_activations: bool = False
+    # Every checkpoint of a Hugging Face model holds <checkpoint>/hf/ (from_pretrained loads it).
+    save_hf_format: bool = True
+    # torch.compile the model: each block under FSDP, the whole model under DDP.
+    compile: bool = False
+    # LoRA (docs/lora.md, ray-trainer[lora]): a peft.LoraConfig or a dict of its fields; the
+    # base is frozen, only the adapters train. What each checkpoint's hf/ holds: the PEFT
+    # adapter, the merged model, or both (merged in hf/, adapter in hf_adapter/).
+    lora: Any = None
+    lora_export: Literal["adapter", "merged", "both"] = "adapter"
+    # The peak FLOP/s of one device, for MFU in the logs (default: a table of known GPUs).
+    peak_flops: float | None = Field(None, gt=0)
+
+    # Scaling. A fixed size, or elastic: (min, max) workers, as many as the cluster can place
+    # (docs/cluster.md, "Elastic training"); the global batch is always that of `max`.
+    num_workers: int | tuple[int, int] = 2
+    # Elastic runs: how often Ray Train looks for room to grow the worker group.
+    elastic_resize_interval_s: float = Field(60.0, gt=0)
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+
+    # Checkpoints, evaluation, logging.
+    save_every_steps: int | None = Field(None, gt=0)
+    save_at_end: bool = True
+    # Write checkpoints in the background: training pauses only to copy the state to host
+    # memory (docs/large-models.md, "Asynchronous checkpoints").
+    async_checkpoint: bool = False
+    num_checkpoints_to_keep: int | None = Field(None, gt=0)
+    # Rank checkpoints by this metric (from on_evaluate, else the logs), best first; with
+    # num_checkpoints_to_keep the N best are kept, plus the newest (docs/evaluation.md).
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: Literal["max", "min"] = "max"
+    eval_every_steps: int | None = Field(None, gt=0)
+    eval_max_batches: int | None = Field(None, gt=0)
+    log_every_steps: int = Field(10, gt=0)
+    storage_path: str = "~/ray_trainer_runs"  # a local or shared path, or a URI (s3://...)
+    storage_filesystem: Any = None  # a pyarrow.fs.FileSystem: storage_path is a path on it
+    run_name: str | None = None
+    resume_from: str | None = None
+
+    # Callback machinery (docs/behaviour.md, "Forwarding to the callback actor").
+    callback_timeout_s: float = Field(60.0, gt=0)
+    eval_timeout_s: float = Field(600.0, gt=0)
+    actor_queue_size: int = Field(10_000, gt=0)
+    event_batch_size: int = Field(256, gt=0)
+    event_flush_interval_s: float = Field(0.25, gt=0)
+    event_max_in_flight: int = Field(4, gt=0)
+
+    # Cluster and faults.
+    # Worker-group failures to recover from (None: 0 for a fixed size; for an elastic size,
+    # ELASTIC_MAX_FAILURES, so that losing a node does not end the run).
+    max_failures: int | None = Field(None, ge=-1)
+    # Starting a worker group that cannot be placed (a node was lost, the cluster shrank) fails
+    # after this long, and is retried `max_start_retries` times, then the run fails clearly
+    # (None: 2 for a fixed size; for an elastic size ELASTIC_MAX_FAILURES, since Ray Train's
+    # first start after a node loss may still count the lost node, and fail once).
+    worker_start_timeout_s: float = Field(60.0, gt=0)
+    max_start_retries: int | None = Field(None, ge=-1)
+    ray_address: str | None = None
+    # The embedded local Ray starts its dashboard on 127.0.0.1 (its URL is printed at the start).
+    dashboard: bool = True
+    # RayMetrics added when the run has none (None: where the run joins a cluster by address
+    # and its nodes export metrics; see _driver/metrics.py).
+    ray_metrics: bool | None = None
+
+    # Callbacks: instances or functions, and one flat field per event and alias.
+    callbacks: list[Any] = Field(default_factory=list)
+    on_init_end: HookSpec = None
+    on_train_begin: HookSpec = None
+    on_epoch_begin: HookSpec = None
+    on_step_begin: HookSpec = None
+    on_before_forward: HookSpec = None
+    on_after_forward: HookSpec = None
+    on_before_backward: HookSpec = None
+    on_after_backward: HookSpec = None
+    on_before_optimizer_step: HookSpec = None
+    on_after_optimizer_step: HookSpec = None
+    on_log: HookSpec = None
+    on_evaluate: HookSpec = None
+    on_save: HookSpec = None
+    on_load_checkpoint: HookSpec = None
+    on_step_end: HookSpec = None
+    on_epoch_end: HookSpec = None
+    on_train_end: HookSpec = None
+    on_exception: HookSpec = None
+    on_pre_optimizer_step: HookSpec = None
+    on_optimizer_step: HookSpec = None
+    on_checkpoint: HookSpec = None
+    on_validation_loss: HookSpec = None
+
+    @field_validator("objective")
+    @classmethod
+    def _registered_objective(cls, value: str) -> str:
+        return objective_of(value).name
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, v: str | None) -> str | None:
+        if v is not None and not _RUN_NAME.match(v):
+            raise ValueError(
+                f"run_name {v!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
+                "letter or digit (it names a folder and a Ray actor)"
+            )
+        return v
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _check_num_workers(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ValueError("num_workers takes a number or [min, max] (two whole numbers)")
+            low, high = v
+            if low < 1 or low > high:
+                raise ValueError(
+                    f"num_workers=[{low}, {high}]: an elastic size needs 1 <= min <= max; "
+                    "e.g. num_workers=[1, 4] trains on 1 to 4 workers"
+                )
+            return (low, high) if low < high else low
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError("num_workers must be at least 1")
+        return v
+
+    @field_validator("data", "val_data")
+    @classmethod
+    def _check_data(cls, v: Any) -> Any:
+        if isinstance(v, (str, os.PathLike)):
+            return os.fspath(v)
+        if v is None or callable(v) or hasattr(v, "__getitem__"):
+            return v
+        raise ValueError(
+            f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
+            "returning a Dataset"
+        )
+
+    @field_validator("lora")
+    @classmethod
+    def _check_lora(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        from ray_trainer._lora.config import normalise_lora
+
+        return normalise_lora(v)
+
+    @field_validator("storage_filesystem")
+    @classmethod
+    def _check_filesystem(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        import pyarrow.fs
+
+        if not isinstance(v, pyarrow.fs.FileSystem):
+            raise ValueError(
+                f"got {type(v).__name__}; pass a pyarrow.fs.FileSystem (e.g. "
+                "pyarrow.fs.S3FileSystem(endpoint_override=...)), or None and a URI in "
+                "storage_path"
+            )
+        return v
+
+    @field_validator("callbacks", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: Any) -> Any:
+        return v if isinstance(v, (list, tuple)) else [v]
+
+    @field_validator(*sorted(EVENTS | set(ALIASES)), mode="before")
+    @classmethod
+    def _check_hook(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        fns = list(v) if isinstance(v, (list, tuple)) else [v]
+        for fn in fns:
+            if not callable(fn) or isinstance(fn, type):
+                raise ValueError(
+                    f"got {fn!r}; pass a function taking (context) or a list of such functions"
+                )
+        return fns
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> TrainingArgs:
+        if self.val_data is not None and self.data is None:
+            raise ValueError("val_data needs data: set data too, or drop val_data")
+        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
+            raise ValueError(
+                "mixed_precision='fp16' with strategy='fsdp': FSDP's mixed precision here is "
+                "bf16 parameters with fp32 reduction; use mixed_precision='bf16' (or 'auto')"
+            )
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError("max_grad_norm must be positive, or None to turn clipping off")
+        if self.max_tokens_per_batch is not None and not self.packing:
+            raise ValueError(
+                "max_tokens_per_batch bounds packed micro-batches: set packing=True too, or drop it"
+            )
+        too_small = (self.max_tokens_per_batch or self.max_length) < self.max_length
+        if self.packing and too_small:
+            raise ValueError(
+                f"max_tokens_per_batch={self.max_tokens_per_batch} is below max_length="
+                f"{self.max_length}: a sample of max_length tokens would not fit; raise it "
+                "(or lower max_length)"
+            )
+        if self.elastic and self.placement_strategy.startswith("STRICT_"):
+            raise ValueError(
+                f"placement_strategy={self.placement_strategy!r} with an elastic num_workers="
+                f"{list(self.num_workers)}: a strict placement cannot follow nodes that come "
+                "and go (the group would wait for its exact shape); use 'PACK' or 'SPREAD', or "
+                "a fixed num_workers"
+            )
+        if self.offload_activations and self.compile:
+            raise ValueError(
+                "offload_activations=True with compile=True: the offload hooks run in eager "
+                "autograd and are not checked under torch.compile; drop one of them (with a "
+                "compiled model, activation_checkpointing=True saves memory instead)"
+            )
+        if self.loss_chunk_size is not None and not self.chunked_loss:
+            raise ValueError(
+                "loss_chunk_size sizes the chunked loss: drop it, or set chunked_loss=True"
+            )
+        _check_ranking(self)
+        check_fields(self)  # another objective's fields, then the objective's own checks
+        return self
+
+    # ---- scaling --------------------------------------------------------------------------
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count follows the cluster: ``num_workers=(min, max)``."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers; a step always takes the samples of this many (the global batch)."""
+        return self.num_workers[1] if self.elastic else self.num_workers
+
+    @property
+    def failures_allowed(self) -> int:
+        """`max_failures`, resolved (-1: no bound)."""
+        if self.max_failures is not None:
+            return self.max_failures
+        return ELASTIC_MAX_FAILURES if self.elastic else 0
+
+    @property
+    def start_retries_allowed(self) -> int:
+        """`max_start_retries`, resolved (-1: no bound). Ray Train never resets the count."""
+        if self.max_start_retries is not None:
+            return self.max_start_retries
+        return ELASTIC_MAX_FAILURES if self.elastic else 2
+
+    @property
+    def tokens_per_micro_batch(self) -> int | None:
+        """With packing: the most tokens a packed micro-batch holds (None without packing)."""
+        if not self.packing:
+            return None
+        return self.max_tokens_per_batch or self.batch_size * self.max_length
+
+    # ---- construction helpers -------------------------------------------------------------
+
+    @classmethod
+    def coerce(cls, args: TrainingArgs | dict | None = None, **fields: Any) -> TrainingArgs:
+        """Build from a TrainingArgs, a dict, or keyword fields; raise `TrainingArgsError`."""
+        if args is None:
+            data: dict[str, Any] = {}
+        elif isinstance(args, TrainingArgs):
+            data = dict(args.__dict__)
+        elif isinstance(args, dict):
+            data = dict(args)
+        else:
+            raise TrainingArgsError(
+                f"run_training() takes a TrainingArgs, a dict or keyword fields, not "
+                f"{type(args).__name__}"
+            )
+        data.update(fields)
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise TrainingArgsError(format_validation_error(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainingArgs:
+        """Load args from a YAML file, then apply ``key=value`` overrides (values parsed as YAML).
+
+        Callbacks in YAML are import strings (``"callbacks:EarlyStopping"``) or mappings with a
+        ``class`` key and constructor arguments (``{class: callbacks:EarlyStopping, metric: loss}``).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise TrainingArgsError(f"{path}: config file not found")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise TrainingArgsError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise TrainingArgsError(
+                f"{path}: the top level must be a mapping of TrainingArgs fields"
+            )
+        from ray_trainer._config.files import import_entries, parse_overrides
+
+        raw.update(parse_overrides(overrides or []))
+        try:
+            return cls.coerce(import_entries(raw, str(path)))
+        except TrainingArgsError as e:
+            if str(e).startswith(f"{path}: "):
+                raise
+            raise TrainingArgsError(f"{path}: {e}") from None
+
+    def resolved_run_name(self) -> str:
+        return self.run_name or "run"
+
+    def to_public_dict(self) -> dict[str, Any]:
+        """The args as a dict of plain values (objects shown by their repr), for contexts/logs."""
+        out: dict[str, Any] = {}
+        for k, v in self.__dict__.items():
+            if v is None or isinstance(v, (str, int, float, bool)):
+                out[k] = v
+            elif isinstance(v, tuple) and k == "num_workers":
+                out[k] = list(v)
+            elif isinstance(v, dict):
+                out[k] = dict(v)
+            elif k == "callbacks" or k in EVENTS or k in ALIASES:
+                out[k] = [getattr(c, "__qualname__", type(c).__name__) for c in v]
+            else:
+                out[k] = repr(v)
+        # The names of the objective's own metrics in each log's batch_metrics (the built-in
+        # trackers export those: `callbacks.builtin.common.objective_metrics`).
+        out["objective_metrics"] = list(objective_of(self.objective).metrics)
+        return out
+
+
+def _check_ranking(args: TrainingArgs) -> None:
+    """`checkpoint_score_attribute` ranks checkpoints: it needs a metric name and checkpoints."""
+    name = args.checkpoint_score_attribute
+    if name is None:
+        return
+    if not name.strip():
+        raise ValueError(
+            "checkpoint_score_attribute is empty; name a metric (e.g. 'val_loss' or an "
+            "EvalOnSave metric), or None to keep checkpoints by age"
+        )
+    if args.save_every_steps is None and not args.save_at_end:
+        raise ValueError(
+            f"checkpoint_score_attribute={name!r} ranks checkpoints, but this run saves none "
+            "(save_every_steps=None, save_at_end=False); set save_every_steps"
+        )
+
+
+def format_validation_error(e: ValidationError) -> str:
+    lines = [f"invalid TrainingArgs ({e.error_count()} problem(s)):"]
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(args)"
+        if err["type"] == "extra_forbidden":
+            import difflib
+
+            close = difflib.get_close_matches(field, TrainingArgs.model_fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"  - {field}: unknown field{hint}")
+            continue
+        value = err.get("input")
+        shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+        lines.append(f"  - {field}: {err['msg']} (got {shown})")
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+"""Workers, driver and eval tasks: how a run's model is built (demo, factory, Hugging Face).
+
+``ModelSpec`` says how to build the model of a run; ``build_model`` builds it in any process: in
+each training worker, and in ``load_model`` (a notebook, an evaluation task), from the spec a
+checkpoint records. Hugging Face models need the optional extra ``ray-trainer[hf]``
+(transformers). :func:`check_model_ref` runs in the driver before Ray starts, so that a wrong
+model name fails at once. Nothing is ever downloaded unless ``allow_download=True``: a name must
+be a local directory, a bucket URI (``s3://...``: config and tokenizer are read from it, the
+safetensors weights in place, see ``_model/pretrained/``) or a model already in the Hugging Face
+cache.
+Training workers build a pretrained model with safetensors weights on the meta device and fill
+it once sharded (``_worker/model/build.py``); its weights are fp32 whatever the files hold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ray_trainer._storage import is_uri
+
+BUILTIN_MODELS = ("tiny-lm", "demo")
+_INSTALL_HINT = "pip install 'ray-trainer[hf]'"
+
+
+@dataclass
+class ModelSpec:
+    """How to build a run's model: the `TrainingArgs` fields that decide it. A checkpoint
+    records it (cloudpickled: a model factory travels by value) so that `load_model` can
+    rebuild the module anywhere."""
+
+    model: Any = None  # None, "tiny-lm" or "demo"; a Hugging Face name or path; or a factory
+    demo: dict[str, Any] = field(default_factory=dict)
+    on_jsonl: bool = False  # the built-in model trained on JSONL text (a byte tokenizer)
+    max_length: int = 128
+    tokenizer: str | None = None
+    allow_download: bool = False
+
+    @classmethod
+    def of(cls, args: Any) -> ModelSpec:
+        """The spec of a run's `TrainingArgs`."""
+        return cls(
+            model=args.model,
+            demo=dict(args.demo),
+            on_jsonl=args.data is not None,
+            max_length=args.max_length,
+            tokenizer=args.tokenizer,
+            allow_download=args.allow_download,
+        )
+
+    @property
+    def is_demo(self) -> bool:
+        """The built-in demo task (its model, its data)."""
+        return is_builtin(self.model)
+
+    def build_model(self) -> Any:
+        """A freshly initialised module (seed torch first for identical replicas)."""
+        from torch import nn
+
+        if self.is_demo and not self.on_jsonl:
+            from ray_trainer._demo import build_demo
+
+            return build_demo(**self.demo).model_factory()
+        if self.is_demo:
+            from ray_trainer._data.encode import ByteTokenizer
+            from ray_trainer._demo.model import TinyCausalLM, TinyLMConfig
+
+            fields = TinyLMConfig.__dataclass_fields__
+            overrides = {k: v for k, v in self.demo.items() if k in fields}
+            overrides.setdefault("max_len", self.max_length)
+            return TinyCausalLM(TinyLMConfig(vocab_size=ByteTokenizer.vocab_size, **overrides))
+        if isinstance(self.model, str):
+            import torch
+
+            folder = self.pretrained_folder()
+            if folder is None:  # not safetensors: from_pretrained, in the dtype training keeps
+                return load_hf_causal_lm(self.model, self.allow_download, dtype=torch.float32)
+            from ray_trainer._model.pretrained import SafetensorsFiles, empty_model, materialize
+
+            model = empty_model(self.hf_config())
+            with SafetensorsFiles(folder) as files:
+                materialize(model, files, torch.device("cpu"))
+            return model
+        model = self.model()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model factory {self.model!r} returned {type(model).__name__}, not an nn.Module"
+            )
+        return model
+
+    def build_meta_model(self) -> Any:
+        """The model's structure without memory (on the meta device), for the driver's checks;
+        a Hugging Face model is built from its config, its weights are never read."""
+        import torch
+
+        with torch.device("meta"):
+            if isinstance(self.model, str) and not self.is_demo:
+                transformers = load_transformers(self.model)
+                return transformers.AutoModelForCausalLM.from_config(self.hf_config())
+            return self.build_model()
+
+    def hf_config(self) -> Any:
+        """The Hugging Face config of the model (read from the bucket for a URI)."""
+        from ray_trainer._model.pretrained import config_source
+
+        transformers = load_transformers(self.model)
+        name = _check_name(self.model, "model")
+        return transformers.AutoConfig.from_pretrained(
+            config_source(name), local_files_only=not self.allow_download
+        )
+
+    def pretrained_folder(self) -> Any:
+        """The folder (a `_storage.Location`) of a pretrained Hugging Face model whose weights
+        are safetensors files, which workers load on the meta device and fill in place; None
+        for any other model."""
+        if not isinstance(self.model, str) or self.is_demo:
+            return None
+        from ray_trainer._model.pretrained import pretrained_folder
+
+        return pretrained_folder(_check_name(self.model, "model"))
+
+    def build_tokenizer(self) -> Any:
+        """The tokenizer for JSONL text: the byte tokenizer for the built-in model, the Hugging
+        Face one for a named model (or `tokenizer`), else None."""
+        if self.is_demo:
+            from ray_trainer._data.encode import ByteTokenizer
+
+            return ByteTokenizer()
+        name = self.tokenizer or (self.model if isinstance(self.model, str) else None)
+        return load_hf_tokenizer(name, allow_download=self.allow_download) if name else None
+
+    def data_tokenizer(self) -> Any:
+        """The tokenizer data is encoded with: `build_tokenizer`'s, else the byte tokenizer."""
+        tokenizer = self.build_tokenizer()
+        if tokenizer is None:
+            from ray_trainer._data.encode import ByteTokenizer
+
+            tokenizer = ByteTokenizer()
+        return tokenizer
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
+
+
+def is_builtin(model: object) -> bool:
+    """True for the built-in demo transformer: ``model=None`` or its names (``"tiny-lm"``,
+    ``"demo"``)."""
+    return model is None or (isinstance(model, str) and model in BUILTIN_MODELS)
+
+
+def is_causal_lm(model: Any) -> bool:
+    """A model that predicts token t+1 at position t (its labels are shifted inside)."""
+    from ray_trainer._demo.model import TinyCausalLM
+
+    name = type(model).__name__
+    return isinstance(model, TinyCausalLM) or name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def load_transformers(name_or_path: str) -> Any:
+    """The transformers module, or a `ModelLoadError` naming `name_or_path` and the extra."""
+    try:
+        import transformers
+    except ImportError:
+        raise ModelLoadError(
+            f"model {name_or_path!r} is not a built-in model name ({', '.join(BUILTIN_MODELS)}), "
+            f"and loading a Hugging Face model needs transformers: {_INSTALL_HINT}"
+        ) from None
+    return transformers
+
+
+def _not_found(what: str, name_or_path: str, cause: BaseException, allow_download: bool) -> str:
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        where = f"the directory {p} exists but holds no loadable {what} ({_short(cause)})"
+    elif p.exists():
+        where = f"{p} is a file; give the directory that save_pretrained wrote"
+    elif name_or_path.startswith(("/", "./", "../", "~")):
+        where = f"there is no such directory ({p.resolve()})"
+    elif allow_download:
+        where = f"it could not be loaded or downloaded ({_short(cause)})"
+    else:
+        where = (
+            "it is neither a local directory nor in the Hugging Face cache, and downloads are off; "
+            f"download it first (`hf download {name_or_path}`), or set "
+            "TrainingArgs.allow_download=True (allow_download: true in a config file)"
+        )
+    return (
+        f"{what} {name_or_path!r} is not a built-in model name ({', '.join(BUILTIN_MODELS)}) "
+        f"nor a loadable local path or cached model: {where}"
+    )
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _check_name(name_or_path: Any, what: str) -> str:
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ModelLoadError(f"{what} must be a model name or a path, got {name_or_path!r}")
+    if is_builtin(name_or_path):
+        raise ModelLoadError(
+            f"{what} {name_or_path!r} is the built-in demo transformer, not a Hugging Face model; "
+            "build it with ray_trainer._demo (TrainingArgs(model='tiny-lm') does this)"
+        )
+    return str(Path(name_or_path).expanduser()) if name_or_path.startswith("~") else name_or_path
+
+
+def check_model_ref(name_or_path: str, allow_download: bool = False) -> None:
+    """Fail fast, in the driver, on a model reference that workers could not load.
+
+    Built-in names pass. Other names must resolve to a Hugging Face config without a download
+    (unless ``allow_download``); only the config is read, never the weights.
+    """
+    if is_builtin(name_or_path):
+        return
+    name = _check_name(name_or_path, "model")
+    transformers = load_transformers(name)
+    if is_uri(name):
+        _check_bucket_model(name)
+        return
+    try:
+        transformers.AutoConfig.from_pretrained(name, local_files_only=not allow_download)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(_not_found("model", name, e, allow_download)) from e
+
+
+def _check_bucket_model(uri: str) -> None:
+    """A model on a bucket needs its config and safetensors weights there (read in place)."""
+    from ray_trainer._model.pretrained import local_files, weight_files
+    from ray_trainer._storage import locate
+
+    try:
+        local_files(uri.rstrip("/"))
+        if not weight_files(locate(uri)):
+            raise ValueError(
+                "no *.safetensors weights in it; a model on a bucket is read in "
+                "place: save it with save_pretrained(safe_serialization=True)"
+            )
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"model {uri!r}: {_short(e)}") from e
+
+
+def load_hf_causal_lm(name_or_path: str, allow_download: bool = False, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` that never downloads unless ``allow_download``.
+
+    Runs in the process that calls it (each training worker, or an evaluation task). Extra
+    keyword arguments go to ``from_pretrained`` (e.g. ``dtype``).
+    """
+    name = _check_name(name_or_path, "model")
+    transformers = load_transformers(name)
+    kwargs.setdefault("local_files_only", not allow_download)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(_not_found("model", name, e, allow_download)) from e
+
+
+def load_hf_tokenizer(name_or_path: str, allow_download: bool = False, **kwargs: Any) -> Any:
+    """``AutoTokenizer.from_pretrained`` that never downloads unless ``allow_download``.
+
+    Runs in the process that calls it. Extra keyword arguments go to ``from_pretrained``.
+    """
+    from ray_trainer._model.pretrained import config_source
+
+    name = _check_name(name_or_path, "tokenizer")
+    transformers = load_transformers(name)
+    kwargs.setdefault("local_files_only", not allow_download)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(config_source(name), **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(_not_found("tokenizer", name, e, allow_download)) from e

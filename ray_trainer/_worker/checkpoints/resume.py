@@ -1,0 +1,132 @@
+"""Training worker: the attempt number of a worker-group start, and the checkpoint it resumes.
+
+Runs in each training worker at the start of every worker-group start (attempt). Rank 0 keeps
+the attempt counter of the launch in ``<run_dir>/.ray_trainer/attempts-<launch_id>`` on the
+run's storage (only the workers read it; it survives a restart of the worker group and of the
+callback actor).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray.train
+import torch.distributed as dist
+
+from ray_trainer import _checkpoint as ckpt
+from ray_trainer._contract import RunSpec
+from ray_trainer._storage import Location, locate
+from ray_trainer._worker.checkpoints.saving import sharded_state
+from ray_trainer._worker.state import WorkerState
+
+_META = ".ray_trainer"
+
+
+def agree_attempt(spec: RunSpec, run: Location, rank: int, world: int) -> int:
+    """Rank 0 counts this start of the worker group; every rank learns the count."""
+    holder = [_bump_attempt(run, spec.launch_id) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _bump_attempt(run: Location, launch_id: str) -> int:
+    counter = run.child(_META, f"attempts-{launch_id}")
+    previous = int(counter.read_text() or -1)
+    counter.write_text(str(previous + 1))  # written whole: a reader never sees half a file
+    return previous + 1
+
+
+def maybe_resume(s: WorkerState) -> None:
+    """Restore from the run's newest complete checkpoint (after a restart, or when a new call
+    continues the run), else from `resume_from`.
+
+    The newest complete checkpoint in storage is preferred to `ray.train.get_checkpoint()`: Ray
+    Train registers a reported checkpoint only when its controller next polls (~2 s), so a crash
+    right after a save would otherwise restart from an older one (or from scratch).
+    """
+    reported = ray.train.get_checkpoint()
+    location = next(ckpt.complete_checkpoints(s.run), None)
+    if location is None and reported is not None:
+        location = s.run.child(os.path.basename(reported.path.rstrip("/")))
+    if location is None and s.args.resume_from is not None:
+        location = locate(s.args.resume_from)  # a checkpoint of another run: its own storage
+    if location is None:
+        return
+    with ckpt.open_checkpoint(location) as checkpoint:
+        written_with = checkpoint.state.strategy
+        if written_with != s.args.strategy:
+            raise ckpt.CheckpointError(
+                f"{checkpoint.name} was written with strategy={written_with!r}; continue "
+                f"with strategy={written_with!r} (this run has {s.args.strategy!r})"
+            )
+        if s.parallel.sharded:
+            # A collective: every rank reads its shards.
+            load_shards(s.parallel.model, s.optimizer, s.workload.adaptation, checkpoint.shards_dir)
+        else:  # a LoRA checkpoint holds the adapters alone: the adaptation loads them
+            model_state = checkpoint.load(ckpt.MODEL_FILE, True)
+            s.workload.adaptation.load(s.parallel.module(), model_state, checkpoint.name)
+            optimizer = checkpoint.load(ckpt.OPTIMIZER_FILE)
+            if optimizer is not None:
+                s.optimizer.load_state_dict(optimizer)
+        scheduler = checkpoint.scheduler()
+        part = checkpoint.rank_part(s.rank)
+        p = s.progress = checkpoint.state
+    if scheduler is not None:
+        s.scheduler.load_state_dict(scheduler)
+    if part["rng"] is not None:
+        ckpt.set_rng_state(part["rng"])
+    s.hooks.manager.load_state_dict(part["callbacks"])
+    s.hooks.manager.user_state.update(part["user_state"])
+    s.last_saved_step = p.global_step
+    step_world = s.loader.step_world  # an elastic run's max: its steps are the same at any size
+    p.epoch, p.step_in_epoch = position_after(
+        p.epoch, p.step_in_epoch, s.steps_per_epoch, p.world_size, step_world
+    )
+    p.world_size = step_world
+    ctx = s.ctx
+    ctx.global_step, ctx.epoch = p.global_step, p.epoch
+    ctx.samples_seen, ctx.tokens_seen = p.samples_seen, p.tokens_seen
+    if s.rank == 0:  # on the console: where this attempt continues from
+        print(
+            f"[{s.args.run_name}] attempt {ctx.attempt} on {s.world_size} worker(s): resumed "
+            f"from {location.name} (step {p.global_step})",
+            flush=True,
+        )
+    s.hooks.fire("on_load_checkpoint", checkpoint_path=location.name)
+
+
+def position_after(
+    epoch: int, step_in_epoch: int, steps_per_epoch: int, saved_world: int = 1, world: int = 1
+) -> tuple[int, int]:
+    """Where a resumed run continues: (epoch, optimizer steps already taken in it).
+
+    Continued by another number of workers, the samples of the epoch already consumed stay
+    consumed: the sampler deals the epoch's shuffled order round-robin, so the first k steps of
+    W workers took its first k * W micro-batches; the new workers skip as many (rounded down to
+    whole steps). A checkpoint saved at the last step of an epoch continues with the next epoch
+    (firing `on_epoch_begin` and at once `on_epoch_end` for the finished one would be noise).
+    """
+    if saved_world != world:
+        step_in_epoch = step_in_epoch * saved_world // world
+    if step_in_epoch >= steps_per_epoch:
+        return epoch + 1, 0
+    return epoch, step_in_epoch
+
+
+def load_shards(model: Any, optimizer: Any, adaptation: Any, shards_dir: str) -> None:
+    """Read model and optimizer from DCP shards into this rank's shards (DCP reshards when the
+    checkpoint was written by another number of workers). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = sharded_state(model, optimizer, adaptation)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(shards_dir))
+    # A tied weight's other names fill themselves: they are the same parameter.
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
