@@ -14,8 +14,7 @@ The pytest process never joins the cluster: the drivers are subprocesses
   file with LoRA and packing on the two worker nodes, ``EvalOnSave`` on CPU for each checkpoint
   and the best checkpoint kept by its score. Rank 0 holds the run at step 6 until the test has
   asked ``ray-trainer status`` through the GCS address and through the dashboard URL (so the
-  answers do not race the run's end), while the metrics endpoint is polled all along. The
-  checks before training (the driver above) run while this job starts.
+  answers do not race the run's end), while the metrics endpoint is polled all along.
 
 One cluster serves every test: starting one costs about as much as a short run here.
 """
@@ -94,9 +93,8 @@ def s3(chat):
 
 
 @pytest.fixture(scope="module")
-def prepared(cluster, chat, s3, job):
-    """One driver on the head: what it sees, three sources encoded, one run refused; while the
-    submitted `job` starts beside it."""
+def prepared(cluster, chat, s3):
+    """One driver on the head: what it sees, three sources encoded, one run refused."""
     root = chat["root"]
     common = {"model": chat["model"], "max_length": 256, "storage_path": str(root / "prepared")}
     rows = [json.loads(line) for line in chat["lines"][:30]]
@@ -256,10 +254,10 @@ def _live_status(cluster: LocalCluster, address: str) -> tuple[dict | None, list
 
 
 @pytest.fixture(scope="module")
-def job(cluster, chat):
-    """`ray-trainer submit --wait` of the run, started (the metrics endpoint polled from now
-    on), not waited for: the checks before training (`prepared`) run while the job starts, and
-    the run holds at step `HOLD_AT` until `submitted` has asked its status."""
+def submitted(cluster, chat):
+    """`ray-trainer submit --wait` of the run; while the run is held at step `HOLD_AT`, its
+    `status` through the GCS address and through the dashboard URL, and the metrics endpoint
+    polled all along."""
     root = chat["root"]
     workdir, ranks, hold = root / "job", root / "ranks", root / "hold"
     workdir.mkdir()
@@ -280,23 +278,6 @@ def job(cluster, chat):
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(submit.stdout), daemon=True)
     reader.start()
-    started = {"submit": submit, "output": output, "reader": reader, "metrics": metrics,
-               "config": config, "workdir": workdir, "ranks": ranks, "hold": hold}  # fmt: skip
-    try:
-        yield started
-    finally:
-        metrics.stop.set()
-        if submit.poll() is None:
-            submit.kill()
-
-
-@pytest.fixture(scope="module")
-def submitted(cluster, chat, job):
-    """The submitted run to its end; while it is held at step `HOLD_AT`, its `status` through
-    the GCS address and through the dashboard URL, and the metrics endpoint polled all along."""
-    root = chat["root"]
-    submit, output, reader, metrics = (job[k] for k in ("submit", "output", "reader", "metrics"))
-    config, workdir, ranks, hold = (job[k] for k in ("config", "workdir", "ranks", "hold"))
 
     def ended() -> bool:
         return submit.poll() is not None
