@@ -15,7 +15,6 @@ start-up time.
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 from driver_process import driver_outcome, start_driver, wait_for_run
@@ -64,7 +63,7 @@ def runs(cluster, tmp_path_factory):
     workers, not for the second's (each of its workers needs a "slot", and the head has 1).
     The preempted node is drained under "preempted", held at step 10, then released."""
     tmp_path = tmp_path_factory.mktemp("node-loss")
-    node_id = _node_id(cluster, PREEMPTED)
+    node_id = cluster.node_id(PREEMPTED)
     lost = {"max_steps": 40, "save_every_steps": 5, "max_failures": 1}
     preempted = {
         "max_steps": 150,  # 15 s of 0.1 s steps: the deadline falls well inside the run
@@ -121,25 +120,6 @@ def test_lost_node_without_room_fails_clearly(runs):
     assert "error" in outcome, outcome
     assert "can no longer place the workers" in outcome["error"]
     assert "room for 1 such worker(s)" in outcome["error"]
-
-
-def _node_id(cluster, ip):
-    """The Ray node id of the raylet on `ip` (asked from a process of its own, like the driver:
-    this pytest process never joins the test cluster)."""
-    ask = (
-        "import ray, sys; ray.init(address=sys.argv[1]); "
-        "print(next(n['NodeID'] for n in ray.nodes() if n['Alive'] "
-        "and n['NodeManagerAddress'] == sys.argv[2]))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", ask, cluster.gcs_address, ip],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip().splitlines()[-1]
 
 
 def _rank0_steps(folder, attempt):
