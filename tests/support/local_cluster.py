@@ -94,7 +94,8 @@ class LocalCluster:
 
     num_cpus: int = 4
     resources: dict[str, float] = field(default_factory=dict)
-    # Detect a lost node in ~2 s instead of ~15 s (RAY_FACTS.md).
+    # Detect a lost node in ~2 s instead of ~15 s (RAY_FACTS.md), and poll Train's workers
+    # every 0.25 s instead of 2 s.
     fast_failure_detection: bool = False
     # With node types ({"gpu_workers": {"resources": {...}, "min_workers": 0, "max_workers": 1}}),
     # the head runs a real autoscaler (Ray's monitor with a cluster config) whose node provider
@@ -136,11 +137,6 @@ class LocalCluster:
             "RAY_AUTH_MODE": "disabled",
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_metrics_report_interval_ms": "1000",
-            # Ray Train's controller (started by the driver, which passes RAY_TRAIN_* on) polls
-            # its workers every 2 s by default: a dead worker, a resize, a run's end and a
-            # checkpoint reported within 2 s of the one before wait for that poll (the tests'
-            # runs save every few steps of tiny models), as in the shared session (conftest).
-            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
             "AUTOSCALER_METRIC_PORT": str(self.ports["autoscaler_metric_port"]),
             "DASHBOARD_METRIC_PORT": str(self.ports["dashboard_metric_port"]),
             **(
@@ -148,6 +144,10 @@ class LocalCluster:
                     "RAY_health_check_period_ms": "500",
                     "RAY_health_check_timeout_ms": "500",
                     "RAY_health_check_failure_threshold": "3",
+                    # Ray Train's controller (started by the driver, which passes RAY_TRAIN_*
+                    # on) polls its workers every 2 s by default: a dead worker, a resize and
+                    # a checkpoint reported within 2 s of the one before wait for that poll.
+                    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
                 }
                 if self.fast_failure_detection
                 else {}
