@@ -15,6 +15,10 @@ step after a change is the loss of an uninterrupted two-worker run (fp32, gloo: 
 order alone differs). From step 30 on, the smaller group holds each step until Ray Train has
 grown it back, so the run cannot end first. The tiny model has no dropout: a rank that was not
 in a checkpoint has no RNG state.
+
+The reference losses come from the same run on two workers throughout, in the test session's
+own Ray, while the cluster's run starts: that run holds at step 12 (its step-10 checkpoint
+written) until B is lost, so the reference's length cannot move where the loss falls.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import pytest
 from driver_process import driver_outcome, start_driver, wait_for_run
 from local_cluster import LocalCluster
-from rt_support import read_records
+from rt_support import AllRanksRecorder, TinyDataset, TinyRegressor, read_records
 
 from ray_trainer._checkpoint import verify
 
@@ -90,21 +94,49 @@ def _losses(records):
     return losses
 
 
-def test_a_lost_node_shrinks_the_group_its_return_grows_it_and_the_losses_match(cluster, tmp_path):
-    # The reference: both nodes up throughout.
-    ref_records = tmp_path / "ref-records"
-    reference, out = driver_outcome(
-        start_driver(cluster, _fields(tmp_path, "ref", ref_records)), "the reference run", 300
-    )
-    assert reference["global_step"] == STEPS and reference["attempts"] == 1, out[-3000:]
+def _reference(tmp_path, records):
+    """The same run on two workers throughout (a fixed size: the session's own autoscaling
+    coordinator never sizes it), in this process's shared session, without the pace and the
+    evaluations of the cluster's run: neither changes a loss."""
+    from ray_trainer import run_training
 
-    records = tmp_path / "records"
-    # Saves are written in the background: the node is lost while one may be in flight.
+    keep = ("max_steps", "save_every_steps", "log_every_steps", "learning_rate", "storage_path")
+    fields = _fields(tmp_path, "ref", records)
+    return run_training(
+        model=TinyRegressor,
+        data=TinyDataset,
+        batch_size=8,  # as node_loss_driver.py's runs
+        num_workers=2,
+        run_name="ref",
+        callbacks=[AllRanksRecorder(str(records))],
+        **{k: fields[k] for k in keep},
+    )
+
+
+def test_a_lost_node_shrinks_the_group_its_return_grows_it_and_the_losses_match(
+    cluster, ray_session, tmp_path
+):
+    records, hold = tmp_path / "records", tmp_path / "hold"
+    # Saves are written in the background. Rank 0 holds step 12 on the first attempt (until
+    # the loss restarts the group), so the reference below can run while this one starts.
     driver = start_driver(
         cluster,
-        _fields(tmp_path, "elastic", records, async_checkpoint=True, _hold_while_small=[30, 2]),
+        _fields(tmp_path, "elastic", records, async_checkpoint=True,
+                _hold_while_small=[30, 2], _hold_at=[str(hold), 12]),
+    )  # fmt: skip
+    ref_records = tmp_path / "ref-records"
+    try:
+        reference = _reference(tmp_path, ref_records)
+        assert (reference.global_step, reference.attempts) == (STEPS, 1)
+    except BaseException:
+        driver.kill()
+        raise
+
+    wait_for_run(
+        driver,
+        lambda: (hold / "held").exists() and _reached(records, 2, 12),
+        "step 12 on two workers",
     )
-    wait_for_run(driver, lambda: _reached(records, 2, 12), "step 12 on two workers")
     cluster.raylet(NODE_B).kill()  # one worker's node is gone
     wait_for_run(driver, lambda: _reached(records, 1, 20), "step 20 on the remaining node")
     cluster.add_node(NODE_B, num_cpus=1)  # the node is back: the group grows

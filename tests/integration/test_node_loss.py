@@ -1,105 +1,125 @@
-"""Losing a node mid-run, on a real two-node local cluster (a head and a second raylet).
+"""Losing a node mid-run, on a real three-node local cluster (a head and two more raylets).
 
-Killing the second node's raylet takes down the workers on it. Two runs lose it at once, each
-held at a known step: the one the remaining node has room for is restarted there by Ray Train and
-completes from its latest checkpoint; the other fails with an error that says so, never a hang. A node drained for
-preemption (what a spot reclaim looks like to Ray) makes the run save at its next step
-boundary; at the drain deadline Ray Train restarts the workers and the run resumes from there.
+Killing a node's raylet takes down the workers on it. Two runs lose the node 127.0.0.3 at once,
+each held at a known step: the one the remaining nodes have room for is restarted on the head by
+Ray Train and completes from its latest checkpoint; the other fails with an error that says so,
+never a hang. At the same time a third run, with a worker on 127.0.0.4, sees that node drained
+for preemption (what a spot reclaim looks like to Ray): it saves at its next step boundary; at
+the drain deadline Ray Train restarts the workers and the run resumes from there. Custom
+resources keep each run on its own pair of nodes: "spread" on the head and the lost node,
+"slot" likewise (1 on the head, so that one worker only fits there after the loss), "drain" on
+the head and the preempted node. The three runs share the cluster's start and their own
+start-up time.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 from driver_process import driver_outcome, start_driver, wait_for_run
 from local_cluster import LocalCluster
 from rt_support import read_records
 
-NODE = "127.0.0.3"
+NODE, PREEMPTED = "127.0.0.3", "127.0.0.4"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    # Head: 4 CPUs and 1 "slot"; each second node: 2 CPUs and 2 "slots".
-    c = LocalCluster(num_cpus=4, resources={"slot": 1}, fast_failure_detection=True)
+    # Head: 6 CPUs (each run's restarted workers fit there at once); the lost node: 2 CPUs; the
+    # preempted node: 1 CPU.
+    c = LocalCluster(
+        num_cpus=6,
+        resources={"spread": 2, "slot": 1, "drain": 2},
+        fast_failure_detection=True,
+    )
     c.start()
-    yield c
-    c.stop()
+    try:
+        c.add_node(NODE, num_cpus=2, resources={"spread": 1, "slot": 2})
+        c.add_node(PREEMPTED, num_cpus=1, resources={"drain": 1})
+        yield c
+    finally:
+        c.stop()
 
 
-def _fields(tmp_path, name, **fields):
-    """A 40-step run whose rank 0 holds at step 11 (its checkpoint of step 10 written) until the
-    worker group is restarted: the node is lost while the run is at a known step."""
+def _fields(tmp_path, name, hold_at, **fields):
+    """A run of `num_workers=2` whose rank 0 holds at step `hold_at` (its checkpoints of the
+    steps before written) until the worker group is restarted or the test releases it: the
+    node is lost or drained while the run is at a known step."""
     return {
         "num_workers": 2,
-        "max_steps": 40,
-        "save_every_steps": 5,
-        "max_failures": 1,
-        "placement_strategy": "SPREAD",  # one worker on each node
+        "placement_strategy": "SPREAD",  # one worker on each node of its pair
         "storage_path": str(tmp_path),
         "run_name": name,
-        "_hold_at": [str(tmp_path / f"{name}-hold"), 11],
+        "_hold_at": [str(tmp_path / f"{name}-hold"), hold_at],
         **fields,
     }
 
 
 @pytest.fixture(scope="module")
-def lost_node(cluster, tmp_path_factory):
-    """Two runs at once, each with a worker on the second node, which is lost under both: the
-    head alone still has room for one run's workers ("spread"), and not for the other's ("no-room":
-    each of its workers needs a "slot", and the head has 1)."""
-    tmp_path = tmp_path_factory.mktemp("lost-node")
-    cluster.add_node(NODE, num_cpus=2, resources={"slot": 2})
+def runs(cluster, tmp_path_factory):
+    """The three runs at once. The lost node goes under "spread" and "no-room", both held at
+    step 11 after their step-10 checkpoint: the head alone still has room for the first's
+    workers, not for the second's (each of its workers needs a "slot", and the head has 1).
+    The preempted node is drained under "preempted", held at step 10, then released."""
+    tmp_path = tmp_path_factory.mktemp("node-loss")
+    node_id = cluster.node_id(PREEMPTED)
+    lost = {"max_steps": 40, "save_every_steps": 5, "max_failures": 1}
+    preempted = {
+        "max_steps": 150,  # 15 s of 0.1 s steps: the deadline falls well inside the run
+        "save_every_steps": 1000,  # no scheduled save before the end: any other is the notice's
+        "resources_per_worker": {"CPU": 1, "drain": 1},
+        "_records": str(tmp_path / "records"),
+        "_env": {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
+    }
     runs = {
-        "spread": {},
-        "no-room": {
-            "resources_per_worker": {"CPU": 1, "slot": 1},
-            "worker_start_timeout_s": 10,
-            "max_start_retries": 0,
-        },
-    }
-    drivers = {
-        name: start_driver(cluster, _fields(tmp_path, name, **f)) for name, f in runs.items()
-    }
-    for name, driver in drivers.items():
-        wait_for_run(driver, lambda n=name: (tmp_path / f"{n}-hold" / "held").exists(), "step 11")
-    cluster.raylet(NODE).kill()
-    return {
-        name: driver_outcome(driver, "the node was lost")[0] for name, driver in drivers.items()
-    }
+        "spread": _fields(tmp_path, "spread", 11, **lost,
+                          resources_per_worker={"CPU": 1, "spread": 1}),
+        "no-room": _fields(tmp_path, "no-room", 11, **lost,
+                           resources_per_worker={"CPU": 1, "slot": 1},
+                           worker_start_timeout_s=10, max_start_retries=0),
+        "preempted": _fields(tmp_path, "preempted", 10, **preempted),
+    }  # fmt: skip
+    drivers = {name: start_driver(cluster, fields) for name, fields in runs.items()}
+    try:
+        for name, driver in drivers.items():
+            held = tmp_path / f"{name}-hold" / "held"
+            wait_for_run(driver, held.exists, f"{name}'s hold", timeout_s=300)
+        cluster.raylet(NODE).kill()
+        at = max(_rank0_steps(runs["preempted"]["_records"], 0))
+        # What the cloud's autoscaler does on a spot reclaim notice: drain the node, with the
+        # time left before it goes away.
+        drain = subprocess.run(
+            ["ray", "drain-node", f"--address={cluster.gcs_address}",
+             f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+             "--reason-message=spot reclaim (test)", "--deadline-remaining-seconds=5"],
+            env=cluster.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        (tmp_path / "preempted-hold" / "release").write_text("go")
+        outcomes = {
+            name: driver_outcome(driver, f"{name}'s node was lost or drained")
+            for name, driver in drivers.items()
+        }
+    finally:
+        for driver in drivers.values():
+            if driver.poll() is None:
+                driver.kill()
+    return {"tmp_path": tmp_path, "at": at, "outcomes": outcomes}
 
 
-def test_lost_node_restarts_on_the_remaining_node(lost_node):
-    assert lost_node["spread"] == {"global_step": 40, "attempts": 2}
+def test_lost_node_restarts_on_the_remaining_node(runs):
+    assert runs["outcomes"]["spread"][0] == {"global_step": 40, "attempts": 2}
 
 
-def test_lost_node_without_room_fails_clearly(lost_node):
-    outcome = lost_node["no-room"]
+def test_lost_node_without_room_fails_clearly(runs):
+    outcome = runs["outcomes"]["no-room"][0]
     assert "error" in outcome, outcome
     assert "can no longer place the workers" in outcome["error"]
     assert "room for 1 such worker(s)" in outcome["error"]
-
-
-def _node_id(cluster, ip):
-    """The Ray node id of the raylet on `ip` (asked from a process of its own, like the driver:
-    this pytest process never joins the test cluster)."""
-    ask = (
-        "import ray, sys; ray.init(address=sys.argv[1]); "
-        "print(next(n['NodeID'] for n in ray.nodes() if n['Alive'] "
-        "and n['NodeManagerAddress'] == sys.argv[2]))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", ask, cluster.gcs_address, ip],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip().splitlines()[-1]
 
 
 def _rank0_steps(folder, attempt):
@@ -110,41 +130,14 @@ def _rank0_steps(folder, attempt):
     ]
 
 
-def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(cluster, tmp_path):
-    cluster.add_node(NODE, num_cpus=2, resources={"slot": 2})
-    node_id = _node_id(cluster, NODE)
-    records, name = str(tmp_path / "records"), "preempted"
-    fields = {
-        "num_workers": 2,
-        "max_steps": 150,  # 15 s of 0.1 s steps: the deadline falls well inside the run
-        "save_every_steps": 1000,  # no scheduled save before the end: any other is the notice's
-        "placement_strategy": "SPREAD",  # one worker on the node that will be preempted
-        "storage_path": str(tmp_path),
-        "run_name": name,
-        "_records": records,
-        "_env": {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"},
-    }
-    driver = start_driver(cluster, fields)
-    wait_for_run(
-        driver, lambda: os.path.isdir(records) and len(_rank0_steps(records, 0)) >= 10, "step 10"
-    )
-    at = max(_rank0_steps(records, 0))
-    # What the cloud's autoscaler does on a spot reclaim notice: drain the node, with the
-    # time left before it goes away.
-    drain = subprocess.run(
-        ["ray", "drain-node", f"--address={cluster.gcs_address}",
-         f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
-         "--reason-message=spot reclaim (test)", "--deadline-remaining-seconds=5"],
-        env=cluster.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )  # fmt: skip
-    assert drain.returncode == 0, drain.stdout + drain.stderr
-    outcome, out = driver_outcome(driver, "the preemption notice")
+def test_preemption_notice_saves_then_the_run_resumes_from_that_checkpoint(runs):
+    tmp_path, at = runs["tmp_path"], runs["at"]
+    outcome, out = runs["outcomes"]["preempted"]
     # One unscheduled save after the notice, then the restart at the deadline resumed from it.
-    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / name).glob("checkpoint_0*"))
+    saved = sorted(
+        int(p.name.split("_")[1]) for p in (tmp_path / "preempted").glob("checkpoint_0*")
+    )
     assert len(saved) == 2 and saved[-1] == 150, saved
     assert at <= saved[0] < 100
     assert outcome == {"global_step": 150, "attempts": 2}, out[-3000:]
-    assert min(_rank0_steps(records, 1)) == saved[0] + 1
+    assert min(_rank0_steps(str(tmp_path / "records"), 1)) == saved[0] + 1

@@ -362,6 +362,14 @@ class LocalCluster:
                     return proc
         raise LookupError(f"no raylet on {ip} in this cluster")
 
+    def node_id(self, ip: str) -> str:
+        """The Ray node id of the node on `ip`, as its raylet was started with (no process
+        joins the cluster to ask it)."""
+        for arg in self.raylet(ip).cmdline():
+            if arg.startswith("--node_id="):
+                return arg.split("=", 1)[1]
+        raise LookupError(f"the raylet on {ip} names no node id")
+
     def processes(self) -> list[psutil.Process]:
         """Every process of this cluster: its command line names the temp dir or one of its
         ports as `HOST:PORT` (the Ray client server names only `--address=HOST:PORT`), plus all their
