@@ -17,7 +17,7 @@ from ray_trainer._checkpoint import latest_checkpoint, load_model, load_model_st
 from ray_trainer._client.control import RunEnded, save, stop
 from ray_trainer._client.status import NoLiveRun
 from ray_trainer._config.args import TrainingArgs
-from ray_trainer._driver.checks import ResourceRequestError
+from ray_trainer._driver.checks.resources import ResourceRequestError
 from ray_trainer._driver.launch import RunFailedError, run_training
 from ray_trainer._driver.result import TrainingResult
 from ray_trainer._errors import CheckpointError, TrainingArgsError

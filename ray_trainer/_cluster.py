@@ -1,6 +1,6 @@
 """Driver and callback actor: whether the cluster can ever run a task, now or once it grows.
 
-Runs in the driver (before training, ``_driver/checks.py``) and in the callback actor (before
+Runs in the driver (before training, ``_driver/checks/resources.py``) and in the callback actor (before
 each evaluation task, ``_actor/evaluation.py``), both joined to the cluster. `missing` says
 why no live node could run a task of some resources. `can_grow` says whether nodes may still
 come: a cluster with an autoscaler (`has_autoscaler`), or one whose driver was told so with

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(opts, "main", None) is not None:  # a command with its own entry point
         return opts.main(opts)
     from callbacks import CallbackPicklingError
-    from ray_trainer._driver.checks import ResourceRequestError
+    from ray_trainer._driver.checks.resources import ResourceRequestError
     from ray_trainer._driver.launch import RunFailedError, run_training
     from ray_trainer._driver.signals import exit_code_of
 

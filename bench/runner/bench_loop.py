@@ -275,7 +275,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
     from ray.train.torch import TorchTrainer
 
     from ray_trainer import TrainingArgs
-    from ray_trainer._driver.checks import check_storage, collect_callbacks
+    from ray_trainer._driver.checks.inputs import check_storage, collect_callbacks
     from ray_trainer._driver.launch import finish_actor, prepare_launch
 
     with tempfile.TemporaryDirectory() as tmp:

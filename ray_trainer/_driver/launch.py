@@ -2,7 +2,7 @@
 
 Runs in the driver process: a user's script, `ray-trainer run`, or a Ray job's entrypoint.
 Everything that can be checked without Ray is checked before `ray.init()`, and everything that
-needs the cluster's size is checked before a worker starts (``checks.py``).
+needs the cluster's size is checked before a worker starts (``checks/resources.py``).
 """
 
 from __future__ import annotations
@@ -21,19 +21,21 @@ from callbacks import ALIASES, EVENTS
 from ray_trainer._actor.actor import start_actor
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._contract import NAMESPACE, ActorSummary, RunSpec, actor_name, forwarded_events
-from ray_trainer._driver.checks import (
-    ResourceRequestError,
+from ray_trainer._driver.checks.inputs import (
     check_enough_samples,
-    check_evaluations,
     check_inputs,
-    check_resources,
     check_storage,
     collect_callbacks,
-    embedded_resources,
     fingerprint,
-    per_worker,
     resolve_paths,
     write_run_record,
+)
+from ray_trainer._driver.checks.resources import (
+    ResourceRequestError,
+    check_evaluations,
+    check_resources,
+    embedded_resources,
+    per_worker,
 )
 from ray_trainer._driver.console import (
     dashboard_line,

@@ -133,7 +133,7 @@ def test_storage_path_not_writable(tmp_path):
 
 
 def test_run_name_of_a_different_existing_run(tmp_path):
-    from ray_trainer._driver.checks import write_run_record
+    from ray_trainer._driver.checks.inputs import write_run_record
 
     write_run_record(locate(str(tmp_path / "taken")), {"fingerprint": "model=other;data=x"})
     (tmp_path / "taken" / "checkpoint_00000005").mkdir()  # that run has checkpoints to protect

@@ -82,7 +82,7 @@ def _checkpoint(folder, objective: str | None) -> str:
 
 @pytest.mark.parametrize("recorded", [None, "sft"])
 def test_resuming_an_sft_checkpoint_under_dpo_is_refused_with_the_supported_way(tmp_path, recorded):
-    from ray_trainer._driver.checks import _check_objective_resume
+    from ray_trainer._driver.checks.inputs import _check_objective_resume
     from ray_trainer._storage import locate
 
     path = _checkpoint(tmp_path / "checkpoint_00000002", recorded)
@@ -96,7 +96,7 @@ def test_resuming_an_sft_checkpoint_under_dpo_is_refused_with_the_supported_way(
 
 
 def test_a_dpo_checkpoint_continues_under_dpo_only(tmp_path):
-    from ray_trainer._driver.checks import _check_objective_resume
+    from ray_trainer._driver.checks.inputs import _check_objective_resume
     from ray_trainer._storage import locate
 
     path = locate(_checkpoint(tmp_path / "checkpoint_00000004", "dpo"))

@@ -11,8 +11,9 @@ import pytest
 
 from callbacks import EvalOnSave, TrainerCallback
 from ray_trainer import ResourceRequestError, TrainingArgs
-from ray_trainer._driver import checks
-from ray_trainer._driver.checks import check_evaluations, collect_callbacks
+from ray_trainer._driver.checks import resources as checks
+from ray_trainer._driver.checks.inputs import collect_callbacks
+from ray_trainer._driver.checks.resources import check_evaluations
 
 CPU_ONLY = [{"CPU": 0.0}, {"CPU": 4.0}]  # a head offering no CPU, one worker node
 WITH_GPU = [*CPU_ONLY, {"CPU": 8.0, "GPU": 1.0}]

@@ -17,7 +17,7 @@ from callbacks import CallbackPicklingError, TrainerCallback
 from ray_trainer import ResourceRequestError, TrainingArgs, TrainingArgsError, run_training
 from ray_trainer._data.records import scan
 from ray_trainer._data.sources import DataFileError, read_piece, resolve
-from ray_trainer._driver.checks import check_storage, resolve_paths, write_run_record
+from ray_trainer._driver.checks.inputs import check_storage, resolve_paths, write_run_record
 from ray_trainer._model.spec import ModelLoadError
 from ray_trainer._storage import locate
 from ray_trainer.cli import main

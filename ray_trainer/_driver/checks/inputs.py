@@ -1,24 +1,22 @@
-"""Driver: checks of a run before anything starts (callbacks, inputs, storage, resources).
+"""Driver: checks of a run's input before anything starts (callbacks, args, data, storage).
 
-Runs in the driver. Everything that can be checked without Ray is checked before ``ray.init()``
-(`collect_callbacks`, `check_inputs`, `check_storage`); what needs the cluster's size before a
-worker starts (`check_resources`, and `check_evaluations` for `EvalOnSave`'s tasks).
+Runs in the driver, before ``ray.init()``: everything that can be checked without the cluster
+(`collect_callbacks`, `check_inputs`, `check_storage`, and `check_enough_samples` once the data
+is encoded). What needs the cluster's size is in ``resources.py``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 from typing import Any
 
-from callbacks import ALIASES, EVENTS, EvalOnSave, global_callbacks
+from callbacks import ALIASES, EVENTS, global_callbacks
 from callbacks._serialize import unpicklable_state, validate_picklable
 from callbacks._state import is_stateful
 from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
 from ray_trainer._checkpoint.names import checkpoint_names
-from ray_trainer._cluster import SKIP_RESOURCE_CHECK, can_grow, live_nodes, missing
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import CheckpointError, TrainingArgsError
 from ray_trainer._model.spec import is_builtin
@@ -26,12 +24,7 @@ from ray_trainer._objectives import resume_error
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, is_uri, locate
 
-logger = logging.getLogger("ray_trainer")
 RUN_RECORD = "run.json"
-
-
-class ResourceRequestError(RuntimeError):
-    """The cluster can never fit the requested workers; raised instead of waiting forever."""
 
 
 def resolve_paths(args: TrainingArgs) -> TrainingArgs:
@@ -302,108 +295,3 @@ def write_run_record(run: Location, record: dict[str, Any]) -> None:
     """Write ``run.json`` whole, on the run's storage."""
     text = json.dumps(record, indent=1, sort_keys=True)
     run.child(RUN_RECORD).write_text(text)
-
-
-def per_worker(args: TrainingArgs) -> dict[str, float]:
-    """The Ray resources of one training worker."""
-    res = dict(args.resources_per_worker) if args.resources_per_worker else {"CPU": 1.0}
-    if args.use_gpu:
-        res.setdefault("GPU", 1.0)
-    return res
-
-
-def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = None) -> None:
-    """Fail fast when the cluster can never place `num_workers` workers of the requested size
-    (an elastic run: its `min` workers).
-
-    ``nodes`` are the resources of each node (default: the live nodes of the Ray cluster this
-    driver joined; for the embedded local Ray, `embedded_resources()` before it starts). On a
-    cluster that can grow (`_cluster.can_grow`: an autoscaler, or
-    ``RAY_TRAINER_SKIP_RESOURCE_CHECK=1``) a shortfall is not refused: the workers' request is
-    what makes the autoscaler add nodes, bounded by ``worker_start_timeout_s``.
-    """
-    if os.environ.get(SKIP_RESOURCE_CHECK) == "1":  # said by the user: no need to look
-        return
-    joined = nodes is None
-    nodes = live_nodes() if nodes is None else nodes
-    need = per_worker(args)
-    fits = 0
-    for res in nodes:
-        fits += int(min(res.get(k, 0.0) / v for k, v in need.items() if v > 0))
-    if fits >= args.min_workers:
-        return
-    if joined and can_grow():
-        logger.info(
-            "the cluster has room for %d of %d worker(s) now; its autoscaler is asked for the "
-            "rest (bounded by worker_start_timeout_s=%gs)",
-            fits, args.min_workers, args.worker_start_timeout_s,
-        )  # fmt: skip
-        return
-    have = ", ".join(f"{k}={sum(n.get(k, 0.0) for n in nodes):g}" for k in need)
-    size = f"the elastic minimum {args.min_workers}" if args.elastic else args.num_workers
-    raise ResourceRequestError(
-        f"num_workers={size} x resources_per_worker={need} cannot be placed: "
-        f"the cluster has {have} over {len(nodes)} node(s), room for {fits} such worker(s). "
-        "Lower num_workers, or resources_per_worker (e.g. {'CPU': 0.5} puts two workers on "
-        "a core), set use_gpu=False, or add nodes."
-    )
-
-
-def check_evaluations(
-    lists: CallbackLists,
-    nodes: list[dict[str, float]] | None = None,
-    grows: bool | None = None,
-) -> None:
-    """Refuse a run whose `EvalOnSave` asks for resources that no node has, on a cluster that
-    cannot grow: every one of its evaluations would be recorded as "cannot be scheduled".
-
-    ``nodes`` are the resources of each node (default: the live nodes of the cluster this
-    driver joined); ``grows`` whether nodes may still come (default: `_cluster.can_grow`, an
-    autoscaler or ``RAY_TRAINER_SKIP_RESOURCE_CHECK=1``). With an autoscaler, the evaluation
-    tasks are submitted and wait for a node, bounded by `EvalOnSave`'s ``timeout_s``.
-    """
-    entries = [u[1] if isinstance(u, tuple) else u for u in lists["user"]] + lists["global"]
-    evals = [cb for cb in entries if isinstance(cb, EvalOnSave)]
-    for cb in evals:
-        need = {"CPU": cb.num_cpus, "GPU": cb.num_gpus, **cb.resources}
-        nodes = live_nodes() if nodes is None else nodes
-        reason = missing(need, nodes)
-        if reason is None:
-            continue
-        grows = can_grow() if grows is None else grows
-        if grows:
-            return
-        extra = f", resources={cb.resources}" if cb.resources else ""
-        call = f"{type(cb).__name__}(num_gpus={cb.num_gpus:g}, num_cpus={cb.num_cpus:g}{extra})"
-        gpu_short = cb.num_gpus and missing({**need, "GPU": 0}, nodes) is None
-        fix = (
-            f"pass num_gpus=0 to evaluate on CPU ({type(cb).__name__}(eval_fn, num_gpus=0)), "
-            "or add a node with a GPU"
-            if gpu_short
-            else "ask for what a node has (num_gpus, num_cpus, resources), or add such a node"
-        )
-        raise ResourceRequestError(
-            f"{call} could never run its evaluations: each task {reason}, and the cluster has "
-            f"no autoscaler to add one. {fix[0].upper()}{fix[1:]}. (On a cluster whose "
-            "autoscaler ray-trainer does not see, set RAY_TRAINER_SKIP_RESOURCE_CHECK=1.)"
-        )
-
-
-def embedded_resources(count_gpus: bool) -> dict[str, float]:
-    """What the embedded local Ray gets: this machine's real CPUs (as Ray counts them, cgroup
-    limits included) and, when ``count_gpus``, its GPUs (counting them imports torch)."""
-    try:
-        from ray._private.utils import get_num_cpus
-
-        cpus = float(get_num_cpus())
-    except Exception:  # a Ray without that helper: the OS's count
-        cpus = float(os.cpu_count() or 1)
-    gpus = 0.0
-    if count_gpus and os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":
-        try:
-            import torch
-
-            gpus = float(torch.cuda.device_count())
-        except Exception:
-            gpus = 0.0
-    return {"CPU": cpus, "GPU": gpus}
