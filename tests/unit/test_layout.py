@@ -36,6 +36,13 @@ def _modules(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    """A small tree of modules under `root` (never inside the package), for the checks' own tests."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+
+
 def _imports_of(prefix: str) -> list[tuple[str, str]]:
     """(importer, imported) for every project import made by the modules under `prefix`."""
     return [
@@ -74,9 +81,7 @@ def test_the_folder_check_catches_a_circle_without_a_module_circle(tmp_path):
         "callbacks/__init__.py": "",
         "bench/_support.py": "",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    _write_tree(tmp_path, files)
     graph = import_graph.build(tmp_path)
     assert import_graph.circles(graph) == []  # pkg.c and pkg.shared: a module, not a folder
     found = import_graph.folder_circles(graph)
@@ -114,9 +119,7 @@ def test_the_graph_counts_every_kind_of_import(tmp_path):
         "callbacks/builtin/generation/child/pkg/main.py": "from .session import s\n",
         "callbacks/builtin/generation/child/pkg/session.py": "",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(textwrap.dedent(text))
+    _write_tree(tmp_path, files)
     graph = import_graph.build(tmp_path)
     edges = {src: set(dst) for src, dst in graph.edges.items()}
     assert edges["ray_trainer.a"] == {"ray_trainer.pkg.b"}  # under TYPE_CHECKING, a submodule
@@ -430,9 +433,7 @@ def test_the_objective_check_catches_each_kind_of_branch(tmp_path):
         "ray_trainer/_worker/objectives/x.py": "def f(d):\n    return isinstance(d, PairDataset)\n",
         "callbacks/b.py": 'def f(context):\n    return context.args["objective"] == "sft"\n',
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(textwrap.dedent(text))
+    _write_tree(tmp_path, files)
     assert objective_branches(tmp_path) == [
         "ray_trainer/a.py:3 compares with an objective's name",
         "ray_trainer/a.py:5 compares with an objective's name",
