@@ -11,8 +11,8 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
   constructor arguments in the object store;
 * Ray Train's print patching is off (``RAY_TRAIN_ENABLE_PRINT_PATCH=0``): a worker-side
   callback's print appears once, not twice; and its state tracking is on
-  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run (off for
-  an embedded Ray started without its dashboard, where nothing would show it);
+  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run (off
+  where the Ray the driver uses has no dashboard, where nothing would show it);
 * the embedded Ray starts its worker processes at the same priority as its own daemons
   (``RAY_worker_niceness=0``; Ray's default is 15): on a machine whose cores the training ranks
   fill, a rank at niceness 15 is preempted whenever the dashboard, its agents, the log monitor
@@ -48,14 +48,33 @@ HARMLESS_RAY_LINES = (
 DASHBOARD_PORTS = range(8265, 8300)
 _AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 _PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+_STATE_TRACKING = "RAY_TRAIN_ENABLE_STATE_TRACKING"
+#: Whether this module set the state-tracking variable (then it follows each run's cluster).
+_STATE_TRACKING_OURS = False
 
 
 def prepare_ray_train() -> None:
     """Before Ray Train starts (it reads these in the driver and hands them on): worker prints
     once (no print patching, which copies each print into its log), and the run in the
-    dashboard's Ray Train view (state tracking). A value the user set is kept."""
+    dashboard's Ray Train view (state tracking) where the cluster has a dashboard: without one
+    nothing would show it, and its actor would poll a state API that is not there. A value the
+    user set is kept."""
+    global _STATE_TRACKING_OURS
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    if _STATE_TRACKING_OURS or _STATE_TRACKING not in os.environ:
+        os.environ[_STATE_TRACKING] = "1" if cluster_has_dashboard() else "0"
+        _STATE_TRACKING_OURS = True
+
+
+def cluster_has_dashboard() -> bool:
+    """Whether the Ray this driver is connected to runs a dashboard (True where Ray cannot say:
+    state tracking is Ray Train's own default for a cluster)."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        return bool(get_dashboard_url())
+    except Exception:  # a Ray whose internals moved
+        return True
 
 
 def free_dashboard_port(host: str = "127.0.0.1") -> int:
@@ -86,8 +105,6 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
         # The state API (Ray Train's placement group cleaner, `ray list`) finds this dashboard
         # even where another Ray runs on the machine.
         options["runtime_env"] = {"env_vars": {"RAY_API_SERVER_ADDRESS": url}}
-    else:  # nothing would show Ray Train's state: no actor polling for it (unless the user asks)
-        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "0")
     auth = logging.getLogger(_AUTH_LOGGER)
     level = auth.level
     auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says

@@ -49,3 +49,34 @@ def test_a_preemption_watcher_setting_the_user_made_is_kept(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
     assert _start(monkeypatch)["watcher"] == "1"
     assert console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
+
+
+def _prepare(monkeypatch, dashboard_url: str) -> str:
+    """`prepare_ray_train` on a copy of the environment, against a cluster with or without a
+    dashboard; the state-tracking value it leaves."""
+    import ray._private.worker as ray_worker
+
+    if not isinstance(console.os.environ, dict):
+        monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+
+    monkeypatch.setattr(ray_worker, "get_dashboard_url", lambda: dashboard_url)
+    console.prepare_ray_train()
+    return console.os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"]
+
+
+def test_state_tracking_follows_whether_the_cluster_has_a_dashboard(monkeypatch):
+    """On where a dashboard would show the run, off where there is none (no state actor polling
+    a state API that is not there), for each run of one driver process."""
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+    console.os.environ.pop("RAY_TRAIN_ENABLE_STATE_TRACKING", None)
+    monkeypatch.setattr(console, "_STATE_TRACKING_OURS", False)
+    assert _prepare(monkeypatch, "") == "0"
+    assert _prepare(monkeypatch, "127.0.0.1:8265") == "1"
+    assert _prepare(monkeypatch, "") == "0"
+
+
+def test_state_tracking_the_user_set_is_kept(monkeypatch):
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+    console.os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"] = "1"
+    monkeypatch.setattr(console, "_STATE_TRACKING_OURS", False)
+    assert _prepare(monkeypatch, "") == "1"
