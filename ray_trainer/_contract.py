@@ -167,6 +167,9 @@ class Retention:
     keep: int | None
     attribute: str | None
     order: str = "max"
+    # The run's id in its folder (``run.json``): the prefix of every save id of this run, so
+    # that a checkpoint found on storage is this run's own only when its manifest says so.
+    run_id: str | None = None
 
 
 # ---- driver -> workers ----------------------------------------------------------------------

@@ -1,0 +1,411 @@
+"""Driver: the lease a run holds on its run folder, so that one run at a time writes it.
+
+Runs in the driver process, before ``ray.init()`` (`RunLease.acquire`), in a heartbeat thread
+of the driver while the run lives, and in the driver's ``finally`` (`RunLease.release`). The
+lease is ``lease.json`` in the run folder: the holder's owner id, host, pid, start time and last
+heartbeat (wall-clock seconds of the holder's machine). The actor's unique name protects a run
+only within one Ray cluster; this file protects it across machines, embedded Rays and clusters
+that share the storage.
+
+How the file is created so that exactly one of two starting runs gets it:
+
+* a local or NFS path: an exclusive create (``link`` of a file written whole under a private
+  name fails when the name exists, like ``O_EXCL``, and is NFS's own lock recipe); a stale lease
+  is taken over by renaming it aside (one renamer wins) and checking that what was moved is the
+  stale lease that was read;
+* S3 (``s3://`` or a ``pyarrow.fs.S3FileSystem``), when ``boto3`` is installed: a conditional
+  ``PutObject`` (``If-None-Match: *`` to create, ``If-Match: <etag>`` to take over and to beat);
+* any other store (``gs://``, a custom filesystem): best effort, documented as such: the lease
+  is written when absent, then read back after `SETTLE_S`; a run that reads back another owner
+  is refused. Two runs starting within the same fraction of a second can both pass there.
+
+A lease whose heartbeat is older than `STALE_AFTER_S` (its driver crashed or was killed) is
+taken over by the next start of the run; a younger one refuses the start, naming its holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from ray_trainer._errors import TrainingArgsError
+from ray_trainer._storage import Location
+
+logger = logging.getLogger("ray_trainer")
+
+LEASE_FILE = "lease.json"
+#: How often the holder's driver rewrites its heartbeat.
+HEARTBEAT_S = 15.0
+#: A lease whose heartbeat is older than this is a crashed run's, taken over on the next start.
+#: Generous against clock skew between the machines that share the storage.
+STALE_AFTER_S = 120.0
+#: Best-effort stores: how long to wait before reading a freshly written lease back.
+SETTLE_S = 1.0
+
+
+class RunFolderLeasedError(TrainingArgsError):
+    """Another live run holds the run folder's lease (the message names it and how to take
+    over)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What ``lease.json`` says: who holds the run folder, since when, last seen when."""
+
+    owner: str
+    host: str
+    pid: int
+    started: float
+    heartbeat: float
+    run_name: str = ""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Holder | None:
+        """The holder a lease file names; None when it is unreadable (written half by a best-effort
+        store, or not ours): such a file is treated as stale."""
+        try:
+            fields = json.loads(data)
+            return Holder(**{k: fields[k] for k in Holder.__dataclass_fields__ if k in fields})
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def describe(self, now: float) -> str:
+        since = datetime.datetime.fromtimestamp(self.started).isoformat(timespec="seconds")
+        return (
+            f"host {self.host}, pid {self.pid}, started {since} "
+            f"(last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago)"
+        )
+
+
+class RunLease:
+    """The lease of the run folder `run`, for this driver (`owner`).
+
+    Example:
+        >>> with RunLease(run_folder, run_name="my-run"):  # RunFolderLeasedError if held
+        ...     train()  # the lease beats in a driver thread, and is released at the end
+    """
+
+    def __init__(
+        self,
+        run: Location,
+        run_name: str = "",
+        stale_after_s: float = STALE_AFTER_S,
+        heartbeat_s: float = HEARTBEAT_S,
+        clock: Any = time.time,
+    ) -> None:
+        self.run = run
+        self.file = run.child(LEASE_FILE)
+        self.stale_after_s = stale_after_s
+        self.heartbeat_s = heartbeat_s
+        self.clock = clock
+        now = clock()
+        self.holder = Holder(
+            owner=uuid.uuid4().hex,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started=now,
+            heartbeat=now,
+            run_name=run_name,
+        )
+        self.store = store_for(self.file)
+        self.lost = threading.Event()  # set when another run took the lease from under us
+        self.taken_over: Holder | None = None  # the stale holder this start replaced, if any
+        self._token: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> RunLease:
+        """Acquire (or refuse) and beat until the block ends, however it ends."""
+        self.acquire()
+        try:
+            self.start_heartbeat()
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    # ---- the driver, before Ray ------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Hold the lease, or raise `RunFolderLeasedError` naming the live holder. A stale
+        holder's lease is taken over (logged)."""
+        self.run.fs.create_dir(self.run.path, recursive=True)
+        for _ in range(3):  # a lost race with another starting run: look again
+            token = self.store.create(self.holder.to_bytes())
+            if token is not None:
+                self._token = token
+                return
+            found = self.store.read()
+            if found is None:  # released between our create and our read
+                continue
+            data, token = found
+            other = Holder.from_bytes(data)
+            now = self.clock()
+            if other is not None and now - other.heartbeat <= self.stale_after_s:
+                raise RunFolderLeasedError(self._refusal(other, now))
+            new = self.store.replace(token, self.holder.to_bytes())
+            if new is not None:
+                self._token = new
+                self.taken_over = other
+                described = other.describe(now) if other else "an unreadable lease"
+                logger.warning(
+                    "%s: took over the lease of a run that stopped beating (%s)",
+                    self.run.name,
+                    described,
+                )
+                return
+        found = self.store.read()
+        other = Holder.from_bytes(found[0]) if found else None
+        if other is None:
+            raise RunFolderLeasedError(f"{self.run.name}: another run is taking its lease; retry")
+        raise RunFolderLeasedError(self._refusal(other, self.clock()))
+
+    def _refusal(self, other: Holder, now: float) -> str:
+        free_at = datetime.datetime.fromtimestamp(other.heartbeat + self.stale_after_s)
+        return (
+            f"run_name {other.run_name or self.run.basename!r}: {self.run.name} is in use by "
+            f"another run ({other.describe(now)}); two runs writing one folder delete each "
+            "other's checkpoints. Wait for it to end, stop it (ray-trainer stop), or pick a new "
+            f"run_name. If that run is gone (its machine died), the lease is taken over from "
+            f"{free_at.isoformat(timespec='seconds')} on ({self.stale_after_s:.0f} s without a "
+            f"heartbeat), or at once if you delete {self.file.name}"
+        )
+
+    # ---- the driver, while the run lives ---------------------------------------------------
+
+    def beat(self) -> bool:
+        """Rewrite the heartbeat; False (and `lost` set) when another run holds the lease now."""
+        if self.lost.is_set() or self._token is None:
+            return False
+        holder = Holder(**{**asdict(self.holder), "heartbeat": self.clock()})
+        token = self.store.replace(self._token, holder.to_bytes())
+        if token is None:
+            self.lost.set()
+            found = self.store.read()
+            other = Holder.from_bytes(found[0]) if found else None
+            logger.error(
+                "%s: this run lost its lease to %s; the other run may delete this run's "
+                "checkpoints: stop one of them",
+                self.run.name,
+                other.describe(self.clock()) if other else "nobody (the file is gone)",
+            )
+            return False
+        self.holder, self._token = holder, token
+        return True
+
+    def start_heartbeat(self) -> None:
+        """Beat every `heartbeat_s` in a daemon thread of the driver until `release`."""
+
+        def loop() -> None:
+            while not self._stop.wait(self.heartbeat_s):
+                try:
+                    if not self.beat():
+                        return
+                except OSError as e:  # storage briefly away: the next beat retries
+                    logger.warning("%s: heartbeat failed: %s", self.file.name, e)
+
+        self._thread = threading.Thread(target=loop, name="run-lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop beating and remove the lease if it is still ours. Never raises: it runs in the
+        driver's ``finally``, on every exit path."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat_s + 5)
+        if self._token is None or self.lost.is_set():
+            return
+        try:
+            self.store.delete(self._token)
+        except OSError as e:
+            logger.warning("could not remove %s: %s", self.file.name, e)
+        self._token = None
+
+
+# ---- how each kind of store creates a file once ------------------------------------------------
+
+
+class LocalStore:
+    """A local or NFS path: ``O_EXCL`` creates once; the token is the content we wrote."""
+
+    def __init__(self, file: Location) -> None:
+        self.path = file.path
+
+    def create(self, data: bytes) -> Any:
+        # Written whole under a private name, then linked into place: ``link`` fails when the
+        # name exists, as ``O_EXCL`` does (also on NFS), and no reader ever sees half a lease.
+        tmp = f"{self.path}.{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return None
+        finally:
+            os.unlink(tmp)
+        return data
+
+    def read(self) -> tuple[bytes, Any] | None:
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        return data, data
+
+    def replace(self, token: Any, data: bytes) -> Any:
+        """Replace the lease that holds `token` with `data`; None when it holds something else."""
+        aside = f"{self.path}.{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(self.path, aside)  # atomic: of two runs renaming one file, one wins
+        except FileNotFoundError:
+            return None
+        with open(aside, "rb") as f:
+            moved = f.read()
+        if moved != token:  # another run's newer lease: put it back, unless a third wrote one
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            os.unlink(aside)
+            return None
+        os.unlink(aside)
+        return self.create(data)
+
+    def delete(self, token: Any) -> None:
+        found = self.read()
+        if found is not None and found[1] == token:
+            os.unlink(self.path)
+
+
+class S3Store:
+    """S3 through boto3's conditional puts: the token is the object's ETag."""
+
+    def __init__(self, file: Location, client: Any) -> None:
+        self.bucket, self.key = file.path.lstrip("/").split("/", 1)
+        self.client = client
+
+    def _put(self, data: bytes, **condition: str) -> Any:
+        from botocore.exceptions import ClientError
+
+        try:
+            out = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=data, **condition)
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (409, 412):  # PreconditionFailed, or a concurrent conditional write
+                return None
+            raise OSError(f"s3://{self.bucket}/{self.key}: {e}") from None
+        return out["ETag"]
+
+    def create(self, data: bytes) -> Any:
+        return self._put(data, IfNoneMatch="*")
+
+    def read(self) -> tuple[bytes, Any] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            out = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise OSError(f"s3://{self.bucket}/{self.key}: {e}") from None
+        return out["Body"].read(), out["ETag"]
+
+    def replace(self, token: Any, data: bytes) -> Any:
+        return self._put(data, IfMatch=token)
+
+    def delete(self, token: Any) -> None:
+        found = self.read()
+        if found is not None and found[1] == token:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key)
+
+
+class BestEffortStore:
+    """A store without a conditional write: write when absent, then read back after `settle_s`
+    and keep the lease only if it still holds what we wrote."""
+
+    def __init__(self, file: Location, settle_s: float = SETTLE_S) -> None:
+        self.file = file
+        self.settle_s = settle_s
+
+    def create(self, data: bytes) -> Any:
+        if self.file.exists():
+            return None
+        self.file.write_bytes(data)
+        return self._confirm(data)
+
+    def _confirm(self, data: bytes) -> Any:
+        time.sleep(self.settle_s)  # let a concurrent writer's object land before reading back
+        found = self.read()
+        return data if found is not None and found[0] == data else None
+
+    def read(self) -> tuple[bytes, Any] | None:
+        try:
+            data = self.file.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, data
+
+    def replace(self, token: Any, data: bytes) -> Any:
+        found = self.read()
+        if found is None or found[1] != token:
+            return None
+        self.file.write_bytes(data)
+        return self._confirm(data)
+
+    def delete(self, token: Any) -> None:
+        found = self.read()
+        if found is not None and found[1] == token:
+            self.file.delete()
+
+
+def store_for(file: Location) -> Any:
+    """The strongest way this file's store offers to create it once."""
+    if file.is_local:
+        return LocalStore(file)
+    client = s3_client(file.fs)
+    if client is not None:
+        return S3Store(file, client)
+    return BestEffortStore(file)
+
+
+def s3_client(fs: Any) -> Any:
+    """A boto3 client with `fs`'s endpoint and credentials when `fs` is a pyarrow S3 filesystem
+    and boto3 is installed; else None."""
+    if not isinstance(fs, pafs.S3FileSystem):
+        return None
+    try:
+        import boto3
+    except ImportError:
+        return None
+    # What the filesystem was built with: its pickling arguments (pyarrow exposes no getters).
+    options = fs.__reduce__()[1][0]
+    endpoint = options.get("endpoint_override") or None
+    if endpoint and "://" not in endpoint:
+        endpoint = f"{options.get('scheme') or 'https'}://{endpoint}"
+    kwargs = {
+        "endpoint_url": endpoint,
+        "region_name": options.get("region") or fs.region or None,
+        "aws_access_key_id": options.get("access_key") or None,
+        "aws_secret_access_key": options.get("secret_key") or None,
+        "aws_session_token": options.get("session_token") or None,
+    }
+    return boto3.client("s3", **{k: v for k, v in kwargs.items() if v is not None})
