@@ -160,7 +160,7 @@ class RunLease:
             now = self.clock()
             if other is not None and now - other.heartbeat <= self.stale_after_s:
                 raise RunFolderLeasedError(self._refusal(other, now))
-            new = self.store.replace(token, self.holder.to_bytes())
+            new = self.store.take_over(token, self.holder.to_bytes())
             if new is not None:
                 self._token = new
                 self.taken_over = other
@@ -195,7 +195,7 @@ class RunLease:
         if self.lost.is_set() or self._token is None:
             return False
         holder = Holder(**{**asdict(self.holder), "heartbeat": self.clock()})
-        token = self.store.replace(self._token, holder.to_bytes())
+        token = self.store.rewrite(self._token, holder.to_bytes())
         if token is None:
             self.lost.set()
             found = self.store.read()
@@ -273,8 +273,10 @@ class LocalStore:
             return None
         return data, data
 
-    def replace(self, token: Any, data: bytes) -> Any:
-        """Replace the lease that holds `token` with `data`; None when it holds something else."""
+    def take_over(self, token: Any, data: bytes) -> Any:
+        """Replace the (stale) lease that holds `token` with `data`; None when it holds
+        something else by now. The lease is absent for a moment: a run starting then gets it,
+        and this one fails to create it."""
         aside = f"{self.path}.{uuid.uuid4().hex[:12]}"
         try:
             os.rename(self.path, aside)  # atomic: of two runs renaming one file, one wins
@@ -289,6 +291,18 @@ class LocalStore:
             return None
         os.unlink(aside)
         return self.create(data)
+
+    def rewrite(self, token: Any, data: bytes) -> Any:
+        """The holder's heartbeat: replace its own lease in one rename (never absent, so no
+        starting run can create it meanwhile); None when the lease holds something else."""
+        found = self.read()
+        if found is None or found[1] != token:
+            return None
+        tmp = f"{self.path}.{uuid.uuid4().hex[:12]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.path)
+        return data
 
     def delete(self, token: Any) -> None:
         found = self.read()
@@ -329,8 +343,10 @@ class S3Store:
             raise OSError(f"s3://{self.bucket}/{self.key}: {e}") from None
         return out["Body"].read(), out["ETag"]
 
-    def replace(self, token: Any, data: bytes) -> Any:
+    def take_over(self, token: Any, data: bytes) -> Any:
         return self._put(data, IfMatch=token)
+
+    rewrite = take_over
 
     def delete(self, token: Any) -> None:
         found = self.read()
@@ -364,12 +380,14 @@ class BestEffortStore:
             return None
         return data, data
 
-    def replace(self, token: Any, data: bytes) -> Any:
+    def take_over(self, token: Any, data: bytes) -> Any:
         found = self.read()
         if found is None or found[1] != token:
             return None
         self.file.write_bytes(data)
         return self._confirm(data)
+
+    rewrite = take_over
 
     def delete(self, token: Any) -> None:
         found = self.read()

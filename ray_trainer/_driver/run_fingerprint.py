@@ -7,7 +7,8 @@ Runs in the driver, before ``ray.init()``: `fingerprint` is recorded in the run 
 * a string (a model name, a data path or URI) and None stand for themselves;
 * a model factory or data factory (a function, a class, a ``functools.partial``, a callable
   object) by its code: the bytecode, constants and names of each function, its defaults and
-  closure values, and the functions and classes of its own module that it calls, recursively.
+  closure values, the plain values (numbers, strings, containers) of the globals it reads, and
+  the functions and classes of its own module that it calls, recursively.
   Line numbers and comments do not count, so editing the script elsewhere does not change it;
 * a ``datasets.Dataset`` by its content fingerprint (what ``datasets`` keeps, else a digest of
   its table);
@@ -30,6 +31,7 @@ from ray_trainer._config.args import TrainingArgs
 SAMPLED_ITEMS = 8
 _DIGITS = 16  # of the sha256 shown in run.json
 _DEPTH = 8  # how deep nested values and the code they call are followed
+_PLAIN = (str, bytes, int, float, bool, complex, type(None), list, tuple, dict, set, frozenset)
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a default repr's memory address: not content
 
 
@@ -51,11 +53,11 @@ def describe(value: Any) -> str:
 def content_digest(value: Any) -> str:
     """The sha256 (first `_DIGITS` hex digits) of `value`'s code and content."""
     h = hashlib.sha256()
-    _feed(value, h, set(), depth=0)
+    _feed(value, h, {}, depth=0)
     return h.hexdigest()[:_DIGITS]
 
 
-def _feed(value: Any, h: Any, seen: set[int], depth: int) -> None:
+def _feed(value: Any, h: Any, seen: dict[int, Any], depth: int) -> None:
     """Feed what identifies `value` into the hash `h` (`seen` stops cycles)."""
     if isinstance(value, (str, bytes, int, float, bool, complex, type(None))):
         h.update(f"{type(value).__name__}:{value!r};".encode())
@@ -63,7 +65,7 @@ def _feed(value: Any, h: Any, seen: set[int], depth: int) -> None:
     if id(value) in seen or depth > _DEPTH:
         h.update(b"<seen>;")
         return
-    seen.add(id(value))
+    seen[id(value)] = value  # kept alive: a freed item's id may be reused by the next one
     if isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
         h.update(f"{type(value).__name__}[{len(items)}];".encode())
@@ -100,7 +102,7 @@ def _feed(value: Any, h: Any, seen: set[int], depth: int) -> None:
             h.update(f"repr:{_ADDRESS.sub('', repr(value))};".encode())
 
 
-def _feed_code(code: types.CodeType, h: Any, seen: set[int], depth: int) -> None:
+def _feed_code(code: types.CodeType, h: Any, seen: dict[int, Any], depth: int) -> None:
     # The bytecode and what it names, never line numbers or the file name.
     h.update(f"code:{code.co_name}:{code.co_argcount}:".encode() + code.co_code + b";")
     h.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
@@ -108,7 +110,7 @@ def _feed_code(code: types.CodeType, h: Any, seen: set[int], depth: int) -> None
         _feed(const, h, seen, depth + 1)
 
 
-def _feed_function(fn: types.FunctionType, h: Any, seen: set[int], depth: int) -> None:
+def _feed_function(fn: types.FunctionType, h: Any, seen: dict[int, Any], depth: int) -> None:
     h.update(f"fn:{fn.__module__}.{fn.__qualname__};".encode())
     _feed_code(fn.__code__, h, seen, depth)
     _feed(fn.__defaults__, h, seen, depth + 1)
@@ -118,14 +120,18 @@ def _feed_function(fn: types.FunctionType, h: Any, seen: set[int], depth: int) -
             _feed(cell.cell_contents, h, seen, depth + 1)
         except ValueError:  # an empty cell
             h.update(b"<empty>;")
-    # What it calls from its own module (a class it builds, a helper): their code too.
-    for name in _names(fn.__code__):
-        target = fn.__globals__.get(name)
-        if _same_module(target, fn.__module__):
+    # What it calls from its own module (a class it builds, a helper): their code too; and the
+    # plain values of the globals it reads (a width, a path). Modules and other objects: by name.
+    for name in sorted(set(_names(fn.__code__))):
+        if name not in fn.__globals__:
+            continue
+        target = fn.__globals__[name]
+        if _same_module(target, fn.__module__) or isinstance(target, _PLAIN):
+            h.update(f"global:{name};".encode())
             _feed(target, h, seen, depth + 1)
 
 
-def _feed_class(cls: type, h: Any, seen: set[int], depth: int) -> None:
+def _feed_class(cls: type, h: Any, seen: dict[int, Any], depth: int) -> None:
     h.update(f"class:{cls.__module__}.{cls.__qualname__};".encode())
     if cls.__module__ == "builtins" or depth > _DEPTH:
         return
@@ -158,7 +164,7 @@ def _feed_hf_dataset(dataset: Any, h: Any) -> None:
                     h.update(buffer)
 
 
-def _feed_items(dataset: Any, h: Any, seen: set[int], depth: int) -> None:
+def _feed_items(dataset: Any, h: Any, seen: dict[int, Any], depth: int) -> None:
     n = len(dataset)
     h.update(f"len:{n};".encode())
     if n <= 0:

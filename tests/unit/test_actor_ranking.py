@@ -279,6 +279,7 @@ def test_a_deletion_cut_short_is_finished_by_the_next_start(tmp_path, monkeypatc
     run = tmp_path / "run"
     keeper = _keeper(run, keep=1, attribute=None, run_id="mine")
     _save(keeper, run, 2)
+
     # The folder's deletion fails once (the process dies, or storage is away) ...
     def storage_away(self):
         raise OSError("storage is away")
