@@ -125,6 +125,7 @@ class RunLease:
         self.lost = threading.Event()  # set when another run took the lease from under us
         self.taken_over: Holder | None = None  # the stale holder this start replaced, if any
         self._token: Any = None
+        self._made_folder = False  # this start created the run folder (removed if left empty)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,6 +147,7 @@ class RunLease:
     def acquire(self) -> None:
         """Hold the lease, or raise `RunFolderLeasedError` naming the live holder. A stale
         holder's lease is taken over (logged)."""
+        self._made_folder = self.run.is_local and not self.run.exists()
         self.run.fs.create_dir(self.run.path, recursive=True)
         for _ in range(3):  # a lost race with another starting run: look again
             token = self.store.create(self.holder.to_bytes())
@@ -176,6 +178,12 @@ class RunLease:
         if other is None:
             raise RunFolderLeasedError(f"{self.run.name}: another run is taking its lease; retry")
         raise RunFolderLeasedError(self._refusal(other, self.clock()))
+
+    def _remove_empty_folder(self) -> None:
+        """A start refused before it wrote anything leaves no empty run folder behind."""
+        if self._made_folder and not self.run.listdir():
+            with contextlib.suppress(OSError):
+                os.rmdir(self.run.path)
 
     def _refusal(self, other: Holder, now: float) -> str:
         free_at = datetime.datetime.fromtimestamp(other.heartbeat + self.stale_after_s)
@@ -237,6 +245,7 @@ class RunLease:
         except OSError as e:
             logger.warning("could not remove %s: %s", self.file.name, e)
         self._token = None
+        self._remove_empty_folder()
 
 
 # ---- how each kind of store creates a file once ------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import pickle
 import re
 import types
 from typing import Any
@@ -31,6 +32,7 @@ from ray_trainer._config.args import TrainingArgs
 SAMPLED_ITEMS = 8
 _DIGITS = 16  # of the sha256 shown in run.json
 _DEPTH = 8  # how deep nested values and the code they call are followed
+_LONG = 256  # a longer list of plain values is hashed whole, through pickle (C speed)
 _PLAIN = (str, bytes, int, float, bool, complex, type(None), list, tuple, dict, set, frozenset)
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a default repr's memory address: not content
 
@@ -66,7 +68,9 @@ def _feed(value: Any, h: Any, seen: dict[int, Any], depth: int) -> None:
         h.update(b"<seen>;")
         return
     seen[id(value)] = value  # kept alive: a freed item's id may be reused by the next one
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, (list, tuple)) and len(value) > _LONG and _plain_items(value):
+        h.update(f"{type(value).__name__}[{len(value)}]:".encode() + pickle.dumps(value, 4))
+    elif isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
         h.update(f"{type(value).__name__}[{len(items)}];".encode())
         for item in items:
@@ -188,6 +192,10 @@ def _is_tensor_like(value: Any) -> bool:
 def _is_map_dataset(value: Any) -> bool:
     kind = type(value)
     return hasattr(kind, "__getitem__") and hasattr(kind, "__len__") and not callable(value)
+
+
+def _plain_items(items: list | tuple) -> bool:
+    return all(isinstance(v, (str, bytes, int, float, bool, type(None))) for v in items)
 
 
 def _names(code: types.CodeType) -> list[str]:

@@ -73,6 +73,7 @@ def test_a_second_holder_is_refused_naming_the_first_and_gets_it_after_release(t
     second.acquire()
     assert _holder(tmp_path / "run")["owner"] == second.holder.owner
     second.release()
+    assert not (tmp_path / "run").exists()  # the folder it made, left empty, is gone too
 
 
 def test_a_crashed_runs_lease_is_taken_over_once_its_heartbeat_is_stale(tmp_path):
