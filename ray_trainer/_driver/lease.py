@@ -20,7 +20,8 @@ How the file is created so that exactly one of two starting runs gets it:
   is refused. Two runs starting within the same fraction of a second can both pass there.
 
 A lease whose heartbeat is older than `STALE_AFTER_S` (its driver crashed or was killed) is
-taken over by the next start of the run; a younger one refuses the start, naming its holder.
+taken over by the next start of the run, and so is one older than two heartbeats whose holder
+was a process of this machine that is gone; any other refuses the start, naming its holder.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class RunLease:
             data, token = found
             other = Holder.from_bytes(data)
             now = self.clock()
-            if other is not None and now - other.heartbeat <= self.stale_after_s:
+            if other is not None and not self._stale(other, now):
                 raise RunFolderLeasedError(self._refusal(other, now))
             new = self.store.take_over(token, self.holder.to_bytes())
             if new is not None:
@@ -184,6 +185,16 @@ class RunLease:
         if self._made_folder and not self.run.listdir():
             with contextlib.suppress(OSError):
                 os.rmdir(self.run.path)
+
+    def _stale(self, other: Holder, now: float) -> bool:
+        """No heartbeat for `stale_after_s`; or, for a holder on this machine whose process is
+        gone, for two heartbeat periods (a process of that pid in another container of the same
+        host name still beats, so it is never taken for dead)."""
+        silent = now - other.heartbeat
+        if silent > self.stale_after_s:
+            return True
+        here = other.host == self.holder.host
+        return here and silent > 2 * self.heartbeat_s and not _process_alive(other.pid)
 
     def _refusal(self, other: Holder, now: float) -> str:
         free_at = datetime.datetime.fromtimestamp(other.heartbeat + self.stale_after_s)
@@ -246,6 +257,16 @@ class RunLease:
             logger.warning("could not remove %s: %s", self.file.name, e)
         self._token = None
         self._remove_empty_folder()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, as another user's
+        return True
+    return True
 
 
 # ---- how each kind of store creates a file once ------------------------------------------------

@@ -99,6 +99,24 @@ def test_a_crashed_runs_lease_is_taken_over_once_its_heartbeat_is_stale(tmp_path
     assert sorted(os.listdir(tmp_path / "run")) == []  # no file left aside
 
 
+def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_after_two_heartbeats(tmp_path):
+    run = locate(str(tmp_path / "run"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    clock = _Clock()
+    for pid, refused in ((os.getpid(), True), (int(dead.stdout), False)):
+        left = Holder("crashed", socket.gethostname(), pid, clock() - 300, clock() - 31, "r")
+        run.child(LEASE_FILE).write_bytes(left.to_bytes())
+        lease = RunLease(run, "r", heartbeat_s=15, stale_after_s=120, clock=clock)
+        if refused:  # alive (this very process): the bound applies
+            with pytest.raises(RunFolderLeasedError, match="last heartbeat 31 s ago"):
+                lease.acquire()
+        else:
+            lease.acquire()
+            assert lease.taken_over == left
+            lease.release()
+
+
 def test_of_two_runs_taking_over_one_stale_lease_only_one_wins(tmp_path):
     run = locate(str(tmp_path / "run"))
     run.fs.create_dir(run.path)
