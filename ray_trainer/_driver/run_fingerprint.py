@@ -43,6 +43,28 @@ def fingerprint(args: TrainingArgs) -> str:
     return f"model={describe(args.model)};data={describe(args.data)};demo={demo}"
 
 
+def same_run(recorded: str | None, args: TrainingArgs) -> bool:
+    """True when `recorded` (a ``run.json`` fingerprint) is what `args` train. A record written
+    before factories were fingerprinted by code (names only, no ``#``) matches by name, so that
+    such a run can still be continued; the next launch records the full fingerprint."""
+    if recorded == fingerprint(args):
+        return True
+    if recorded is None or "#" in recorded:
+        return False
+    return recorded == _by_name(args)
+
+
+def _by_name(args: TrainingArgs) -> str:
+    """The fingerprint as it was before: factories and Datasets by name."""
+
+    def name(v: Any) -> str:
+        if v is None or isinstance(v, str):
+            return str(v)
+        return getattr(v, "__qualname__", type(v).__qualname__)
+
+    return f"model={name(args.model)};data={name(args.data)};demo={sorted(args.demo.items())}"
+
+
 def describe(value: Any) -> str:
     """A string or None as itself; anything else as its name and a digest of its code and
     content."""

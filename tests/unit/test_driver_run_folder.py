@@ -319,6 +319,14 @@ def test_a_different_lambda_under_a_reused_run_name_is_refused(tmp_path):
     assert record_run(run, first) == run_id  # ... under the same id (its saves stay its own)
     write_run_record(run, {"fingerprint": fingerprint(first), "run_name": "reused"})
     assert record_run(run, first) != run_id  # a record without an id: a new one
+    # A record from before code fingerprints (the lambda's name only) still continues, and the
+    # next launch records the full fingerprint; a different name does not.
+    old = {"fingerprint": "model=" + first.model.__qualname__ + ";data=None;demo=[]"}
+    write_run_record(run, old)
+    assert check_storage(first).name == run.name
+    write_run_record(run, {"fingerprint": "model=make_other;data=None;demo=[]"})
+    with pytest.raises(TrainingArgsError, match="already holds a different run"):
+        check_storage(first)
 
 
 # ---- what crashed saves left, removed at the next start -----------------------------------------

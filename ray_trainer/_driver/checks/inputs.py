@@ -18,7 +18,7 @@ from callbacks._state import is_stateful
 from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
 from ray_trainer._checkpoint.names import checkpoint_names
 from ray_trainer._config.args import TrainingArgs
-from ray_trainer._driver.run_fingerprint import fingerprint
+from ray_trainer._driver.run_fingerprint import same_run
 from ray_trainer._errors import CheckpointError, TrainingArgsError
 from ray_trainer._model.spec import is_builtin
 from ray_trainer._objectives import resume_error
@@ -220,7 +220,7 @@ def check_storage(args: TrainingArgs) -> Location:
     record = read_run_record(run)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
-    if record is not None and record.get("fingerprint") != fingerprint(args) and _checkpoints(run):
+    if record is not None and not same_run(record.get("fingerprint"), args) and _checkpoints(run):
         raise TrainingArgsError(
             f"run_name {args.run_name!r}: {run.name} already holds a different run "
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
