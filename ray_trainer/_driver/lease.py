@@ -15,6 +15,8 @@ How the file is created so that exactly one of two starting runs gets it:
   stale lease that was read;
 * S3 (``s3://`` or a ``pyarrow.fs.S3FileSystem``), when ``boto3`` is installed: a conditional
   ``PutObject`` (``If-None-Match: *`` to create, ``If-Match: <etag>`` to take over and to beat);
+  when boto3 may not write there (no credentials of its own) or the store does not implement
+  conditional puts, the best effort below, with a warning;
 * any other store (``gs://``, a custom filesystem): best effort, documented as such: the lease
   is written when absent, then read back after `SETTLE_S`; a run that reads back another owner
   is refused. Two runs starting within the same fraction of a second can both pass there.
@@ -53,6 +55,11 @@ HEARTBEAT_S = 15.0
 STALE_AFTER_S = 120.0
 #: Best-effort stores: how long to wait before reading a freshly written lease back.
 SETTLE_S = 1.0
+
+
+class NoConditionalWrites(OSError):
+    """The store refused a conditional write for a reason other than its condition (boto3 has
+    no credentials where pyarrow has, or the S3-compatible store does not implement it)."""
 
 
 class RunFolderLeasedError(TrainingArgsError):
@@ -151,7 +158,12 @@ class RunLease:
         self._made_folder = self.run.is_local and not self.run.exists()
         self.run.fs.create_dir(self.run.path, recursive=True)
         for _ in range(3):  # a lost race with another starting run: look again
-            token = self.store.create(self.holder.to_bytes())
+            try:
+                token = self.store.create(self.holder.to_bytes())
+            except NoConditionalWrites as e:
+                logger.warning("%s: %s; falling back to a best-effort lease", self.file.name, e)
+                self.store = BestEffortStore(self.file)
+                token = self.store.create(self.holder.to_bytes())
             if token is not None:
                 self._token = token
                 return
@@ -201,8 +213,8 @@ class RunLease:
         return (
             f"run_name {other.run_name or self.run.basename!r}: {self.run.name} is in use by "
             f"another run ({other.describe(now)}); two runs writing one folder delete each "
-            "other's checkpoints. Wait for it to end, stop it (ray-trainer stop), or pick a new "
-            f"run_name. If that run is gone (its machine died), the lease is taken over from "
+            "other's checkpoints. Wait for it to end, stop it (Ctrl-C where it runs, or "
+            "`ray-trainer stop` on its cluster), or pick a new run_name. If that run is gone (its machine died), the lease is taken over from "
             f"{free_at.isoformat(timespec='seconds')} on ({self.stale_after_s:.0f} s without a "
             f"heartbeat), or at once if you delete {self.file.name}"
         )
@@ -348,7 +360,7 @@ class S3Store:
         self.client = client
 
     def _put(self, data: bytes, **condition: str) -> Any:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             out = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=data, **condition)
@@ -356,7 +368,11 @@ class S3Store:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status in (409, 412):  # PreconditionFailed, or a concurrent conditional write
                 return None
+            if status in (400, 403, 501):  # not allowed to boto3, or not implemented
+                raise NoConditionalWrites(f"s3://{self.bucket}/{self.key}: {e}") from None
             raise OSError(f"s3://{self.bucket}/{self.key}: {e}") from None
+        except BotoCoreError as e:  # no credentials for boto3, an endpoint it cannot reach
+            raise NoConditionalWrites(f"s3://{self.bucket}/{self.key}: {e}") from None
         return out["ETag"]
 
     def create(self, data: bytes) -> Any:

@@ -214,6 +214,26 @@ def test_on_s3_the_lease_is_created_and_taken_over_with_conditional_puts(s3):
     assert key not in s3.keys("leases")
 
 
+def test_on_s3_without_credentials_for_boto3_the_lease_falls_back_to_best_effort(s3):
+    # pyarrow has the keys; boto3, given wrong ones, is refused (403): the lease still works.
+    fs = pafs.S3FileSystem(endpoint_override=s3.endpoint, access_key="testing",
+                           secret_key="testing", region="us-east-1")  # fmt: skip
+    lease = RunLease(locate("leases/runs/fallback", fs), "fallback")
+    lease.store.client = s3.client()
+    lease.store.client.put_object = _forbidden
+    lease.acquire()
+    assert isinstance(lease.store, BestEffortStore)
+    assert "runs/fallback/" + LEASE_FILE in s3.keys("leases")
+    lease.release()
+
+
+def _forbidden(**kwargs):
+    from botocore.exceptions import ClientError
+
+    error = {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+    raise ClientError(error, "PutObject")
+
+
 def test_a_store_without_conditional_writes_reads_its_lease_back(tmp_path, monkeypatch):
     # A filesystem that is neither local nor S3: the documented best effort.
     fs = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
