@@ -1,6 +1,6 @@
 """One run per run folder: the lease, the fingerprint of what a run trains, and the start's cleanup.
 
-The lease (`_driver/lease.py`) on a local folder, on S3 (moto's server: conditional puts) and on
+The lease (`_driver/lease.py`, `_driver/lease_stores.py`) on a local folder, on S3 (moto's server: conditional puts) and on
 a store without conditional writes (best effort); a second `run_training` on a live folder,
 refused before Ray starts; the fingerprint (`_driver/run_fingerprint.py`) of factories and
 Datasets by code and content; what crashed saves left, removed at the next start
@@ -22,17 +22,10 @@ import torch
 from waiting import wait_until
 
 from ray_trainer import TrainingArgs, TrainingArgsError, run_training
-from ray_trainer._driver import lease as lease_module
+from ray_trainer._driver import lease_stores
 from ray_trainer._driver.checks.inputs import check_storage, write_run_record
-from ray_trainer._driver.lease import (
-    LEASE_FILE,
-    BestEffortStore,
-    Holder,
-    LocalStore,
-    RunFolderLeasedError,
-    RunLease,
-    S3Store,
-)
+from ray_trainer._driver.lease import LEASE_FILE, Holder, RunFolderLeasedError, RunLease
+from ray_trainer._driver.lease_stores import BestEffortStore, LocalStore, S3Store
 from ray_trainer._driver.retention import record_run, remove_crashed_saves
 from ray_trainer._driver.run_fingerprint import describe, fingerprint
 from ray_trainer._storage import locate
@@ -249,7 +242,7 @@ def test_a_store_without_conditional_writes_reads_its_lease_back(tmp_path, monke
     late = RunLease(run, "r")
     other = Holder("other-owner", "elsewhere", 42, late.clock(), late.clock(), "r")
     monkeypatch.setattr(
-        lease_module.time, "sleep", lambda s: late.file.write_bytes(other.to_bytes())
+        lease_stores.time, "sleep", lambda s: late.file.write_bytes(other.to_bytes())
     )
     with pytest.raises(RunFolderLeasedError, match="host elsewhere, pid 42"):
         late.acquire()
