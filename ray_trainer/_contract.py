@@ -184,7 +184,7 @@ class RunSpec:
     # The run folder on storage: a local or shared path, a URI, or a path on
     # `args.storage_filesystem`; every file of the run is under it (`_storage.locate`).
     run_dir: str
-    launch_id: str  # one per run_training call: attempts are counted per launch
+    launch_id: str  # one per run_training call (`<run_id>.<hex>`): attempts are counted per launch
     actor_name: str
     actor_namespace: str = NAMESPACE
     forward_events: frozenset[str] = ACTOR_EVENTS

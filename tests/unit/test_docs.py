@@ -179,6 +179,7 @@ NOT_REPOSITORY_FILES = {
     "tasks/my_task.yaml",
     "meta.json",  # the token cache's
     "ranking.json",  # the callback actor's, in the run folder
+    "lease.json",  # the run folder's lease, held by the run's driver
     "adapter_config.json",  # an export's (peft, transformers)
     "config.json",
     "generation_config.json",
