@@ -153,9 +153,9 @@ class BestEffortStore:
     """A store without a conditional write: write when absent, then read back after `settle_s`
     and keep the lease only if it still holds what we wrote."""
 
-    def __init__(self, file: Location, settle_s: float = SETTLE_S) -> None:
+    def __init__(self, file: Location, settle_s: float | None = None) -> None:
         self.file = file
-        self.settle_s = settle_s
+        self.settle_s = SETTLE_S if settle_s is None else settle_s
 
     def create(self, data: bytes) -> Any:
         if self.file.exists():

@@ -136,12 +136,20 @@ def test_the_heartbeat_thread_beats_until_release(tmp_path):
     assert not (tmp_path / "run" / LEASE_FILE).exists()
 
 
-def test_a_lease_held_by_another_process_refuses_and_is_released_when_it_ends(tmp_path):
+_SOURCE = "def make():\n    return {'d': [1, 2.5, None], 's': {'a', 'b'}}\n"
+
+
+def test_another_process_holding_the_lease_refuses_it_and_fingerprints_alike(tmp_path):
+    # One child process for two cross-process facts (each costs an import of ray_trainer).
     script = textwrap.dedent(
         f"""
         import sys
         from ray_trainer._driver.lease import RunLease
+        from ray_trainer._driver.run_fingerprint import describe
         from ray_trainer._storage import locate
+        ns = {{}}
+        exec(compile({_SOURCE!r}, "<user script>", "exec"), ns)
+        print(describe(ns["make"]), flush=True)
         with RunLease(locate({str(tmp_path / "run")!r}), "other"):
             print("held", flush=True)
             sys.stdin.readline()
@@ -151,6 +159,8 @@ def test_a_lease_held_by_another_process_refuses_and_is_released_when_it_ends(tm
         [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
+        # The same code fingerprints alike in another process (no ids, addresses or set order).
+        assert child.stdout.readline().strip() == describe(_function(_SOURCE))
         assert child.stdout.readline().strip() == "held"
         with pytest.raises(RunFolderLeasedError, match=f"pid {child.pid}, started "):
             RunLease(locate(str(tmp_path / "run")), "mine").acquire()
@@ -207,7 +217,8 @@ def test_on_s3_the_lease_is_created_and_taken_over_with_conditional_puts(s3):
     assert key not in s3.keys("leases")
 
 
-def test_on_s3_without_credentials_for_boto3_the_lease_falls_back_to_best_effort(s3):
+def test_on_s3_without_credentials_for_boto3_the_lease_falls_back_to_best_effort(s3, monkeypatch):
+    monkeypatch.setattr(lease_stores, "SETTLE_S", 0.05)
     # pyarrow has the keys; boto3, given wrong ones, is refused (403): the lease still works.
     fs = pafs.S3FileSystem(endpoint_override=s3.endpoint, access_key="testing",
                            secret_key="testing", region="us-east-1")  # fmt: skip
@@ -231,9 +242,9 @@ def test_a_store_without_conditional_writes_reads_its_lease_back(tmp_path, monke
     # A filesystem that is neither local nor S3: the documented best effort.
     fs = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
     run = locate("run", fs)
+    monkeypatch.setattr(lease_stores, "SETTLE_S", 0.0)
     first = RunLease(run, "r")
     assert isinstance(first.store, BestEffortStore)
-    first.store.settle_s = 0.0
     first.acquire()
     with pytest.raises(RunFolderLeasedError, match=f"pid {os.getpid()}"):
         RunLease(run, "r").acquire()
@@ -305,17 +316,6 @@ def test_datasets_are_told_apart_by_length_and_sampled_items():
     assert describe(_Rows(10)) != describe(_Rows(11))
     assert describe(_Rows(10)) != describe(_Rows(10, scale=3))
     assert describe(_Rows(10)).startswith("_Rows#")
-
-
-def test_the_fingerprint_is_the_same_in_another_process():
-    src = "def make():\n    return {'d': [1, 2.5, None]}\n"
-    script = (
-        "from ray_trainer._driver.run_fingerprint import describe\n"
-        f"ns = {{}}\nexec(compile({src!r}, '<user script>', 'exec'), ns)\n"
-        "print(describe(ns['make']))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == describe(_function(src))
 
 
 def test_a_different_lambda_under_a_reused_run_name_is_refused(tmp_path):
