@@ -18,6 +18,7 @@ from callbacks._state import is_stateful
 from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
 from ray_trainer._checkpoint.names import checkpoint_names
 from ray_trainer._config.args import TrainingArgs
+from ray_trainer._driver.run_fingerprint import same_run
 from ray_trainer._errors import CheckpointError, TrainingArgsError
 from ray_trainer._model.spec import is_builtin
 from ray_trainer._objectives import resume_error
@@ -219,7 +220,7 @@ def check_storage(args: TrainingArgs) -> Location:
     record = read_run_record(run)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
-    if record is not None and record.get("fingerprint") != fingerprint(args) and _checkpoints(run):
+    if record is not None and not same_run(record.get("fingerprint"), args) and _checkpoints(run):
         raise TrainingArgsError(
             f"run_name {args.run_name!r}: {run.name} already holds a different run "
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
@@ -272,17 +273,6 @@ def _check_resume_from(path: str) -> None:
                 "continue that run"
             ) from None
         raise TrainingArgsError(f"resume_from: {e}") from None
-
-
-def fingerprint(args: TrainingArgs) -> str:
-    """What a run trains, in one line: a later run under the same name must match it."""
-
-    def name(v: Any) -> str:
-        if v is None or isinstance(v, str):
-            return str(v)
-        return getattr(v, "__qualname__", type(v).__qualname__)
-
-    return f"model={name(args.model)};data={name(args.data)};demo={sorted(args.demo.items())}"
 
 
 def read_run_record(run: Location) -> dict[str, Any] | None:
