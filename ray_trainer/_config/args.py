@@ -223,8 +223,13 @@ class TrainingArgs(BaseModel):
     @classmethod
     def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
         """``batch_size: true`` is not 1: a boolean is refused where a number is expected."""
-        if isinstance(v, bool) and info.field_name in _number_fields():
-            raise ValueError(f"got {v!r}, a boolean; give a number (e.g. {info.field_name}=1)")
+        if info.field_name not in _number_fields():
+            return v
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else [v]
+        if any(isinstance(x, bool) for x in inner):
+            raise ValueError(
+                f"got {v!r}: a boolean where a number goes (true is not 1); give a number"
+            )
         return v
 
     @field_validator("seed")

@@ -319,18 +319,20 @@ def library_errors(field: str, value: Any) -> Iterator[None]:
     """A library's error while checking `field` (pyarrow's ``ArrowInvalid`` for an unknown URI
     scheme, an ``OSError`` of a bucket without credentials...) becomes a `TrainingArgsError`
     naming the field: the Python API refuses bad input with one family of errors. Errors of
-    ours that already name the input (`DataFileError`, `ModelLoadError`, `CheckpointError`)
-    pass as they are."""
+    ours that already name the input (`DataFileError`, `ModelLoadError`, `CheckpointError`,
+    the chat records' own) pass as they are."""
+    from pyarrow import ArrowException  # ArrowInvalid is one (and a ValueError)
+
     try:
         yield
     except (TrainingArgsError, DataFileError, ModelLoadError, CheckpointError):
         raise
-    except (ValueError, OSError) as e:
+    except (ArrowException, OSError) as e:
         shown = value if isinstance(value, str) else type(value).__name__
         raise TrainingArgsError(
-            f"{field}: {shown!r} cannot be read ({type(e).__name__}: {e}); give a local path, "
-            "or a URI of a filesystem pyarrow knows (s3://, gs://, hdfs://...) that this "
-            "machine has credentials for"
+            f"{field}: {shown!r} cannot be read ({type(e).__name__}: {e}); check the path and "
+            "its permissions, or, for a URI, its scheme (s3://, gs://, hdfs://...) and this "
+            "machine's credentials for it"
         ) from e
 
 
