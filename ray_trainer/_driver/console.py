@@ -2,9 +2,11 @@
 
 Runs in the driver. A healthy run prints no traceback, no error-level line and no Ray noise:
 
-* the embedded local Ray starts with its dashboard on 127.0.0.1 (the dashboard can submit jobs
-  and run code: never on every interface), and the driver prints its URL once, with one line
-  of ours about Ray's token authentication instead of Ray's own warning;
+* the embedded local Ray is a new instance (``address="local"``), even where a ``ray start``
+  cluster runs on the machine; it starts with its dashboard on 127.0.0.1 (the dashboard can
+  submit jobs and run code: never on every interface), and the driver prints its URL once, with
+  one line of ours about Ray's token authentication (asked of Ray) instead of Ray's own
+  warning; a run that joins a cluster says which one;
 * two lines Ray itself repeats although nothing is wrong are dropped from the worker logs this
   driver prints: Ray Train's PlacementGroupCleaner retrying the state API (when the cluster has
   no dashboard), and Ray core's error-level note that an actor Ray Train creates has
@@ -94,7 +96,14 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
     dashboard's URL (None without one)."""
     import ray
 
-    options: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": dashboard}
+    # address="local": a new instance of our own, even where `ray start` runs a cluster on this
+    # machine (without it, ray.init joins the cluster in /tmp/ray/ray_current_cluster, which
+    # refuses num_cpus). A run that means to join one gives ray_address or RAY_ADDRESS.
+    options: dict[str, Any] = {
+        "address": "local",
+        "num_cpus": num_cpus,
+        "include_dashboard": dashboard,
+    }
     # Read by the raylet this starts: training ranks not below Ray's own daemons (kept if set).
     os.environ.setdefault("RAY_worker_niceness", "0")
     url = None
@@ -124,10 +133,34 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
 
 
 def dashboard_line(url: str | None) -> str:
-    """The one line the driver prints about the embedded Ray."""
+    """The one line the driver prints about the embedded Ray: a new local instance of its own,
+    its dashboard, and whether Ray's token authentication is on (Ray's own answer)."""
     where = f"Ray dashboard at {url} (this machine only)" if url else "no Ray dashboard"
-    auth = "off" if os.environ.get("RAY_AUTH_MODE") == "disabled" else "on"
-    return f"ray-trainer: local Ray started; {where}; Ray's token authentication is {auth}"
+    return (
+        f"ray-trainer: local Ray started (a new instance for this run); {where}; "
+        f"Ray's token authentication is {token_auth()}"
+    )
+
+
+def joined_line(address: str) -> str:
+    """The line the driver prints when it joins a running cluster (ray_address / RAY_ADDRESS)."""
+    import ray
+
+    where = getattr(ray.get_runtime_context(), "gcs_address", None) or address
+    return (
+        f"ray-trainer: joined the Ray cluster at {where} (from {address!r}); "
+        f"Ray's token authentication is {token_auth()}"
+    )
+
+
+def token_auth() -> str:
+    """``"on"`` or ``"off"``, as Ray itself decides it (after ``ray.init``: its mode may have
+    been turned on by the start); ``"unknown"`` with a Ray that does not say."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:
+        return "unknown"
+    return "on" if is_token_auth_enabled() else "off"
 
 
 def filter_ray_noise(harmless: tuple[str, ...] = HARMLESS_RAY_LINES) -> bool:

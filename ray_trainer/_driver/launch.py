@@ -38,6 +38,7 @@ from ray_trainer._driver.checks.resources import (
 from ray_trainer._driver.console import (
     dashboard_line,
     filter_ray_noise,
+    joined_line,
     prepare_ray_train,
     start_embedded_ray,
     wait_for_output,
@@ -134,6 +135,7 @@ def _init_ray(args: TrainingArgs) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         filter_ray_noise()
+        print(joined_line(address), flush=True)
         return False
     machine = embedded_resources(count_gpus="GPU" in per_worker(args))
     check_resources(args, nodes=[machine])  # before starting anything

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ray_trainer._errors import TrainingArgsError
 from ray_trainer._storage import is_uri
 
 BUILTIN_MODELS = ("tiny-lm", "demo")
@@ -141,7 +142,7 @@ class ModelSpec:
         return tokenizer
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(TrainingArgsError):
     """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
 
 

@@ -7,20 +7,30 @@ is encoded). What needs the cluster's size is in ``resources.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 from callbacks import ALIASES, EVENTS, global_callbacks
 from callbacks._serialize import unpicklable_state, validate_picklable
 from callbacks._state import is_stateful
-from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
+from ray_trainer._checkpoint import (
+    STATE_FILE,
+    check_complete,
+    complete_checkpoints,
+    latest_checkpoint,
+    verify,
+)
 from ray_trainer._checkpoint.names import checkpoint_names
 from ray_trainer._config.args import TrainingArgs
+from ray_trainer._data.sources import DataFileError
+from ray_trainer._driver.checks.model import check_model_inputs
 from ray_trainer._driver.run_fingerprint import same_run
 from ray_trainer._errors import CheckpointError, TrainingArgsError
-from ray_trainer._model.spec import is_builtin
+from ray_trainer._model.spec import ModelLoadError, is_builtin
 from ray_trainer._objectives import resume_error
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, is_uri, locate
@@ -99,7 +109,9 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
         from ray_trainer._model.spec import check_model_ref
 
         check_model_ref(args.model, allow_download=args.allow_download)
-    plans = plan_data(args)
+    check_model_inputs(args)
+    with library_errors("data", args.data):
+        plans = plan_data(args)
     train = plans.get("data")
     records = None
     if train is not None:
@@ -191,12 +203,19 @@ def check_storage(args: TrainingArgs) -> Location:
     holds no other run. Nothing is created when a check fails."""
     if args.resume_from is not None:
         _check_resume_from(args.resume_from)
-    storage = locate(args.storage_path, args.storage_filesystem)
+    with library_errors("storage_path", args.storage_path):
+        storage = locate(args.storage_path, args.storage_filesystem)
+        storage.is_dir()  # a bucket the credentials cannot reach fails here, not in a worker
     if storage.is_local and f"{os.sep}runtime_resources{os.sep}" in storage.path:
         raise TrainingArgsError(
             f"storage_path {args.storage_path!r} resolves to {storage.path}, inside Ray's cache "
             "of this job's working dir, which Ray deletes when it evicts the package "
             "(checkpoints included): give an absolute path on shared storage, or a bucket URI"
+        )
+    if storage.is_local and os.path.exists(storage.path) and not os.path.isdir(storage.path):
+        raise TrainingArgsError(
+            f"storage_path {args.storage_path!r} is a file, not a folder; give the folder runs "
+            "are written under (it is created if missing), or a bucket URI"
         )
     probe = storage.child(f".write_probe_{os.getpid()}_{secrets.token_hex(4)}")
     try:
@@ -261,9 +280,11 @@ def _checkpoints(folder: Location) -> list[str]:
 
 def _check_resume_from(path: str) -> None:
     try:
-        verify(path)
+        with library_errors("resume_from", path):
+            verify(path)
     except CheckpointError as e:
-        names = _checkpoints(locate(path))
+        folder = locate(path)
+        names = _checkpoints(folder)
         if names:  # a run folder, not one of its checkpoints
             latest = latest_checkpoint(path)
             hint = f"e.g. the newest complete one, {latest}" if latest else "none is complete"
@@ -272,7 +293,48 @@ def _check_resume_from(path: str) -> None:
                 f"{', '.join(names)}: pass one of them ({hint}), or give its run_name to "
                 "continue that run"
             ) from None
+        base = path.rstrip("/").rsplit("/", 1)[-1]  # a checkpoint_<step> folder: incomplete
+        if not checkpoint_names([base]) and not _looks_like_a_checkpoint(folder):
+            raise TrainingArgsError(
+                f"resume_from: {path} is not a checkpoint (no {STATE_FILE}, no rank*.complete); "
+                "pass a checkpoint_<step> folder that a run wrote (e.g. "
+                "<storage_path>/<run_name>/checkpoint_000100), or give its run_name to continue "
+                "that run"
+            ) from None
         raise TrainingArgsError(f"resume_from: {e}") from None
+
+
+def _looks_like_a_checkpoint(folder: Location) -> bool:
+    """A folder a checkpoint save began (complete or not): its state file or a rank's marker
+    (a folder that does not exist says so in `verify`'s own message)."""
+    if not folder.is_dir():
+        return True
+    names = folder.listdir()
+    return STATE_FILE in names or any(
+        n.startswith("rank") and n.endswith(".complete") for n in names
+    )
+
+
+@contextlib.contextmanager
+def library_errors(field: str, value: Any) -> Iterator[None]:
+    """A library's error while checking `field` (pyarrow's ``ArrowInvalid`` for an unknown URI
+    scheme, an ``OSError`` of a bucket without credentials...) becomes a `TrainingArgsError`
+    naming the field: the Python API refuses bad input with one family of errors. Errors of
+    ours that already name the input (`DataFileError`, `ModelLoadError`, `CheckpointError`,
+    the chat records' own) pass as they are."""
+    from pyarrow import ArrowException  # ArrowInvalid is one (and a ValueError)
+
+    try:
+        yield
+    except (TrainingArgsError, DataFileError, ModelLoadError, CheckpointError):
+        raise
+    except (ArrowException, OSError) as e:
+        shown = value if isinstance(value, str) else type(value).__name__
+        raise TrainingArgsError(
+            f"{field}: {shown!r} cannot be read ({type(e).__name__}: {e}); check the path and "
+            "its permissions, or, for a URI, its scheme (s3://, gs://, hdfs://...) and this "
+            "machine's credentials for it"
+        ) from e
 
 
 def read_run_record(run: Location) -> dict[str, Any] | None:
