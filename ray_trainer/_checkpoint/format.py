@@ -209,9 +209,12 @@ def check_complete(location: Location) -> TrainerState:
                 f"{location.name}: incomplete checkpoint: {name} is missing or truncated; "
                 "resume from an earlier checkpoint"
             )
-    raw = json.loads(location.child(STATE_FILE).read_bytes())
-    raw.pop("format", None)
-    return TrainerState(**raw)
+    try:
+        raw = json.loads(location.child(STATE_FILE).read_bytes())
+        raw.pop("format", None)
+        return TrainerState(**raw)
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not its fields
+        raise CheckpointError(f"{location.name}/{STATE_FILE}: not a trainer state ({e})") from None
 
 
 def listed_files(location: Location) -> dict[str, dict[str, Any]]:

@@ -115,16 +115,21 @@ class LocalCheckpoint:
         if template is not None:  # one process, no process group: DCP reads every shard
             aliases = shared_storage_aliases(template)  # a tied weight is stored once
             state = {"model": {k: v for k, v in template.items() if k not in aliases}}
-            dcp.load(state, storage_reader=reader)
+            with safe.shard_errors(self.name):
+                dcp.load(state, storage_reader=reader)
             weights = state["model"]
         else:  # every shard gathered whole, in this process (what dcp_to_torch_save reads)
             from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
             whole: dict[str, Any] = {}
-            _load_state_dict(
-                whole, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True
-            )
+            with safe.shard_errors(self.name):
+                _load_state_dict(
+                    whole,
+                    storage_reader=reader,
+                    planner=_EmptyStateDictLoadPlanner(),
+                    no_dist=True,
+                )
             weights = whole["model"]
             aliases = self.state.extra.get(TIED_WEIGHTS, {})
         for alias, kept in aliases.items():

@@ -12,9 +12,11 @@ that builds only DCP's own metadata records. Every file's SHA-256 is in its rank
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 from ray_trainer._errors import CheckpointError
@@ -82,7 +84,9 @@ def loads(data: bytes, name: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        said = [line for line in lines if "Unsupported" in line or "GLOBAL" in line]
+        first = (said or lines or [type(e).__name__])[0]
         raise CheckpointError(
             f"{name}: refused: it holds objects other than tensors and plain data, which "
             f"reading would have to run code to build ({first[:200]}); it was not written by "
@@ -175,3 +179,25 @@ def dcp_reader(shards_dir: str, name: str) -> Any:
             return metadata
 
     return _Reader(shards_dir)
+
+
+@contextlib.contextmanager
+def shard_errors(name: str) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (a ``BaseException``: an ``except Exception`` misses it)
+    raised as a `CheckpointError` naming `name` and what each rank met (e.g. a refused
+    ``.metadata``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        met = "; ".join(
+            f"rank {rank}: {_first_line(failure[0] if isinstance(failure, tuple) else failure)}"
+            for rank, failure in sorted(e.failures.items())
+        )
+        raise CheckpointError(f"{name}: its shards could not be read ({met})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text[:400]}"
