@@ -119,7 +119,7 @@ def write_rank_part(
     user_state: dict[str, Any],
     scheduler: dict[str, Any] | None = None,
     trainer_state: TrainerState | None = None,
-    model_spec: dict[str, Any] | None = None,
+    model_spec: Any = None,
     extra_files: list[str] = (),
     save_id: str | None = None,
     complete: bool = True,
@@ -128,7 +128,7 @@ def write_rank_part(
     is False: the caller writes it, with `manifest`, once its other files are written too).
     `extra_files` are paths relative to `folder` that this rank already wrote there (the model
     and optimizer, ``_worker/checkpoints/saving.write_state``; the HF export): they go into its
-    manifest too. `model_spec` is ``ModelSpec.record()``'s data. `save_id` names this save: a
+    manifest too. `model_spec` is a `ModelSpec` or its ``record()``. `save_id` names this save: a
     checkpoint whose ranks' manifests name different saves is incomplete. A callback state or
     user_state that is not plain data is refused (`safe.UnsafeStateError`, naming the callback
     and the key) before anything is written. Returns the files (relative name -> `file_entry`)."""
@@ -148,6 +148,8 @@ def write_rank_part(
             put(SCHEDULER_FILE, safe.dumps(scheduler))
         put(STATE_FILE, json.dumps({"format": FORMAT_VERSION, **trainer_state.__dict__}).encode())
         if model_spec is not None:  # how to build the model again, as data
+            if hasattr(model_spec, "record"):
+                model_spec = model_spec.record()
             put(MODEL_SPEC_FILE, json.dumps(model_spec, indent=1).encode())
     # Plain data only (checked above): read back weights-only, nothing in it runs.
     put(
