@@ -36,6 +36,7 @@ from ray_trainer._checkpoint.format import (
 from ray_trainer._errors import CheckpointError
 from ray_trainer._storage import Location, local_copy, locate
 
+
 @dataclass
 class LocalCheckpoint:
     """A verified checkpoint in a local folder (valid inside `open_checkpoint`'s block)."""
@@ -102,7 +103,9 @@ class LocalCheckpoint:
         try:
             return ModelSpec.from_record(record, model=model, where=self.name)
         except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{self.name}/{MODEL_SPEC_FILE}: not a model spec ({e})") from None
+            raise CheckpointError(
+                f"{self.name}/{MODEL_SPEC_FILE}: not a model spec ({e})"
+            ) from None
 
     def model_state(self, template: dict[str, Any] | None = None) -> dict[str, Any]:
         """The whole model's weights: ``model.pt``, or the FSDP shards gathered into

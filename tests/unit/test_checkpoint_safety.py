@@ -205,6 +205,12 @@ def test_a_changed_file_is_named(tmp_path):
     ):
         with pytest.raises(ckpt.CheckpointError, match=r"optimizer\.pt differs from what its"):
             read()
+    # The driver checks a resume_from checkpoint's content before Ray starts.
+    from ray_trainer._driver.checks.inputs import _check_resume_from
+    from ray_trainer._errors import TrainingArgsError
+
+    with pytest.raises(TrainingArgsError, match=r"resume_from: .*optimizer\.pt differs"):
+        _check_resume_from(str(folder))
     # load_model_state reads model.pt alone, in place: that file is checked too.
     model = bytearray((folder / ckpt.MODEL_FILE).read_bytes())
     model[-30] ^= 0xFF
@@ -222,7 +228,10 @@ class _Best:
     ("state", "where"),
     [
         ({"best": _Best(1.0)}, r"state_dict\(\)\['best'\] is a .*_Best"),
-        ({"history": [1, {"at": datetime.date(2026, 1, 1)}]}, r"state_dict\(\)\['history'\]\[1\]\['at'\] is a datetime"),
+        (
+            {"history": [1, {"at": datetime.date(2026, 1, 1)}]},
+            r"state_dict\(\)\['history'\]\[1\]\['at'\] is a datetime",
+        ),
         ({3: "x"}, r"state_dict\(\) has the key 3, a int"),
     ],
 )
@@ -249,7 +258,9 @@ def test_the_driver_refuses_a_state_that_is_not_plain_data_before_ray():
         def load_state_dict(self, state):
             pass
 
-    with pytest.raises(CallbackPicklingError, match=r"callback '.*Tracker': state_dict\(\)\['best'\] is a"):
+    with pytest.raises(
+        CallbackPicklingError, match=r"callback '.*Tracker': state_dict\(\)\['best'\] is a"
+    ):
         collect_callbacks(TrainingArgs(callbacks=[Tracker()]))
 
 

@@ -64,9 +64,7 @@ def maybe_resume(s: WorkerState) -> None:
             )
         if s.parallel.sharded:
             # A collective: every rank reads its shards.
-            load_shards(
-                s.parallel.model, s.optimizer, s.workload.adaptation, checkpoint.shards_dir
-            )
+            load_shards(s.parallel.model, s.optimizer, s.workload.adaptation, checkpoint.shards_dir)
         else:  # a LoRA checkpoint holds the adapters alone: the adaptation loads them
             model_state = checkpoint.load(ckpt.MODEL_FILE)
             s.workload.adaptation.load(s.parallel.module(), model_state, checkpoint.name)
