@@ -42,13 +42,14 @@ class ActorStateWriter:
             return
         callbacks = {}
         for key, value in self.manager.state_dict().items():
+            value = safe.plain(value)
             try:
                 safe.check_state(key, value)
             except safe.UnsafeStateError as e:  # the run goes on; this state is not kept
                 logger.error("actor state not saved in %s: %s", checkpoint.name, e)
                 continue
             callbacks[key] = value
-        user_state = dict(self.manager.user_state)
+        user_state = safe.plain(dict(self.manager.user_state))
         problem = safe.unsafe_path(user_state, "user_state")
         if problem is not None:
             logger.error("actor user_state not saved in %s: %s", checkpoint.name, problem)

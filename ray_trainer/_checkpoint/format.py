@@ -132,6 +132,8 @@ def write_rank_part(
     checkpoint whose ranks' manifests name different saves is incomplete. A callback state or
     user_state that is not plain data is refused (`safe.UnsafeStateError`, naming the callback
     and the key) before anything is written. Returns the files (relative name -> `file_entry`)."""
+    callback_state = {key: safe.plain(state) for key, state in callback_state.items()}
+    user_state = safe.plain(user_state)
     for key, state in callback_state.items():
         safe.check_state(key, state)
     safe.check_state("user_state", user_state)

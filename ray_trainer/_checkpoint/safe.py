@@ -16,12 +16,13 @@ import contextlib
 import hashlib
 import io
 import pickle
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 from ray_trainer._errors import CheckpointError
 
-_PLAIN = (str, int, float, bool, type(None))
+_PLAIN = (str, int, float, bool, type(None))  # exact types: a subclass needs code to build
 _HASH_BLOCK = 1 << 20
 
 
@@ -32,18 +33,19 @@ class UnsafeStateError(TypeError):
 def unsafe_path(value: Any, path: str = "state_dict()") -> str | None:
     """Where inside `value` something other than plain data is (``"state_dict()['a'][0] is a
     Foo"``), or None when all of it is plain: tensors, numbers, strings, bools, None, lists,
-    tuples and dicts with string keys."""
-    if isinstance(value, _PLAIN) or _is_tensor(value):
+    tuples and dicts with string keys (not their subclasses: a named tuple or an enum would
+    need its class to be built)."""
+    if type(value) in _PLAIN or _is_tensor(value):
         return None
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         for i, item in enumerate(value):
             found = unsafe_path(item, f"{path}[{i}]")
             if found:
                 return found
         return None
-    if isinstance(value, dict):
+    if type(value) in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 return f"{path} has the key {key!r}, a {type(key).__name__}, not a str"
             found = unsafe_path(item, f"{path}[{key!r}]")
             if found:
@@ -51,6 +53,18 @@ def unsafe_path(value: Any, path: str = "state_dict()") -> str | None:
         return None
     kind = type(value)
     return f"{path} is a {kind.__module__}.{kind.__qualname__}"
+
+
+def plain(value: Any) -> Any:
+    """`value` with numpy scalars (a metric, often) turned into Python numbers; the rest as is."""
+    kind = type(value)
+    if kind in (dict, OrderedDict):
+        return kind((k, plain(v)) for k, v in value.items())
+    if kind in (list, tuple):
+        return kind(plain(v) for v in value)
+    if kind.__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def check_state(callback_key: str, state: Any) -> None:

@@ -243,6 +243,27 @@ def test_a_callback_state_that_is_not_plain_data_is_refused_at_the_save(tmp_path
     assert os.listdir(tmp_path) == []  # refused before anything is written
 
 
+def test_plain_state_round_trips_and_a_look_alike_is_refused(tmp_path):
+    import collections
+
+    import numpy as np
+
+    state = {"best": np.float32(0.5), "seen": [1, (2, "x")], "w": torch.ones(2), "none": None}
+    ckpt.write_rank_part(
+        str(tmp_path), rank=1, world_size=2, callback_state={"Tracker": state}, user_state={}
+    )
+    with open(tmp_path / "rank1.pt", "rb") as f:
+        read = torch.load(f, weights_only=True)["callbacks"]["Tracker"]
+    assert read["best"] == 0.5 and type(read["best"]) is float  # a numpy scalar: a number
+    assert read["seen"] == [1, (2, "x")] and torch.equal(read["w"], torch.ones(2))
+    point = collections.namedtuple("Point", "x y")
+    with pytest.raises(UnsafeStateError, match=r"state_dict\(\)\['at'\] is a .*Point"):
+        ckpt.write_rank_part(
+            str(tmp_path / "x"), rank=1, world_size=2, callback_state={"T": {"at": point(1, 2)}},
+            user_state={},
+        )  # fmt: skip
+
+
 def test_the_driver_refuses_a_state_that_is_not_plain_data_before_ray():
     from callbacks import CallbackPicklingError, TrainerCallback
     from ray_trainer import TrainingArgs

@@ -17,7 +17,7 @@ from callbacks._serialize import CallbackPicklingError, unpicklable_state, valid
 from callbacks._state import is_stateful
 from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
 from ray_trainer._checkpoint.names import checkpoint_names
-from ray_trainer._checkpoint.safe import UnsafeStateError, check_state
+from ray_trainer._checkpoint.safe import UnsafeStateError, check_state, plain
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import CheckpointError, TrainingArgsError
 from ray_trainer._model.spec import is_builtin
@@ -91,7 +91,7 @@ def _check_state(callback: Any) -> None:
     key = getattr(callback, "state_key", None) or type(callback).__qualname__
     unpicklable_state(key, state)
     try:
-        check_state(key, state)
+        check_state(key, plain(state))
     except UnsafeStateError as e:
         raise CallbackPicklingError(str(e)) from None
 
