@@ -29,6 +29,7 @@ from ray_trainer._checkpoint.format import (
     set_rng_state,
     shared_storage_aliases,
     verify,
+    verify_location,
     write_rank_part,
 )
 from ray_trainer._checkpoint.reading import (
@@ -75,5 +76,6 @@ __all__ = [
     "shared_storage_aliases",
     "tied_aliases",
     "verify",
+    "verify_location",
     "write_rank_part",
 ]

@@ -194,7 +194,11 @@ def verify(path: str, filesystem: Any = None) -> TrainerState:
     """Check that every rank's part of the checkpoint at `path` (a local path or a URI, or a
     path on `filesystem`) is there and whole, and that every file's content matches its hash
     (each file is read once, where it is); its trainer state."""
-    location = locate(path, filesystem)
+    return verify_location(locate(path, filesystem))
+
+
+def verify_location(location: Location) -> TrainerState:
+    """`verify` of a `Location` (e.g. one that `complete_checkpoints` found)."""
     state = check_complete(location)
     for name, entry in listed_files(location).items():
         if _sha256(location.child(name)) != entry["sha256"]:

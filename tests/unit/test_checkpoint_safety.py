@@ -200,6 +200,7 @@ def test_a_changed_file_is_named(tmp_path):
     ckpt.check_complete(locate(str(folder)))  # sizes alone pass
     for read in (
         lambda: ckpt.verify(str(folder)),
+        lambda: ckpt.verify_location(next(ckpt.complete_checkpoints(locate(str(folder.parent))))),
         lambda: ckpt.load(locate(str(folder)), 0),
         lambda: ckpt.load_model(str(folder)),
     ):
