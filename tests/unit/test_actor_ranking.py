@@ -16,6 +16,7 @@ from callbacks import TrainingContext
 from ray_trainer._actor.evaluation import EvalTracker, _Pending
 from ray_trainer._actor.ranking import Ranking
 from ray_trainer._actor.retention import CheckpointKeeper
+from ray_trainer._checkpoint.format import file_entry
 from ray_trainer._checkpoint.names import RANKING_FILE, checkpoint_dir_name
 from ray_trainer._contract import Retention
 from ray_trainer._storage import locate
@@ -118,14 +119,14 @@ def _checkpoint(run, step, complete=True, save=None):
     `save`: the save id its manifest names (``<run_id>.<launch>.<attempt>``)."""
     folder = run / checkpoint_dir_name(step)
     folder.mkdir(parents=True)
-    state = json.dumps({"format": 1, "global_step": step})
+    state = json.dumps({"format": 2, "global_step": step})
     (folder / "trainer_state.json").write_text(state)
     if complete:
         manifest = {
-            "format": 1,
+            "format": 2,
             "rank": 0,
             "world_size": 1,
-            "files": {"trainer_state.json": len(state)},
+            "files": {"trainer_state.json": file_entry(str(folder), "trainer_state.json")},
             **({"save": save} if save else {}),
         }
         (folder / "rank0.complete").write_text(json.dumps(manifest))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from callbacks import ALIASES, EVENTS, global_callbacks
-from callbacks._serialize import unpicklable_state, validate_picklable
+from callbacks._serialize import CallbackPicklingError, unpicklable_state, validate_picklable
 from callbacks._state import is_stateful
 from ray_trainer._checkpoint import (
     STATE_FILE,
@@ -25,6 +25,7 @@ from ray_trainer._checkpoint import (
     verify,
 )
 from ray_trainer._checkpoint.names import checkpoint_names
+from ray_trainer._checkpoint.safe import UnsafeStateError, check_state, plain
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._data.sources import DataFileError
 from ray_trainer._driver.checks.model import check_model_inputs
@@ -90,14 +91,20 @@ def collect_callbacks(args: TrainingArgs) -> CallbackLists:
 
 
 def _check_state(callback: Any) -> None:
-    """Refuse a callback whose `state_dict()` already returns what cannot be pickled (it would
-    be left out of every checkpoint). One that cannot be called before the run is skipped."""
+    """Refuse a callback whose `state_dict()` already returns what a checkpoint cannot hold:
+    what cannot be pickled, or anything but plain data (tensors, numbers, strings, bools, None,
+    lists, dicts with str keys: a checkpoint is read weights-only), naming the callback and the
+    key. One that cannot be called before the run is skipped (the first save refuses it)."""
     try:
         state = callback.state_dict()
     except Exception:  # e.g. it needs on_train_begin first: checked at each save instead
         return
     key = getattr(callback, "state_key", None) or type(callback).__qualname__
     unpicklable_state(key, state)
+    try:
+        check_state(key, plain(state))
+    except UnsafeStateError as e:
+        raise CallbackPicklingError(str(e)) from None
 
 
 def check_inputs(args: TrainingArgs) -> dict[str, Any]:
