@@ -28,12 +28,13 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: Lines Ray prints in a healthy run that say nothing is wrong (matched as substrings): each
@@ -51,21 +52,25 @@ DASHBOARD_PORTS = range(8265, 8300)
 _AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 _PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 _STATE_TRACKING = "RAY_TRAIN_ENABLE_STATE_TRACKING"
-#: Whether this module set the state-tracking variable (then it follows each run's cluster).
-_STATE_TRACKING_OURS = False
 
 
-def prepare_ray_train() -> None:
-    """Before Ray Train starts (it reads these in the driver and hands them on): worker prints
-    once (no print patching, which copies each print into its log), and the run in the
+@contextlib.contextmanager
+def ray_train_settings() -> Iterator[None]:
+    """While Ray Train starts a run (it reads these in the driver and hands them on): worker
+    prints once (no print patching, which copies each print into its log), and the run in the
     dashboard's Ray Train view (state tracking) where the cluster has a dashboard: without one
-    nothing would show it, and its actor would poll a state API that is not there. A value the
-    user set is kept."""
-    global _STATE_TRACKING_OURS
+    nothing would show it, and its actor would poll a state API that is not there. Decided for
+    each run, and gone from this process's environment after it (a process this driver starts
+    later, e.g. a run of its own with a dashboard, decides again); a value the user set is kept."""
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    if _STATE_TRACKING_OURS or _STATE_TRACKING not in os.environ:
-        os.environ[_STATE_TRACKING] = "1" if cluster_has_dashboard() else "0"
-        _STATE_TRACKING_OURS = True
+    if _STATE_TRACKING in os.environ:  # the user's
+        yield
+        return
+    os.environ[_STATE_TRACKING] = "1" if cluster_has_dashboard() else "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(_STATE_TRACKING, None)
 
 
 def cluster_has_dashboard() -> bool:

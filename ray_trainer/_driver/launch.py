@@ -39,7 +39,7 @@ from ray_trainer._driver.console import (
     dashboard_line,
     filter_ray_noise,
     joined_line,
-    prepare_ray_train,
+    ray_train_settings,
     start_embedded_ray,
     wait_for_output,
 )
@@ -214,7 +214,6 @@ def _fit(
     check_shared_storage(args, nodes)
     launch = prepare_launch(args, lists, run, plans)
     forget_ray_checkpoint_list(run)
-    prepare_ray_train()
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config={"spec": launch.spec},
@@ -244,7 +243,8 @@ def _fit(
         ray.get(launch.actor_ready, timeout=args.callback_timeout_s)
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
-    error = run_with_graceful_signals(trainer.fit, launch.actor, args.run_name)
+    with ray_train_settings():  # read by Ray Train's fit, in this process
+        error = run_with_graceful_signals(trainer.fit, launch.actor, args.run_name)
     summary = finish_actor(launch, args, error)
     if error is not None:
         capacity = ""

@@ -52,35 +52,32 @@ def test_a_preemption_watcher_setting_the_user_made_is_kept(monkeypatch):
     assert console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
 
 
-def _prepare(monkeypatch, dashboard_url: str) -> str:
-    """`prepare_ray_train` on a copy of the environment, against a cluster with or without a
-    dashboard; the state-tracking value it leaves."""
+def _settings(monkeypatch, dashboard_url: str) -> tuple[str | None, str | None]:
+    """The state-tracking value inside `ray_train_settings` against a cluster with or without a
+    dashboard, and after it."""
     import ray._private.worker as ray_worker
 
-    if not isinstance(console.os.environ, dict):
-        monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
-
     monkeypatch.setattr(ray_worker, "get_dashboard_url", lambda: dashboard_url)
-    console.prepare_ray_train()
-    return console.os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"]
+    with console.ray_train_settings():
+        inside = console.os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING")
+    return inside, console.os.environ.get("RAY_TRAIN_ENABLE_STATE_TRACKING")
 
 
 def test_state_tracking_follows_whether_the_cluster_has_a_dashboard(monkeypatch):
     """On where a dashboard would show the run, off where there is none (no state actor polling
-    a state API that is not there), for each run of one driver process."""
+    a state API that is not there), for each run of one driver process; gone after each, so a
+    process the driver starts later (a run with a dashboard of its own) decides for itself."""
     monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
     console.os.environ.pop("RAY_TRAIN_ENABLE_STATE_TRACKING", None)
-    monkeypatch.setattr(console, "_STATE_TRACKING_OURS", False)
-    assert _prepare(monkeypatch, "") == "0"
-    assert _prepare(monkeypatch, "127.0.0.1:8265") == "1"
-    assert _prepare(monkeypatch, "") == "0"
+    assert _settings(monkeypatch, "") == ("0", None)
+    assert _settings(monkeypatch, "127.0.0.1:8265") == ("1", None)
+    assert _settings(monkeypatch, "") == ("0", None)
 
 
 def test_state_tracking_the_user_set_is_kept(monkeypatch):
     monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
     console.os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"] = "1"
-    monkeypatch.setattr(console, "_STATE_TRACKING_OURS", False)
-    assert _prepare(monkeypatch, "") == "1"
+    assert _settings(monkeypatch, "") == ("1", "1")
 
 
 def test_the_embedded_ray_is_a_new_instance_even_beside_a_ray_start_cluster(monkeypatch):
