@@ -157,8 +157,8 @@ def _row_pieces(source: Source, rows: int) -> Iterator[tuple[Piece, list]]:
 
 
 def _table_pieces(file: DataFile) -> Iterator[tuple[Piece, list]]:
-    """A Parquet or Arrow file's pieces: one per record batch (at most `PIECE_RECORDS` rows;
-    fewer at a Parquet row group's end), from one pass over the file."""
+    """A Parquet or Arrow file's pieces: one per record batch of at most `PIECE_RECORDS` rows,
+    from one pass over the file."""
     start = 0
     for batch in table_batches(file, PIECE_RECORDS):
         rows = batch.to_pylist()

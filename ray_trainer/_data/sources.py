@@ -462,17 +462,17 @@ def _read_bytes(file: DataFile, start: int, end: int) -> bytes:
 
 def _read_table(file: DataFile, start: int, end: int) -> Any:
     """Rows ``[start, end)`` of a Parquet file or an Arrow stream file (save_to_disk's), read
-    batch by batch: only the batches that hold them are kept."""
+    batch by batch: only the batches that hold them are kept, and a Parquet file's row groups
+    before `start` are skipped unread."""
     import pyarrow as pa
 
-    kept, seen, schema = [], 0, None
-    for batch_schema, batch in _batches(file, PIECE_RECORDS):
+    kept, schema = [], None
+    for batch_schema, first, batch in _batches(file, PIECE_RECORDS, start):
         schema, rows = batch_schema, batch.num_rows
-        if seen + rows > start and seen < end:
-            lo, hi = max(start - seen, 0), min(end - seen, rows)
+        if first + rows > start and first < end:
+            lo, hi = max(start - first, 0), min(end - first, rows)
             kept.append(batch.slice(lo, hi - lo))
-        seen += rows
-        if seen >= end:
+        if first + rows >= end:
             break
     if schema is None:  # no batch at all: the file's schema, no rows
         schema = _schema(file)
@@ -482,24 +482,35 @@ def _read_table(file: DataFile, start: int, end: int) -> Any:
 def table_batches(file: DataFile, rows: int = PIECE_RECORDS) -> Iterator[Any]:
     """Every row of a Parquet or Arrow file, in order, in record batches of at most `rows`
     rows, from one pass over the file (the scan's way through it)."""
-    for _, batch in _batches(file, rows):
+    for _, _, batch in _batches(file, rows):
         for lo in range(0, batch.num_rows, rows):
             yield batch.slice(lo, rows)
 
 
-def _batches(file: DataFile, rows: int = PIECE_RECORDS) -> Iterator[tuple[Any, Any]]:
-    """(schema, record batch) of a Parquet or Arrow file in order; a file that is not one is
-    refused, naming it (not pyarrow's bare error)."""
+def _batches(file: DataFile, rows: int, start: int = 0) -> Iterator[tuple[Any, int, Any]]:
+    """(schema, index of its first row, record batch) of a Parquet or Arrow file in order, from
+    the Parquet row group that holds row `start` (an Arrow stream has no index: from its
+    start); a file that is not one is refused, naming it (not pyarrow's bare error)."""
     import pyarrow as pa
 
     location = locate(file.name)
     with location.fs.open_input_file(location.path) as f:
         try:
             reader = _table_reader(file, f)
-            schema = reader.schema_arrow if file.kind == "parquet" else reader.schema
-            batches = reader.iter_batches(batch_size=rows) if file.kind == "parquet" else reader
+            if file.kind == "parquet":
+                schema, groups, first = reader.schema_arrow, [], 0
+                for group in range(reader.metadata.num_row_groups):
+                    size = reader.metadata.row_group(group).num_rows
+                    if first + size <= start and not groups:
+                        first += size  # wholly before `start`: not read
+                    else:
+                        groups.append(group)
+                batches = reader.iter_batches(batch_size=rows, row_groups=groups)
+            else:
+                schema, first, batches = reader.schema, 0, reader
             for batch in batches:
-                yield schema, batch
+                yield schema, first, batch
+                first += batch.num_rows
         except pa.ArrowInvalid as e:
             raise _not_a_table(file, e) from None
 

@@ -144,18 +144,20 @@ def test_the_scan_s_memory_stays_below_the_file_s_size(tmp_path, monkeypatch):
     assert peak < 2**20  # about two blocks and a piece's records; reading it whole: over 4 MiB
 
 
-def test_table_pieces_are_cut_from_one_pass_and_read_back_alike(tmp_path, monkeypatch):
+@pytest.mark.parametrize("group", [None, 3])  # one row group, or pieces across groups
+def test_table_pieces_are_cut_from_one_pass_and_read_back_alike(tmp_path, monkeypatch, group):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     monkeypatch.setattr(records_module, "PIECE_RECORDS", 4)
     monkeypatch.setattr(sources, "PIECE_RECORDS", 3)  # the reads' batches: not the pieces'
     rows = [{"text": f"row {i}"} for i in range(10)]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")  # one row group
-    source = scan(resolve(str(tmp_path / "d.parquet"), "data"))
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=group)
+    source = scan(resolve(str(path), "data"))
     assert [(p.start, p.end) for p in source.pieces] == [(0, 4), (4, 8), (8, 10)]
     got = [(w, r) for p in source.pieces for w, r in read_piece(source, p)]
-    assert got == [(f"{tmp_path / 'd.parquet'}[{i}]", row) for i, row in enumerate(rows)]
+    assert got == [(f"{path}[{i}]", row) for i, row in enumerate(rows)]
 
 
 def _refused_in_time(target, field="data"):
