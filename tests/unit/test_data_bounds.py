@@ -242,3 +242,22 @@ def test_an_empty_first_file_leaves_detection_to_the_next_and_all_empty_is_refus
     (tmp_path / "b.jsonl").write_text("\n")
     with pytest.raises(DataFileError, match=rf"^data: {tmp_path} holds no record \(its 2 files"):
         resolve(str(tmp_path), "data")
+
+
+def test_the_cache_s_per_sample_files_are_built_in_place_in_the_driver():
+    import io
+
+    import numpy as np
+
+    from ray_trainer._data.cache import _joined_npy
+
+    parts = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.int32) for i in range(1000)]  # 4 MB
+    tracemalloc.start()
+    try:
+        npy = _joined_npy(parts, np.int32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(np.load(io.BytesIO(npy)), np.arange(1_000_000, dtype=np.int32))
+    assert peak < 4_000_000 + 2**16  # the file's bytes only: no joined copy beside them
+    assert np.load(io.BytesIO(_joined_npy([], np.int32))).shape == (0,)
