@@ -98,11 +98,14 @@ def is_hf_dataset(value: Any) -> bool:
 
 def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | None:
     """The source of ``value`` (None for what ray-trainer does not tokenize: a torch
-    ``Dataset``, a callable, None). Reads one record (or the schema) to detect the format.
+    ``Dataset``, a callable, None). Reads the first record (a bounded prefix of the first file
+    that holds one, or a table's first batch) to detect the format.
 
     Raises:
         DataFileError: a missing path, a glob that matches nothing, a folder without data files,
-            a ``DatasetDict``, or columns that fit no format (the message lists both).
+            a path that is not a regular file (a FIFO, a device, a socket; never opened), a
+            source with no record, a file that is not the Parquet or Arrow file it is named, a
+            ``DatasetDict``, or columns that fit no format (the message lists both).
     """
     if type(value).__name__ == "DatasetDict":
         raise DataFileError(
