@@ -45,14 +45,19 @@ install-dev: $(VENV)/.installed-dev
 # project from source: its bytecode is compiled once here, as `pip install` does for a wheel,
 # so that none of them compiles it again where PYTHONDONTWRITEBYTECODE is set (~0.2-0.6 s each).
 BYTECODE := ray_trainer callbacks tests/support
+# The unit tests' processes: one per core, at most 4 (`make test UNIT_PROCESSES=1` runs them in one).
+UNIT_PROCESSES ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
 
 test: install-dev
 	@$(VPY) -m compileall -q $(BYTECODE)
-	@# Fast unit tests first, then the integration tests (real Ray, local clusters).
-	$(VPY) -m pytest tests/unit tests/integration
+	@# The unit tests first, on one process per core (pytest-xdist: each unit test keeps one core
+	@# busy, and they share nothing), then the integration tests in one process (real Ray and
+	@# local clusters, which already fill every core, and share one Ray session).
+	$(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit
+	$(VPY) -m pytest tests/integration
 
 test-unit: install-dev
-	$(VPY) -m pytest tests/unit -m "not integration"
+	$(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit -m "not integration"
 
 # The real-vLLM tests (tests/vllm, not part of `make test`): build or reuse the vLLM env
 # (.venv-vllm/, by bench/eval/vllm_env.sh; minutes the first time), then run the generation child

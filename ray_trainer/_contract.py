@@ -167,6 +167,9 @@ class Retention:
     keep: int | None
     attribute: str | None
     order: str = "max"
+    # The run's id in its folder (``run.json``): the prefix of every save id of this run, so
+    # that a checkpoint found on storage is this run's own only when its manifest says so.
+    run_id: str | None = None
 
 
 # ---- driver -> workers ----------------------------------------------------------------------
@@ -181,7 +184,7 @@ class RunSpec:
     # The run folder on storage: a local or shared path, a URI, or a path on
     # `args.storage_filesystem`; every file of the run is under it (`_storage.locate`).
     run_dir: str
-    launch_id: str  # one per run_training call: attempts are counted per launch
+    launch_id: str  # one per run_training call (`<run_id>.<hex>`): attempts are counted per launch
     actor_name: str
     actor_namespace: str = NAMESPACE
     forward_events: frozenset[str] = ACTOR_EVENTS

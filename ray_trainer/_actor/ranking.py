@@ -28,6 +28,7 @@ class Entry:
     metrics: dict[str, Any] = field(default_factory=dict)
     evaluations: int = 0  # outcomes recorded, failures included
     failures: int = 0
+    own: bool = True  # written by this run's saves (False: found on storage): only own ones go
 
 
 def as_score(value: Any) -> float | None:
@@ -87,15 +88,26 @@ class Ranking:
         self.order = order
         self.keep = keep
         self.entries: dict[str, Entry] = {}
+        # Own checkpoints dropped from the ranking whose folders may not be deleted yet: the next
+        # start deletes them (a crash between the ranking file and the deletion).
+        self.deleting: set[str] = set()
 
     # ---- what happened ---------------------------------------------------------------------
 
     def saved(
-        self, name: str, step: int, logged: Any = None, metrics: dict[str, Any] | None = None
+        self,
+        name: str,
+        step: int,
+        logged: Any = None,
+        metrics: dict[str, Any] | None = None,
+        own: bool = True,
     ) -> Entry:
         """A checkpoint was saved (again: a save of the same folder starts it afresh), with the
-        metric's last logged value and any evaluation already made at its step."""
-        entry = Entry(name=name, step=int(step), metrics=dict(metrics or {}))
+        metric's last logged value and any evaluation already made at its step. `own`: this
+        run's saves wrote it (False for a complete folder found on storage that no save of this
+        run announced: it ranks, but retention never deletes it)."""
+        self.deleting.discard(name)
+        entry = Entry(name=name, step=int(step), metrics=dict(metrics or {}), own=own)
         if self.attribute is not None and as_score(logged) is not None:
             entry.logged[self.attribute] = float(logged)
         self.entries[name] = entry
@@ -156,15 +168,20 @@ class Ranking:
         return max(self.entries.values(), key=lambda e: e.step, default=None)
 
     def to_delete(self, pending: set[str] | frozenset[str] = frozenset()) -> list[Entry]:
-        """The checkpoints beyond the `keep` best, except the newest and those with an
-        evaluation still running or queued (`pending` names), oldest first."""
+        """The checkpoints beyond the `keep` best, except the newest, those with an evaluation
+        still running or queued (`pending` names) and those this run's saves did not write,
+        oldest first."""
         if self.keep is None:
             return []
         newest = self.newest()
         kept = {e.name for e in self.ranked()[: self.keep]}
         if newest is not None:
             kept.add(newest.name)
-        gone = [e for e in self.entries.values() if e.name not in kept and e.name not in pending]
+        gone = [
+            e
+            for e in self.entries.values()
+            if e.own and e.name not in kept and e.name not in pending
+        ]
         return sorted(gone, key=lambda e: e.step)
 
     def rows(self, pending: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
@@ -194,6 +211,7 @@ class Ranking:
             "order": self.order,
             "keep": self.keep,
             "checkpoints": [vars(e) for e in sorted(self.entries.values(), key=lambda e: e.step)],
+            "deleting": sorted(self.deleting),
         }
 
     def load(self, data: dict[str, Any]) -> None:
@@ -208,5 +226,7 @@ class Ranking:
                 metrics=dict(raw.get("metrics") or {}),
                 evaluations=int(raw.get("evaluations", 0)),
                 failures=int(raw.get("failures", 0)),
+                own=bool(raw.get("own", True)),  # files from before ownership: saves' entries
             )
             self.entries[entry.name] = entry
+        self.deleting = {str(name) for name in data.get("deleting", [])}

@@ -12,6 +12,11 @@ launched its evaluation) before anything is deleted. The keeper learns:
   thread), before the tracker stops counting that evaluation as in flight: a checkpoint is
   always either still being evaluated or already scored, never deleted in between.
 
+Only checkpoints that this run's own saves wrote are ever deleted: those it heard of through
+``on_save``, and complete folders whose rank-0 manifest names a save of this run
+(``Retention.run_id``). Any other complete folder found in the run folder ranks, unscored, but
+stays (it was copied there, or written by another run before the lease existed).
+
 The ranking lives in ``RANKING_FILE`` in the run folder, written whole after every change and
 before any deletion; a restarted actor, a new driver continuing the run and ``status`` read it.
 Ray Train's own ``num_to_keep`` stays unset: it cannot rank by results that arrive after its
@@ -26,7 +31,7 @@ import threading
 from typing import Any
 
 from ray_trainer._actor.ranking import Ranking, StepHistory, as_score
-from ray_trainer._checkpoint import check_complete
+from ray_trainer._checkpoint import check_complete, manifest_name
 from ray_trainer._checkpoint.names import RANKING_FILE, checkpoint_names
 from ray_trainer._contract import Retention
 from ray_trainer._errors import CheckpointError
@@ -127,8 +132,9 @@ class CheckpointKeeper:
         return {_name(p) for p in tracker.pending_paths()} if tracker is not None else set()
 
     def prune(self) -> None:
-        """Delete the checkpoints not kept: the ranking file is written first, so a crash in
-        between leaves a folder that the next start adopts as unscored, never a dangling entry."""
+        """Delete the checkpoints not kept (only this run's own: `Ranking.to_delete`). The
+        ranking file names them as being deleted first, so a crash in between leaves a folder
+        that the next start deletes, never a dangling entry."""
         if self.ranking.keep is None:
             return
         pending = self._pending()
@@ -138,13 +144,24 @@ class CheckpointKeeper:
                 return
             for entry in gone:
                 self.ranking.forget(entry.name)
+                self.ranking.deleting.add(entry.name)
             self._write()
-        for entry in gone:
-            folder = self.run.child(entry.name)
+        self._delete([entry.name for entry in gone])
+
+    def _delete(self, names: list[str]) -> None:
+        """Delete these own checkpoint folders, then drop them from the ranking's list of
+        folders being deleted (one that fails stays there: a later start retries)."""
+        done = []
+        for name in names:
+            folder = self.run.child(name)
             try:
                 folder.delete()
-            except OSError as e:  # a later start adopts it again and retries
+                done.append(name)
+            except OSError as e:
                 logger.warning("could not delete %s: %s", folder.name, e)
+        with self._lock:
+            self.ranking.deleting.difference_update(done)
+            self._write()
 
     def _write(self) -> None:
         """The ranking file, whole (the caller holds the lock)."""
@@ -156,7 +173,8 @@ class CheckpointKeeper:
 
     def _load(self) -> None:
         """The saved ranking, matched with the checkpoint folders on storage: entries whose
-        folder is gone are dropped; complete folders it does not know join it unscored."""
+        folder is gone are dropped; complete folders it does not know join it unscored and not
+        own (retention never deletes them); own folders whose deletion a crash cut short go."""
         text = self.run.child(RANKING_FILE).read_text()
         if text:
             try:
@@ -167,11 +185,17 @@ class CheckpointKeeper:
         for name in list(self.ranking.entries):
             if name not in on_storage:
                 self.ranking.forget(name)
-        for name in sorted(on_storage - set(self.ranking.entries)):
-            if _complete(self.run.child(name)):
-                self.ranking.saved(name, int(name.rsplit("_", 1)[-1]))
+        unfinished = sorted(self.ranking.deleting & on_storage)
+        self.ranking.deleting &= on_storage
+        for name in sorted(on_storage - set(self.ranking.entries) - self.ranking.deleting):
+            folder = self.run.child(name)
+            if _complete(folder):
+                own = written_by(folder, self.retention.run_id)
+                self.ranking.saved(name, int(name.rsplit("_", 1)[-1]), own=own)
         if text or self.ranking.entries:
             self._write()
+        if unfinished:
+            self._delete(unfinished)
 
 
 class CheckpointPruner:
@@ -196,6 +220,18 @@ class CheckpointPruner:
 def _name(path: str) -> str:
     """A checkpoint's folder name, from its path or URI."""
     return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def written_by(folder: Location, run_id: str | None) -> bool:
+    """True when rank 0's manifest of the checkpoint `folder` names a save of the run `run_id`
+    (its save id is ``<run_id>.<launch>.<attempt>``); False when it does not or cannot say."""
+    if run_id is None:
+        return False
+    try:
+        save = json.loads(folder.child(manifest_name(0)).read_text() or "{}").get("save")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(save, str) and save.startswith(f"{run_id}.")
 
 
 def _complete(folder: Location) -> bool:

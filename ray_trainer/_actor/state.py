@@ -1,8 +1,11 @@
 """In the callback actor: its callbacks' state, written beside each checkpoint, restored.
 
-Runs in the callback actor process. The state goes into ``<checkpoint>/actor_state.pkl``
+Runs in the callback actor process. The state goes into ``<checkpoint>/actor_state.pt``
 (``ACTOR_STATE_FILE``) on the run's storage, written after every other actor callback handled
 that ``on_save``; the actor finds the newest complete checkpoint holding one after a restart.
+It is plain data (tensors, numbers, strings, lists, dicts), written with ``torch.save`` and read
+weights-only (``_checkpoint/safe.py``): reading it runs no code. A callback state that is not
+plain data is left out of it, recorded as that callback's error.
 """
 
 from __future__ import annotations
@@ -10,10 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import cloudpickle
-
 from callbacks import CallbackManager, TrainingContext
-from ray_trainer._checkpoint import complete_checkpoints
+from ray_trainer._checkpoint import CheckpointError, complete_checkpoints, safe
 from ray_trainer._checkpoint.names import ACTOR_STATE_FILE
 from ray_trainer._storage import Location
 
@@ -39,11 +40,22 @@ class ActorStateWriter:
         checkpoint = self.run.child(path.rstrip("/").rsplit("/", 1)[-1])  # one of the run's
         if not checkpoint.is_dir():
             return
-        state = {
-            "callbacks": self.manager.state_dict(),
-            "user_state": dict(self.manager.user_state),
-        }
-        checkpoint.child(ACTOR_STATE_FILE).write_bytes(cloudpickle.dumps(state))
+        callbacks = {}
+        for key, value in self.manager.state_dict().items():
+            value = safe.plain(value)
+            try:
+                safe.check_state(key, value)
+            except safe.UnsafeStateError as e:  # the run goes on; this state is not kept
+                logger.error("actor state not saved in %s: %s", checkpoint.name, e)
+                continue
+            callbacks[key] = value
+        user_state = safe.plain(dict(self.manager.user_state))
+        problem = safe.unsafe_path(user_state, "user_state")
+        if problem is not None:
+            logger.error("actor user_state not saved in %s: %s", checkpoint.name, problem)
+            user_state = {}
+        state = {"callbacks": callbacks, "user_state": user_state}
+        checkpoint.child(ACTOR_STATE_FILE).write_bytes(safe.dumps(state))
 
 
 def restore(manager: CallbackManager, run: Location) -> str | None:
@@ -51,8 +63,11 @@ def restore(manager: CallbackManager, run: Location) -> str | None:
     checkpoint's path, or None."""
     for checkpoint in complete_checkpoints(run, holding=ACTOR_STATE_FILE):
         try:
-            state = cloudpickle.loads(checkpoint.child(ACTOR_STATE_FILE).read_bytes())
-        except (OSError, EOFError) as e:
+            file = checkpoint.child(ACTOR_STATE_FILE)
+            state = safe.loads(file.read_bytes(), file.name)  # weights-only: runs nothing
+            if not isinstance(state, dict) or not {"callbacks", "user_state"} <= set(state):
+                raise CheckpointError(f"{file.name}: not the actor's state")
+        except (OSError, CheckpointError) as e:
             logger.warning("skipping actor state in %s: %s", checkpoint.name, e)
             continue
         manager.load_state_dict(state["callbacks"])

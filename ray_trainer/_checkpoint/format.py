@@ -3,14 +3,18 @@
 Every rank writes its own part into its own temporary folder: its RNG state and the state of its
 stateful callbacks, and under ``strategy="fsdp"`` its shards of the model and optimizer
 (``shards/``, written with torch.distributed.checkpoint); rank 0 also writes the trainer state,
-the scheduler, how to build the model (``model_spec.pkl``), under DDP the whole model and
+the scheduler, how to build the model (``model_spec.json``), under DDP the whole model and
 optimizer (``model.pt``, ``optimizer.pt``), and for a Hugging Face model the ``hf/`` export.
+Nothing in a checkpoint needs code to be read (``safe.py``): JSON, and tensors and plain data
+read weights-only; a callback state that is not plain data is refused at the save.
 Ray Train uploads the folders of all ranks into one checkpoint on the run's storage (with
 ``async_checkpoint`` each rank writes its files there itself, in the background). Each rank
-writes ``rank<r>.complete`` last: a JSON manifest of its files and their sizes, and of the save
-it belongs to (the run's launch and attempt). A checkpoint is trusted only when rank 0's manifest
-is there, names the world size, and the manifest of every rank names the same save and matches
-the files in storage; anything else is incomplete. A sharded checkpoint holds a tied weight
+writes ``rank<r>.complete`` last: a JSON manifest of its files, their sizes and SHA-256, and of
+the save it belongs to (the run's launch and attempt). A checkpoint is complete only when rank
+0's manifest is there, names the world size, and the manifest of every rank names the same save
+and matches the sizes of the files in storage (`check_complete`, cheap); it is read only after
+the content of every file matches its hash too (`check_content`). Checkpoints of the older
+format (1: pickled state, ``model_spec.pkl``) are refused, never unpickled. A sharded checkpoint holds a tied weight
 once; ``TrainerState.extra["tied_weights"]`` names its other names. Reads go through the storage
 layer (``_storage.py``): a checkpoint path may be a local path or a URI.
 """
@@ -25,8 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
+from ray_trainer._checkpoint import safe
 from ray_trainer._checkpoint.names import checkpoint_names
 from ray_trainer._errors import CheckpointError
 from ray_trainer._storage import Location, locate
@@ -36,16 +39,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ray_trainer")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: pickled callback state and model spec, no hashes (refused)
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
-MODEL_SPEC_FILE = "model_spec.pkl"
+MODEL_SPEC_FILE = "model_spec.json"
+#: Format 1's model spec, a pickle: named when such a checkpoint is refused.
+OLD_MODEL_SPEC_FILE = "model_spec.pkl"
 SHARDS_DIR = "shards"  # FSDP: every rank's DCP shards of model and optimizer, and .metadata
 HF_DIR = "hf"  # a Hugging Face model's export: config, safetensors, tokenizer
 #: With ``lora_export="both"``: the PEFT adapter (the merged model is in ``hf/``).
 HF_ADAPTER_DIR = "hf_adapter"
+
+
+class OldCheckpointError(CheckpointError):
+    """A checkpoint of the older format (pickled state): refused, never unpickled."""
 
 
 @dataclass
@@ -114,42 +123,40 @@ def write_rank_part(
     extra_files: list[str] = (),
     save_id: str | None = None,
     complete: bool = True,
-) -> dict[str, int]:
+) -> dict[str, dict[str, Any]]:
     """Write this rank's files into `folder`, the completion manifest last (unless `complete`
     is False: the caller writes it, with `manifest`, once its other files are written too).
     `extra_files` are paths relative to `folder` that this rank already wrote there (the model
     and optimizer, ``_worker/checkpoints/saving.write_state``; the HF export): they go into its
-    manifest too. `save_id` names this save: a checkpoint whose ranks' manifests name different
-    saves is incomplete. Returns the files (relative name -> size)."""
-    import torch
+    manifest too. `model_spec` is a `ModelSpec` or its ``record()``. `save_id` names this save: a
+    checkpoint whose ranks' manifests name different saves is incomplete. A callback state or
+    user_state that is not plain data is refused (`safe.UnsafeStateError`, naming the callback
+    and the key) before anything is written. Returns the files (relative name -> `file_entry`)."""
+    callback_state = {key: safe.plain(state) for key, state in callback_state.items()}
+    user_state = safe.plain(user_state)
+    for key, state in callback_state.items():
+        safe.check_state(key, state)
+    safe.check_state("user_state", user_state)
+    files = {name: file_entry(folder, name) for name in extra_files}
 
-    files = {name: os.path.getsize(os.path.join(folder, name)) for name in extra_files}
-
-    def put(name: str, obj: Any) -> None:
-        torch.save(obj, os.path.join(folder, name))
-        files[name] = os.path.getsize(os.path.join(folder, name))
+    def put(name: str, data: bytes) -> None:
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+        files[name] = file_entry(folder, name)
 
     if rank == 0:
         assert trainer_state is not None
         if scheduler is not None:
-            put(SCHEDULER_FILE, scheduler)
-        state_path = os.path.join(folder, STATE_FILE)
-        with open(state_path, "w") as f:
-            json.dump({"format": FORMAT_VERSION, **trainer_state.__dict__}, f, indent=1)
-        files[STATE_FILE] = os.path.getsize(state_path)
-        if model_spec is not None:  # how to build the model again (a factory goes by value)
-            spec_path = os.path.join(folder, MODEL_SPEC_FILE)
-            with open(spec_path, "wb") as f:
-                cloudpickle.dump(model_spec, f)
-            files[MODEL_SPEC_FILE] = os.path.getsize(spec_path)
-    # Callback state can hold any picklable object: cloudpickle, not torch's weights-only format.
+            put(SCHEDULER_FILE, safe.dumps(scheduler))
+        put(STATE_FILE, json.dumps({"format": FORMAT_VERSION, **trainer_state.__dict__}).encode())
+        if model_spec is not None:  # how to build the model again, as data
+            if hasattr(model_spec, "record"):
+                model_spec = model_spec.record()
+            put(MODEL_SPEC_FILE, json.dumps(model_spec, indent=1).encode())
+    # Plain data only (checked above): read back weights-only, nothing in it runs.
     put(
         f"rank{rank}.pt",
-        {
-            "rng": rng_state(),
-            "callbacks": cloudpickle.dumps(callback_state),
-            "user_state": cloudpickle.dumps(user_state),
-        },
+        safe.dumps({"rng": rng_state(), "callbacks": callback_state, "user_state": user_state}),
     )
     if not complete:
         return files
@@ -162,13 +169,21 @@ def write_rank_part(
     return files
 
 
+def file_entry(folder: str, name: str) -> dict[str, Any]:
+    """A manifest's record of the file `name` under `folder`: its size and SHA-256."""
+    path = os.path.join(folder, name)
+    return {"size": os.path.getsize(path), "sha256": safe.sha256_file(path)}
+
+
 def manifest_name(rank: int) -> str:
     """The file whose presence says that `rank`'s part of a checkpoint is written."""
     return f"rank{rank}.complete"
 
 
-def manifest(rank: int, world_size: int, files: dict[str, int], save_id: str | None) -> bytes:
-    """The content of `rank`'s completion manifest: its files and their sizes."""
+def manifest(
+    rank: int, world_size: int, files: dict[str, dict[str, Any]], save_id: str | None
+) -> bytes:
+    """The content of `rank`'s completion manifest: its files, their sizes and SHA-256."""
     content = {"format": FORMAT_VERSION, "rank": rank, "world_size": world_size, "files": files}
     if save_id is not None:
         content["save"] = save_id
@@ -177,8 +192,18 @@ def manifest(rank: int, world_size: int, files: dict[str, int], save_id: str | N
 
 def verify(path: str, filesystem: Any = None) -> TrainerState:
     """Check that every rank's part of the checkpoint at `path` (a local path or a URI, or a
-    path on `filesystem`) is there and whole; its trainer state (see `check_complete`)."""
-    return check_complete(locate(path, filesystem))
+    path on `filesystem`) is there and whole, and that every file's content matches its hash
+    (each file is read once, where it is); its trainer state."""
+    return verify_location(locate(path, filesystem))
+
+
+def verify_location(location: Location) -> TrainerState:
+    """`verify` of a `Location` (e.g. one that `complete_checkpoints` found)."""
+    state = check_complete(location)
+    for name, entry in listed_files(location).items():
+        if _sha256(location.child(name)) != entry["sha256"]:
+            raise differs(location.name, name)
+    return state
 
 
 def check_complete(location: Location) -> TrainerState:
@@ -186,7 +211,26 @@ def check_complete(location: Location) -> TrainerState:
     only the manifests and the file sizes; its trainer state, or `CheckpointError`."""
     if not location.is_dir():
         raise CheckpointError(f"{location.name}: checkpoint folder does not exist")
+    for name, entry in listed_files(location).items():
+        if location.child(name).size() != entry["size"]:
+            raise CheckpointError(
+                f"{location.name}: incomplete checkpoint: {name} is missing or truncated; "
+                "resume from an earlier checkpoint"
+            )
+    try:
+        raw = json.loads(location.child(STATE_FILE).read_bytes())
+        raw.pop("format", None)
+        return TrainerState(**raw)
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not its fields
+        raise CheckpointError(f"{location.name}/{STATE_FILE}: not a trainer state ({e})") from None
+
+
+def listed_files(location: Location) -> dict[str, dict[str, Any]]:
+    """Every file that the manifests of the checkpoint at `location` list (relative name ->
+    size and SHA-256), after checking that every rank's manifest is there and names the same
+    save."""
     manifest0 = _read_manifest(location, 0)
+    files: dict[str, dict[str, Any]] = {}
     for rank in range(manifest0["world_size"]):
         manifest = manifest0 if rank == 0 else _read_manifest(location, rank)
         if manifest.get("save") != manifest0.get("save"):  # a rank's part of another save
@@ -194,15 +238,45 @@ def check_complete(location: Location) -> TrainerState:
                 f"{location.name}: incomplete checkpoint: rank{rank}.complete belongs to "
                 "another save of this step; resume from an earlier checkpoint"
             )
-        for name, size in manifest["files"].items():
-            if location.child(name).size() != size:
-                raise CheckpointError(
-                    f"{location.name}: incomplete checkpoint: {name} is missing or truncated; "
-                    "resume from an earlier checkpoint"
-                )
-    raw = json.loads(location.child(STATE_FILE).read_bytes())
-    raw.pop("format", None)
-    return TrainerState(**raw)
+        for name, entry in manifest["files"].items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+                raise CheckpointError(f"{location.name}: rank{rank}.complete: bad entry {name!r}")
+            if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/"):
+                raise CheckpointError(f"{location.name}: rank{rank}.complete names {name!r}")
+            files[name] = entry
+    if STATE_FILE not in files:
+        raise CheckpointError(f"{location.name}: rank0.complete does not list {STATE_FILE}")
+    return files
+
+
+def check_content(folder: str, location: Location) -> None:
+    """Check that the files of the checkpoint at `location`, as copied into the local `folder`
+    (the checkpoint itself on local storage), match the hashes its manifests list (read from
+    `folder`, the copy that will be read); `CheckpointError` names the first that differs."""
+    local = locate(folder)
+    for name, entry in listed_files(local).items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or safe.sha256_file(path) != entry["sha256"]:
+            raise differs(location.name, name)
+
+
+def differs(where: str, name: str) -> CheckpointError:
+    """The error for a checkpoint's file whose content does not match its manifest's hash."""
+    return CheckpointError(
+        f"{where}: {name} differs from what its manifest records (its SHA-256 does not match): "
+        "the checkpoint was changed or damaged after it was written; resume from an earlier "
+        "checkpoint"
+    )
+
+
+def _sha256(location: Location) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with location.fs.open_input_stream(location.path) as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def complete_checkpoints(run: Location, holding: str | None = None) -> Iterator[Location]:
@@ -214,6 +288,8 @@ def complete_checkpoints(run: Location, holding: str | None = None) -> Iterator[
             continue
         try:
             check_complete(checkpoint)
+        except OldCheckpointError:
+            raise  # not skipped: the run would start again from scratch over its checkpoints
         except CheckpointError as e:
             logger.info("skipping %s", e)
             continue
@@ -238,6 +314,14 @@ def _read_manifest(location: Location, rank: int) -> dict[str, Any]:
         manifest = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{file.name}: corrupt manifest ({e})") from None
+    if manifest.get("format") == 1:
+        raise OldCheckpointError(
+            f"{location.name} was written by an older ray-trainer (checkpoint format 1): its "
+            f"{OLD_MODEL_SPEC_FILE} and rank*.pt are pickles, which run code when they are read, "
+            "so this version does not read them. If you trust it, take its weights alone: build "
+            f"the model and load_state_dict(torch.load('{MODEL_FILE}', weights_only=True)) (DDP), "
+            "then start a new run from that model"
+        )
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{file.name}: unknown checkpoint format {manifest.get('format')!r}")
     return manifest

@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 
 CHECKPOINT_PREFIX = "checkpoint_"
-#: The actor-side callbacks' state, written by the actor into each checkpoint folder.
-ACTOR_STATE_FILE = "actor_state.pkl"
+#: The actor-side callbacks' state, written by the actor into each checkpoint folder (plain
+#: data, read weights-only; the older ``actor_state.pkl``, a pickle, is never read).
+ACTOR_STATE_FILE = "actor_state.pt"
 #: The checkpoint ranking (scores, evaluations per checkpoint), in the run folder.
 RANKING_FILE = "ranking.json"
 #: Ray Train's own list of the checkpoints it was given, in the run folder: not used to resume.

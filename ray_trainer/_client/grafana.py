@@ -28,8 +28,10 @@ and the fix).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -147,10 +149,25 @@ def install_main(opts: argparse.Namespace) -> int:
 
 
 def _write(path: Path) -> Path:
-    """Written whole, then renamed: Grafana never reads half a dashboard."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(dashboard_json())
-    tmp.replace(path)
+    """Written whole into a private temp file of the target's folder (a new, unpredictable
+    name, created exclusively, mode 0600 until it is complete), then renamed over the target:
+    Grafana never reads half a dashboard, and a name planted in a shared folder (a symlink to
+    another file) is never written through. A target that is a symlink is refused."""
+    if path.is_symlink():
+        raise InstallError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); refusing to replace it: "
+            "remove it, or write elsewhere with --output FILE"
+        )
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(dashboard_json())
+        os.chmod(tmp, 0o644)  # Grafana (another user, often) reads it
+        os.replace(tmp, path)  # atomic; replaces a name, never follows it
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 

@@ -1,7 +1,9 @@
 """User's terminal: ``ray-trainer submit`` validates a run, submits it as a Ray job, follows it.
 
 Runs in the user's terminal, in a process of its own. It never joins the cluster: it validates
-the config here, checks what it will upload, then talks to the dashboard's job API over HTTP
+the config's fields here (its callback entries by their shape only: nothing the config names
+is imported or called on this machine; the job builds them on the cluster), checks what it will
+upload, then talks to the dashboard's job API over HTTP
 (``JobSubmissionClient``, see ``job_api.py``). The run's driver is the job's entrypoint,
 ``ray-trainer run CONFIG``, started by Ray's job supervisor on the head node; the job's
 submission id is the run name, so Ray refuses a second job of the same run.
@@ -101,7 +103,9 @@ def prepare_submission(opts: argparse.Namespace) -> Submission:
     address = dashboard_address(opts.address)
     headers, verify = parse_headers(opts.headers), parse_verify(opts.verify)
     overrides = list(opts.overrides)
-    args = TrainingArgs.from_yaml(opts.config, overrides)
+    # The fields only: callbacks are built by the job, on the cluster (nothing of the config's
+    # code runs here).
+    args = TrainingArgs.from_yaml(opts.config, overrides, build_callbacks=False)
     run_name = args.run_name
     if run_name is None:
         run_name = generated_run_name()

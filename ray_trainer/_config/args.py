@@ -6,14 +6,23 @@ plain dict; the objects in them (model factories, datasets, callbacks) travel cl
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from callbacks import ALIASES, EVENTS
 from ray_trainer._errors import TrainingArgsError
@@ -25,7 +34,11 @@ HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
 #: notice as a worker-group failure, and each lost spot node costs one.
 ELASTIC_MAX_FAILURES = 10
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the whole name: fullmatch
+#: numpy's seed range (``set_seed`` seeds numpy, torch and random with the same number).
+SEED_MAX = 2**32 - 1
+#: ``data`` values that look like a dataset (they index) but are not one ray-trainer reads.
+_NOT_DATA = (bytes, bytearray, list, tuple, dict, set, frozenset)
 
 
 class TrainingArgs(BaseModel):
@@ -49,7 +62,10 @@ class TrainingArgs(BaseModel):
         32
     """
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, frozen=False)
+    # allow_inf_nan=False: an infinite learning rate or timeout passes `gt=0`; refuse it.
+    model_config = ConfigDict(
+        extra="forbid", arbitrary_types_allowed=True, frozen=False, allow_inf_nan=False
+    )
 
     # What to train.
     model: str | Callable[..., Any] | None = None
@@ -101,7 +117,7 @@ class TrainingArgs(BaseModel):
     lr_schedule: Literal["linear", "cosine", "constant"] = "linear"
     max_grad_norm: float | None = Field(1.0, gt=0)
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
-    seed: int = 42
+    seed: int = 42  # 0 <= seed <= SEED_MAX
 
     # Parallelism (docs/large-models.md).
     strategy: Literal["ddp", "fsdp"] = "ddp"
@@ -203,6 +219,29 @@ class TrainingArgs(BaseModel):
     on_checkpoint: HookSpec = None
     on_validation_loss: HookSpec = None
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """``batch_size: true`` is not 1: a boolean is refused where a number is expected."""
+        if info.field_name not in _number_fields():
+            return v
+        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else [v]
+        if any(isinstance(x, bool) for x in inner):
+            raise ValueError(
+                f"got {v!r}: a boolean where a number goes (true is not 1); give a number"
+            )
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int) -> int:
+        if not 0 <= v <= SEED_MAX:
+            raise ValueError(
+                f"seed={v} is outside 0..{SEED_MAX} (2**32 - 1, numpy's seed range, which "
+                "every worker seeds); pick e.g. seed=42"
+            )
+        return v
+
     @field_validator("objective")
     @classmethod
     def _registered_objective(cls, value: str) -> str:
@@ -211,7 +250,7 @@ class TrainingArgs(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _check_run_name(cls, v: str | None) -> str | None:
-        if v is not None and not _RUN_NAME.match(v):
+        if v is not None and not _RUN_NAME.fullmatch(v):
             raise ValueError(
                 f"run_name {v!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
                 "letter or digit (it names a folder and a Ray actor)"
@@ -240,12 +279,33 @@ class TrainingArgs(BaseModel):
     def _check_data(cls, v: Any) -> Any:
         if isinstance(v, (str, os.PathLike)):
             return os.fspath(v)
+        if isinstance(v, _NOT_DATA):
+            raise ValueError(
+                f"got a {type(v).__name__}; pass a file path (JSONL, JSON or Parquet) or a glob, "
+                "a save_to_disk folder, a datasets.Dataset, a torch Dataset or a callable "
+                "returning one (records in memory: datasets.Dataset.from_list(records))"
+            )
         if v is None or callable(v) or hasattr(v, "__getitem__"):
             return v
         raise ValueError(
             f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
             "returning a Dataset"
         )
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _check_resources(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        negative = {k: x for k, x in v.items() if x < 0}
+        if negative:
+            raise ValueError(f"{negative}: a worker cannot ask for a negative amount")
+        if v and not any(x > 0 for x in v.values()):
+            raise ValueError(
+                f"{v} asks for nothing, and Ray would place any number of workers on one node; "
+                "give each worker a share of a resource, e.g. {'CPU': 1} or {'CPU': 0.5}"
+            )
+        return v
 
     @field_validator("lora")
     @classmethod
@@ -392,11 +452,19 @@ class TrainingArgs(BaseModel):
             raise TrainingArgsError(format_validation_error(e)) from None
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainingArgs:
+    def from_yaml(
+        cls,
+        path: str | os.PathLike,
+        overrides: list[str] | None = None,
+        build_callbacks: bool = True,
+    ) -> TrainingArgs:
         """Load args from a YAML file, then apply ``key=value`` overrides (values parsed as YAML).
 
         Callbacks in YAML are import strings (``"callbacks:EarlyStopping"``) or mappings with a
-        ``class`` key and constructor arguments (``{class: callbacks:EarlyStopping, metric: loss}``).
+        ``class`` key (a `TrainerCallback` subclass) and constructor arguments (``{class:
+        callbacks:EarlyStopping, metric: loss}``). With ``build_callbacks=False`` (what
+        ``ray-trainer submit`` validates) their shape is checked, nothing is imported or called,
+        and the args returned have no callbacks.
         """
         path = Path(path)
         if not path.is_file():
@@ -413,7 +481,7 @@ class TrainingArgs(BaseModel):
 
         raw.update(parse_overrides(overrides or []))
         try:
-            return cls.coerce(import_entries(raw, str(path)))
+            return cls.coerce(import_entries(raw, str(path), build=build_callbacks))
         except TrainingArgsError as e:
             if str(e).startswith(f"{path}: "):
                 raise
@@ -440,6 +508,24 @@ class TrainingArgs(BaseModel):
         # trackers export those: `callbacks.builtin.common.objective_metrics`).
         out["objective_metrics"] = list(objective_of(self.objective).metrics)
         return out
+
+
+@functools.cache
+def _number_fields() -> frozenset[str]:
+    """The fields that take a number and not a boolean (computed once, from the annotations)."""
+    names = set()
+    for name, info in TrainingArgs.model_fields.items():
+        kinds = set(_flat_types(info.annotation))
+        if kinds & {int, float} and bool not in kinds:
+            names.add(name)
+    return frozenset(names)
+
+
+def _flat_types(annotation: Any) -> list[Any]:
+    args = get_args(annotation)
+    if not args:
+        return [annotation]
+    return [t for a in args for t in _flat_types(a)]
 
 
 def _check_ranking(args: TrainingArgs) -> None:
@@ -472,5 +558,6 @@ def format_validation_error(e: ValidationError) -> str:
             continue
         value = err.get("input")
         shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
-        lines.append(f"  - {field}: {err['msg']} (got {shown})")
+        message = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  - {field}: {message} (got {shown})")
     return "\n".join(lines)

@@ -5,6 +5,14 @@ Runs where a config is read: the driver (``ray-trainer run``, ``demo``) and the 
 parsed as YAML; callbacks given as import strings or ``{class: ..., arguments}`` mappings are
 imported and built here, and any failure is one ``TrainingArgsError`` naming the file (or
 ``--set``) and the entry.
+
+A config file names code: importing a module runs it, and a ``{class: ...}`` entry calls a
+constructor. It is as trusted as a script (docs/api.md, "Config files"). What an entry may
+call is narrow all the same: only a `TrainerCallback` subclass is ever constructed, checked
+after the import and before any call, so that an entry naming another callable (``{class:
+"subprocess:call", args: ...}``) is refused without running it. ``ray-trainer submit`` checks
+the entries' shape only (``build=False``): nothing of the config is imported or called on the
+user's machine; the job builds the callbacks on the cluster.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from callbacks import ALIASES, EVENTS
+from callbacks import ALIASES, EVENTS, TrainerCallback
 from ray_trainer._errors import TrainingArgsError
 
 
@@ -44,21 +52,31 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return fields
 
 
-def import_entries(raw: dict[str, Any], source: str) -> dict[str, Any]:
+def import_entries(raw: dict[str, Any], source: str, build: bool = True) -> dict[str, Any]:
     """Fields from a config file or ``--set`` with their callbacks imported: ``callbacks``
     entries (``"module:Name"`` or ``{class: "module:Name", ...arguments}``) built, ``on_<event>``
-    import strings resolved. Errors name ``source`` (the file, or ``--set``) and the entry."""
+    import strings resolved. Errors name ``source`` (the file, or ``--set``) and the entry.
+
+    With ``build=False`` (``ray-trainer submit``) each entry's shape is checked and nothing is
+    imported or called: the callback fields are left out of what is returned, for the other
+    fields to be validated alone.
+    """
     raw = dict(raw)
     callbacks = raw.get("callbacks") or []
     if not isinstance(callbacks, list):
         callbacks = [callbacks]
+    load_callback = _import_callback if build else _callback_shape
     raw["callbacks"] = [
-        _load(source, f"callbacks[{i}]", spec, _import_callback) for i, spec in enumerate(callbacks)
+        _load(source, f"callbacks[{i}]", spec, load_callback) for i, spec in enumerate(callbacks)
     ]
     for name in EVENTS | set(ALIASES):
         if isinstance(raw.get(name), (str, list)):
             specs = raw[name] if isinstance(raw[name], list) else [raw[name]]
-            raw[name] = [_load(source, name, spec, _import_object) for spec in specs]
+            load_hook = _import_object if build else _import_string
+            raw[name] = [_load(source, name, spec, load_hook) for spec in specs]
+    if not build:
+        for name in ["callbacks", *EVENTS, *ALIASES]:
+            raw.pop(name, None)
     return raw
 
 
@@ -80,7 +98,8 @@ def _shown(spec: Any) -> str:
     return f"({text if len(text) <= 80 else text[:77] + '...'})"
 
 
-def _import_object(spec: Any) -> Any:
+def _import_string(spec: Any) -> tuple[str, str]:
+    """``(module, attribute path)`` of an import string; nothing is imported."""
     if not isinstance(spec, str):
         raise _EntryError("expected an import string like 'package.module:Name'")
     module, sep, attr = spec.partition(":")
@@ -88,6 +107,11 @@ def _import_object(spec: Any) -> Any:
         module, _, attr = spec.rpartition(".")
     if not module or not attr:
         raise _EntryError("not an import string like 'package.module:Name'")
+    return module, attr
+
+
+def _import_object(spec: Any) -> Any:
+    module, attr = _import_string(spec)
     try:
         obj: Any = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -104,19 +128,40 @@ def _import_object(spec: Any) -> Any:
 
 
 def _import_callback(spec: Any) -> Any:
+    """A callback entry built: a `TrainerCallback` subclass constructed (with the mapping's
+    arguments), or a function returned as it is (a function callback; nothing calls it here)."""
+    _callback_shape(spec)
     if isinstance(spec, str):
         obj = _import_object(spec)
-        return _construct(obj, {}) if isinstance(obj, type) else obj
+        return _construct(obj, {}, spec) if isinstance(obj, type) else obj
+    kwargs = {k: v for k, v in spec.items() if k != "class"}
+    return _construct(_import_object(spec["class"]), kwargs, spec["class"])
+
+
+def _callback_shape(spec: Any) -> None:
+    """An import string, or a mapping whose ``class`` is one; nothing is imported."""
+    if isinstance(spec, str):
+        _import_string(spec)
+        return
     if isinstance(spec, dict) and "class" in spec:
-        kwargs = {k: v for k, v in spec.items() if k != "class"}
-        return _construct(_import_object(spec["class"]), kwargs)
+        _import_string(spec["class"])
+        return
     raise _EntryError(
         "use an import string 'module:Name' or a mapping with a 'class' key and the "
         "constructor arguments"
     )
 
 
-def _construct(cls: Any, kwargs: dict[str, Any]) -> Any:
+def _construct(cls: Any, kwargs: dict[str, Any], name: str) -> Any:
+    """``cls(**kwargs)``, for a `TrainerCallback` subclass only: checked before the call
+    (``name`` is the import string that named it)."""
+    if not (isinstance(cls, type) and issubclass(cls, TrainerCallback)):
+        kind = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise _EntryError(
+            f"{name!r} is {kind}, not a TrainerCallback subclass, and only those are "
+            "constructed from a config (nothing was called); name a TrainerCallback subclass, "
+            "or, for a plain function callback, give its import string without 'class:'"
+        )
     try:
         return cls(**kwargs)
     except Exception as e:  # the user's constructor raised

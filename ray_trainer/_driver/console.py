@@ -2,17 +2,19 @@
 
 Runs in the driver. A healthy run prints no traceback, no error-level line and no Ray noise:
 
-* the embedded local Ray starts with its dashboard on 127.0.0.1 (the dashboard can submit jobs
-  and run code: never on every interface), and the driver prints its URL once, with one line
-  of ours about Ray's token authentication instead of Ray's own warning;
+* the embedded local Ray is a new instance (``address="local"``), even where a ``ray start``
+  cluster runs on the machine; it starts with its dashboard on 127.0.0.1 (the dashboard can
+  submit jobs and run code: never on every interface), and the driver prints its URL once, with
+  one line of ours about Ray's token authentication (asked of Ray) instead of Ray's own
+  warning; a run that joins a cluster says which one;
 * two lines Ray itself repeats although nothing is wrong are dropped from the worker logs this
   driver prints: Ray Train's PlacementGroupCleaner retrying the state API (when the cluster has
   no dashboard), and Ray core's error-level note that an actor Ray Train creates has
   constructor arguments in the object store;
 * Ray Train's print patching is off (``RAY_TRAIN_ENABLE_PRINT_PATCH=0``): a worker-side
   callback's print appears once, not twice; and its state tracking is on
-  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run (off for
-  an embedded Ray started without its dashboard, where nothing would show it);
+  (``RAY_TRAIN_ENABLE_STATE_TRACKING=1``): the dashboard's Ray Train view shows the run (off
+  where the Ray the driver uses has no dashboard, where nothing would show it);
 * the embedded Ray starts its worker processes at the same priority as its own daemons
   (``RAY_worker_niceness=0``; Ray's default is 15): on a machine whose cores the training ranks
   fill, a rank at niceness 15 is preempted whenever the dashboard, its agents, the log monitor
@@ -48,14 +50,33 @@ HARMLESS_RAY_LINES = (
 DASHBOARD_PORTS = range(8265, 8300)
 _AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 _PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+_STATE_TRACKING = "RAY_TRAIN_ENABLE_STATE_TRACKING"
+#: Whether this module set the state-tracking variable (then it follows each run's cluster).
+_STATE_TRACKING_OURS = False
 
 
 def prepare_ray_train() -> None:
     """Before Ray Train starts (it reads these in the driver and hands them on): worker prints
     once (no print patching, which copies each print into its log), and the run in the
-    dashboard's Ray Train view (state tracking). A value the user set is kept."""
+    dashboard's Ray Train view (state tracking) where the cluster has a dashboard: without one
+    nothing would show it, and its actor would poll a state API that is not there. A value the
+    user set is kept."""
+    global _STATE_TRACKING_OURS
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    if _STATE_TRACKING_OURS or _STATE_TRACKING not in os.environ:
+        os.environ[_STATE_TRACKING] = "1" if cluster_has_dashboard() else "0"
+        _STATE_TRACKING_OURS = True
+
+
+def cluster_has_dashboard() -> bool:
+    """Whether the Ray this driver is connected to runs a dashboard (True where Ray cannot say:
+    state tracking is Ray Train's own default for a cluster)."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        return bool(get_dashboard_url())
+    except Exception:  # a Ray whose internals moved
+        return True
 
 
 def free_dashboard_port(host: str = "127.0.0.1") -> int:
@@ -75,7 +96,14 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
     dashboard's URL (None without one)."""
     import ray
 
-    options: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": dashboard}
+    # address="local": a new instance of our own, even where `ray start` runs a cluster on this
+    # machine (without it, ray.init joins the cluster in /tmp/ray/ray_current_cluster, which
+    # refuses num_cpus). A run that means to join one gives ray_address or RAY_ADDRESS.
+    options: dict[str, Any] = {
+        "address": "local",
+        "num_cpus": num_cpus,
+        "include_dashboard": dashboard,
+    }
     # Read by the raylet this starts: training ranks not below Ray's own daemons (kept if set).
     os.environ.setdefault("RAY_worker_niceness", "0")
     url = None
@@ -86,8 +114,6 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
         # The state API (Ray Train's placement group cleaner, `ray list`) finds this dashboard
         # even where another Ray runs on the machine.
         options["runtime_env"] = {"env_vars": {"RAY_API_SERVER_ADDRESS": url}}
-    else:  # nothing would show Ray Train's state: no actor polling for it (unless the user asks)
-        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "0")
     auth = logging.getLogger(_AUTH_LOGGER)
     level = auth.level
     auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says
@@ -107,10 +133,34 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
 
 
 def dashboard_line(url: str | None) -> str:
-    """The one line the driver prints about the embedded Ray."""
+    """The one line the driver prints about the embedded Ray: a new local instance of its own,
+    its dashboard, and whether Ray's token authentication is on (Ray's own answer)."""
     where = f"Ray dashboard at {url} (this machine only)" if url else "no Ray dashboard"
-    auth = "off" if os.environ.get("RAY_AUTH_MODE") == "disabled" else "on"
-    return f"ray-trainer: local Ray started; {where}; Ray's token authentication is {auth}"
+    return (
+        f"ray-trainer: local Ray started (a new instance for this run); {where}; "
+        f"Ray's token authentication is {token_auth()}"
+    )
+
+
+def joined_line(address: str) -> str:
+    """The line the driver prints when it joins a running cluster (ray_address / RAY_ADDRESS)."""
+    import ray
+
+    where = getattr(ray.get_runtime_context(), "gcs_address", None) or address
+    return (
+        f"ray-trainer: joined the Ray cluster at {where} (from {address!r}); "
+        f"Ray's token authentication is {token_auth()}"
+    )
+
+
+def token_auth() -> str:
+    """``"on"`` or ``"off"``, as Ray itself decides it (after ``ray.init``: its mode may have
+    been turned on by the start); ``"unknown"`` with a Ray that does not say."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:
+        return "unknown"
+    return "on" if is_token_auth_enabled() else "off"
 
 
 def filter_ray_noise(harmless: tuple[str, ...] = HARMLESS_RAY_LINES) -> bool:

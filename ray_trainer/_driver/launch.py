@@ -26,9 +26,7 @@ from ray_trainer._driver.checks.inputs import (
     check_inputs,
     check_storage,
     collect_callbacks,
-    fingerprint,
     resolve_paths,
-    write_run_record,
 )
 from ray_trainer._driver.checks.resources import (
     ResourceRequestError,
@@ -40,16 +38,23 @@ from ray_trainer._driver.checks.resources import (
 from ray_trainer._driver.console import (
     dashboard_line,
     filter_ray_noise,
+    joined_line,
     prepare_ray_train,
     start_embedded_ray,
     wait_for_output,
 )
 from ray_trainer._driver.data import DataPlan, prepare_data
+from ray_trainer._driver.lease import RunLease
 from ray_trainer._driver.metrics import with_default_metrics
 from ray_trainer._driver.nodes import alive_nodes, check_shared_storage
 from ray_trainer._driver.reference import prepare_references
 from ray_trainer._driver.result import TrainingResult, build_result
-from ray_trainer._driver.retention import forget_ray_checkpoint_list, retention_of
+from ray_trainer._driver.retention import (
+    forget_ray_checkpoint_list,
+    record_run,
+    remove_crashed_saves,
+    retention_of,
+)
 from ray_trainer._driver.signals import resume_hint, run_with_graceful_signals
 from ray_trainer._driver.trainer import torch_trainer_class
 from ray_trainer._placement import CallbackLists, keep_for_actor, pack, subscribed_events
@@ -82,9 +87,18 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
     lists = collect_callbacks(args)
     plans = check_inputs(args)
     run = check_storage(args)
-    # The name to resume with, before anything can go wrong (again on Ctrl-C: signals.py).
-    print(resume_hint(args.run_name), flush=True)
+    # One run at a time writes the folder: a live holder refuses this start, before Ray.
+    with RunLease(run, args.run_name):
+        remove_crashed_saves(run)
+        # The name to resume with, before anything can go wrong (again on Ctrl-C: signals.py).
+        print(resume_hint(args.run_name), flush=True)
+        return _launch(args, lists, run, plans)
 
+
+def _launch(
+    args: TrainingArgs, lists: CallbackLists, run: Location, plans: dict[str, DataPlan]
+) -> TrainingResult:
+    """Start (or join) Ray, check the cluster, train; shut down the Ray it started."""
     import ray
 
     # Ray Train's import (~1 s of CPU) runs while ray.init waits for Ray's processes to start.
@@ -121,6 +135,7 @@ def _init_ray(args: TrainingArgs) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         filter_ray_noise()
+        print(joined_line(address), flush=True)
         return False
     machine = embedded_resources(count_gpus="GPU" in per_worker(args))
     check_resources(args, nodes=[machine])  # before starting anything
@@ -153,8 +168,7 @@ def prepare_launch(
     check_enough_samples(args, plans)
     references = prepare_references(plans, args)
 
-    record = {"fingerprint": fingerprint(args), "run_name": args.run_name}
-    write_run_record(run, record)
+    run_id = record_run(run, args)
     packed = pack(lists)
     callbacks_ref = ray.put(packed)
     actor, ready = start_actor(
@@ -165,7 +179,7 @@ def prepare_launch(
         end_timeout_s=args.callback_timeout_s,
         eval_timeout_s=args.eval_timeout_s,
         filesystem=args.storage_filesystem,
-        retention=retention_of(args),
+        retention=retention_of(args, run_id),
         max_workers=args.max_workers if args.elastic else None,
     )
     # The args travel as a plain pydantic object; the callbacks only through `callbacks_ref`.
@@ -176,7 +190,7 @@ def prepare_launch(
         args=worker_args,
         callbacks_ref=callbacks_ref,
         run_dir=run.name,
-        launch_id=secrets.token_hex(4),
+        launch_id=f"{run_id}.{secrets.token_hex(4)}",  # save ids start with the run's id
         actor_name=actor_name(args.run_name),
         actor_namespace=NAMESPACE,
         forward_events=forwarded_events(

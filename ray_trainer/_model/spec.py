@@ -14,11 +14,13 @@ it once sharded (``_worker/model/build.py``); its weights are fp32 whatever the 
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ray_trainer._errors import TrainingArgsError
 from ray_trainer._storage import is_uri
 
 BUILTIN_MODELS = ("tiny-lm", "demo")
@@ -28,8 +30,9 @@ _INSTALL_HINT = "pip install 'ray-trainer[hf]'"
 @dataclass
 class ModelSpec:
     """How to build a run's model: the `TrainingArgs` fields that decide it. A checkpoint
-    records it (cloudpickled: a model factory travels by value) so that `load_model` can
-    rebuild the module anywhere."""
+    records it as data (`record`: a model's name, or a factory as the ``"module:qualname"``
+    that imports it; a lambda or a local function is left out) so that `load_model` can
+    rebuild the module anywhere without running code from the checkpoint."""
 
     model: Any = None  # None, "tiny-lm" or "demo"; a Hugging Face name or path; or a factory
     demo: dict[str, Any] = field(default_factory=dict)
@@ -49,6 +52,47 @@ class ModelSpec:
             tokenizer=args.tokenizer,
             allow_download=args.allow_download,
         )
+
+    def record(self) -> dict[str, Any]:
+        """This spec as JSON data: a factory as its ``"module:qualname"`` (None for one that
+        cannot be imported by that name), with its name for the error that asks for it."""
+        model = os.fspath(self.model) if isinstance(self.model, os.PathLike) else self.model
+        fields = {
+            "demo": self.demo,
+            "on_jsonl": self.on_jsonl,
+            "max_length": self.max_length,
+            "tokenizer": self.tokenizer,
+            "allow_download": self.allow_download,
+        }
+        if model is None or isinstance(model, str):
+            return {"model": model, **fields}
+        name = getattr(model, "__qualname__", None) or type(model).__qualname__
+        return {"model": None, "factory": factory_ref(model), "factory_name": name, **fields}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], model: Any = None, where: str = "") -> ModelSpec:
+        """The spec a checkpoint records (`record`'s data). `model`, a factory, builds the
+        model instead of the one recorded; it is needed where the run's factory could not be
+        recorded by name. A recorded ``"module:qualname"`` is imported from this environment."""
+        fields = {k: record[k] for k in ("demo", "on_jsonl", "max_length", "tokenizer")}
+        spec = cls(model=record.get("model"), allow_download=bool(record.get("allow_download")))
+        spec.demo, spec.on_jsonl = dict(fields["demo"] or {}), bool(fields["on_jsonl"])
+        spec.max_length, spec.tokenizer = int(fields["max_length"]), fields["tokenizer"]
+        if model is not None:
+            if not callable(model):
+                raise ModelLoadError(f"model= must be a factory (a callable), got {model!r}")
+            spec.model = model
+        elif "factory" in record:
+            ref = record["factory"]
+            if ref is None:
+                raise ModelLoadError(
+                    f"{where}: its model was built by {record.get('factory_name')!r}, a factory "
+                    "that cannot be imported by name (a lambda, a local function or one defined "
+                    "in __main__), so the checkpoint does not record it; pass it: "
+                    "load_model(path, model=factory)"
+                )
+            spec.model = import_factory(ref, where)
+        return spec
 
     @property
     def is_demo(self) -> bool:
@@ -141,7 +185,7 @@ class ModelSpec:
         return tokenizer
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(TrainingArgsError):
     """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
 
 
@@ -149,6 +193,44 @@ def is_builtin(model: object) -> bool:
     """True for the built-in demo transformer: ``model=None`` or its names (``"tiny-lm"``,
     ``"demo"``)."""
     return model is None or (isinstance(model, str) and model in BUILTIN_MODELS)
+
+
+def factory_ref(factory: Any) -> str | None:
+    """``"module:qualname"`` that imports `factory` again, or None for one that cannot be
+    imported by name (a lambda, a local function, one defined in ``__main__``)."""
+    module = getattr(factory, "__module__", None)
+    qualname = getattr(factory, "__qualname__", None)
+    if not module or not qualname or module == "__main__" or "<" in qualname:
+        return None
+    try:
+        found = _import_name(module, qualname)
+    except (ImportError, AttributeError):
+        return None
+    return f"{module}:{qualname}" if found is factory else None
+
+
+def import_factory(ref: str, where: str = "") -> Any:
+    """The factory a ``"module:qualname"`` names, imported from this environment."""
+    module, _, qualname = str(ref).partition(":")
+    try:
+        found = _import_name(module, qualname)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{where}: its model factory {ref!r} cannot be imported here ({_short(e)}); install "
+            "the code that defines it, or pass the factory: load_model(path, model=factory)"
+        ) from None
+    if not callable(found):
+        raise ModelLoadError(f"{where}: the model factory {ref!r} is not callable")
+    return found
+
+
+def _import_name(module: str, qualname: str) -> Any:
+    if not module or not qualname:
+        raise ValueError("expected 'module:qualname'")
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def is_causal_lm(model: Any) -> bool:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from shared_runs import fsdp_runs  # noqa: F401  (a session fixture several modules read)
 from support_paths import pythonpath
 from waiting import wait_until
 

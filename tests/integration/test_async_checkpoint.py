@@ -1,6 +1,7 @@
 """Asynchronous checkpoints (issue 21, point 2): training goes on while slow storage is written.
 
-One FSDP run on 2 gloo workers with a real Hugging Face model writes its checkpoints through a
+Reads the session's `fsdp_runs` (`tests/support/shared_runs.py`, shared with `test_fsdp.py`):
+one FSDP run on 2 gloo workers with a real Hugging Face model writes its checkpoints through a
 filesystem that writes slowly (`slow_storage.py`, as network storage) and kills rank 1 while
 it writes its shard of the step-4 checkpoint; one DDP run writes to a local folder. Each
 checkpoint's ``hf/`` export is opened with ``from_pretrained`` in an ``EvalOnSave`` task.
@@ -12,74 +13,11 @@ import json
 import os
 
 import pytest
-from rt_support import AllRanksRecorder, eval_hf_export, read_records
-from slow_storage import CompleteAtOnSave, slow_filesystem
-
-from callbacks import EvalOnSave
-from ray_trainer._demo.tiny_hf import TINY_WORDS
-from ray_trainer.demo import make_tiny_causal_lm
 
 
 @pytest.fixture(scope="module")
-def runs(ray_session, tmp_path_factory):
-    from ray_trainer import run_training
-
-    tmp = tmp_path_factory.mktemp("async")
-    model = str(make_tiny_causal_lm(tmp / "gpt2", n_layer=2, n_embd=32))
-    data = tmp / "train.jsonl"
-    words = TINY_WORDS  # sentences of the tiny tokenizer's words, 400 of them
-    lines = [" ".join(words[(i + j) % len(words)] for j in range(6)) for i in range(400)]
-    data.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    folder = str(tmp / "records")
-    common = dict(
-        model=model,
-        data=str(data),
-        batch_size=4,
-        max_length=16,
-        mixed_precision="no",
-        num_workers=2,
-        async_checkpoint=True,
-        log_every_steps=1,
-    )
-    slow = slow_filesystem(
-        per_file_s=0.15,
-        crash_on="checkpoint_00000004/shards/__1_0.distcp",
-        crash_marker=str(tmp / "crashed"),
-    )
-    fsdp = run_training(
-        **common,
-        strategy="fsdp",
-        max_steps=6,
-        save_every_steps=2,
-        max_failures=1,
-        storage_path=str(tmp / "slow"),
-        storage_filesystem=slow,
-        run_name="fsdp-async",
-        callbacks=[
-            AllRanksRecorder(folder, prefix="fsdp"),
-            CompleteAtOnSave(str(tmp / "fsdp-on-save.jsonl")),
-            EvalOnSave(eval_hf_export, num_gpus=0),
-        ],
-    )
-    ddp = run_training(
-        **common,
-        strategy="ddp",
-        max_steps=4,
-        save_every_steps=2,
-        storage_path=str(tmp / "local"),
-        run_name="ddp-async",
-        callbacks=[
-            CompleteAtOnSave(str(tmp / "ddp-on-save.jsonl")),
-            EvalOnSave(eval_hf_export, num_gpus=0),
-        ],
-    )
-    return {
-        "fsdp": fsdp,
-        "ddp": ddp,
-        "records": read_records(folder, "fsdp"),
-        "on_save": {k: _lines(tmp / f"{k}-on-save.jsonl") for k in ("fsdp", "ddp")},
-        "crashed": (tmp / "crashed").read_text() if (tmp / "crashed").exists() else "",
-    }
+def runs(fsdp_runs):
+    return {**fsdp_runs, "records": fsdp_runs["fsdp_records"]}
 
 
 def _lines(path):

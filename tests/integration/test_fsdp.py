@@ -1,100 +1,22 @@
 """Models larger than one device (issue 14): FSDP2 on 2 gloo workers, real Ray, a real HF model.
 
-One FSDP run with a crash on rank 1 (it resumes from its sharded checkpoint), its continuation on
-1 worker (DCP reshards), and a DDP run from the same seed for comparison; every checkpoint's
+Reads the session's `fsdp_runs` (`tests/support/shared_runs.py`, shared with
+`test_async_checkpoint.py`): one FSDP run whose rank 1 is killed while it writes its shard of
+the step-4 checkpoint (it resumes from its sharded step-2 checkpoint), its continuation on 1
+worker (DCP reshards), and a DDP run from the same seed for comparison; every checkpoint's
 `hf/` export is loaded with `from_pretrained` in an `EvalOnSave` task.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-from rt_support import (
-    AllRanksRecorder,
-    KillRank1Once,
-    ShardProbe,
-    eval_hf_export,
-    read_records,
-)
-
-from callbacks import EvalOnSave
-from ray_trainer.demo import make_tiny_causal_lm
-
-TEXTS = [
-    "the cat sat on the mat",
-    "what did the dog do ? it ran home",
-    "the dog sat on the mat and the cat ran home",
-]
 
 
 @pytest.fixture(scope="module")
-def runs(ray_session, tmp_path_factory):
-    from ray_trainer import run_training
-
-    tmp = tmp_path_factory.mktemp("fsdp")
-    # 4 blocks, no dropout: DDP and FSDP must compute the same thing.
-    model = str(make_tiny_causal_lm(tmp / "gpt2", n_layer=4, n_embd=32, dropout=0.0))
-    data = tmp / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": TEXTS[i % 3]}) + "\n" for i in range(240)))
-    folder, storage = str(tmp / "records"), str(tmp / "storage")
-    common = dict(
-        model=model,
-        data=str(data),
-        batch_size=4,
-        max_length=16,
-        learning_rate=3e-3,
-        lr_schedule="constant",  # the DDP run is shorter: the same learning rate at each step
-        mixed_precision="no",
-        log_every_steps=1,
-        storage_path=storage,
-        seed=7,
-    )
-    fsdp = run_training(
-        **common,
-        strategy="fsdp",
-        num_workers=2,
-        max_steps=6,
-        save_every_steps=2,
-        max_failures=1,
-        run_name="fsdp",
-        callbacks=[
-            AllRanksRecorder(folder, prefix="fsdp"),
-            ShardProbe(folder),
-            KillRank1Once(3),
-            EvalOnSave(eval_hf_export, num_gpus=0),
-        ],
-    )
-    fsdp_records = read_records(folder, "fsdp")
-    # The same run continued by one worker, with activation checkpointing on.
-    one = run_training(
-        **common,
-        strategy="fsdp",
-        num_workers=1,
-        max_steps=8,
-        activation_checkpointing=True,
-        run_name="fsdp",
-        callbacks=[AllRanksRecorder(folder, prefix="one")],
-    )
-    ddp = run_training(
-        **common,
-        strategy="ddp",
-        num_workers=2,
-        max_steps=3,
-        activation_checkpointing=True,
-        run_name="ddp",
-        callbacks=[AllRanksRecorder(folder, prefix="ddp")],
-    )
-    return {
-        "fsdp": fsdp,
-        "one": one,
-        "ddp": ddp,
-        "fsdp_records": fsdp_records,
-        "one_records": read_records(folder, "one"),
-        "ddp_records": read_records(folder, "ddp"),
-        "shards": read_records(folder, "shards"),
-    }
+def runs(fsdp_runs):
+    return fsdp_runs
 
 
 def _logged_losses(records, attempt=0):
@@ -143,8 +65,8 @@ def test_the_hf_export_loads_with_from_pretrained_and_equals_load_model(runs):
 
 
 def test_ddp_and_fsdp_from_the_same_seed_give_the_same_losses(runs):
-    # FSDP's step 3 is the resumed attempt's (rank 1 crashed at step 3 of the first): the
-    # resume from the sharded checkpoint is exact too.
+    # FSDP's step 3 is the resumed attempt's (rank 1 crashed writing the step-4 checkpoint of
+    # the first, which resumed from step 2): the resume from the sharded checkpoint is exact too.
     ddp = _logged_losses(runs["ddp_records"])
     fsdp = {**_logged_losses(runs["fsdp_records"], 0), **_logged_losses(runs["fsdp_records"], 1)}
     for step in (1, 2, 3):

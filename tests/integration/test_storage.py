@@ -100,9 +100,9 @@ def test_a_run_lives_in_a_bucket(ray_session, s3, tmp_path):
     assert second["checkpoint_path"] == f"{BUCKET}/runs/in-a-bucket/checkpoint_00000008"
     keys = s3.keys(BUCKET)
     for step in (2, 4, 6, 8):
-        for name in ("rank0.complete", "rank1.complete", "model.pt", "model_spec.pkl"):
+        for name in ("rank0.complete", "rank1.complete", "model.pt", "model_spec.json"):
             assert f"runs/in-a-bucket/checkpoint_{step:08d}/{name}" in keys
-    assert "runs/in-a-bucket/checkpoint_00000006/actor_state.pkl" in keys
+    assert "runs/in-a-bucket/checkpoint_00000006/actor_state.pt" in keys
     assert "runs/in-a-bucket/run.json" in keys and "runs/in-a-bucket/metrics.jsonl" in keys
     logged = s3.client().get_object(Bucket=BUCKET, Key="runs/in-a-bucket/metrics.jsonl")
     steps = [json.loads(x)["step"] for x in logged["Body"].read().decode().splitlines()]

@@ -16,6 +16,7 @@ from callbacks import TrainingContext
 from ray_trainer._actor.evaluation import EvalTracker, _Pending
 from ray_trainer._actor.ranking import Ranking
 from ray_trainer._actor.retention import CheckpointKeeper
+from ray_trainer._checkpoint.format import file_entry
 from ray_trainer._checkpoint.names import RANKING_FILE, checkpoint_dir_name
 from ray_trainer._contract import Retention
 from ray_trainer._storage import locate
@@ -113,25 +114,27 @@ class _Tracker:
         return set(self.pending)
 
 
-def _checkpoint(run, step, complete=True):
-    """A checkpoint folder that `verify` accepts (one rank, one file), or an incomplete one."""
+def _checkpoint(run, step, complete=True, save=None):
+    """A checkpoint folder that `verify` accepts (one rank, one file), or an incomplete one;
+    `save`: the save id its manifest names (``<run_id>.<launch>.<attempt>``)."""
     folder = run / checkpoint_dir_name(step)
     folder.mkdir(parents=True)
-    state = json.dumps({"format": 1, "global_step": step})
+    state = json.dumps({"format": 2, "global_step": step})
     (folder / "trainer_state.json").write_text(state)
     if complete:
         manifest = {
-            "format": 1,
+            "format": 2,
             "rank": 0,
             "world_size": 1,
-            "files": {"trainer_state.json": len(state)},
+            "files": {"trainer_state.json": file_entry(str(folder), "trainer_state.json")},
+            **({"save": save} if save else {}),
         }
         (folder / "rank0.complete").write_text(json.dumps(manifest))
     return str(folder)
 
 
-def _keeper(run, keep=1, attribute="acc", order="max"):
-    keeper = CheckpointKeeper(Retention(keep, attribute, order), locate(str(run)))
+def _keeper(run, keep=1, attribute="acc", order="max", run_id=None):
+    keeper = CheckpointKeeper(Retention(keep, attribute, order, run_id), locate(str(run)))
     keeper.tracker = _Tracker()
     return keeper
 
@@ -253,6 +256,46 @@ def test_a_new_keeper_reads_the_ranking_back_and_matches_it_with_storage(tmp_pat
 
     shutil.rmtree(run / checkpoint_dir_name(2))
     assert [r["step"] for r in _keeper(run, keep=1).rows()] == [6]
+
+
+def test_retention_deletes_only_what_this_runs_saves_wrote(tmp_path):
+    run = tmp_path / "run"
+    _checkpoint(run, 2, save="other.aaaa.0")  # another run's (e.g. before the lease existed)
+    _checkpoint(run, 4)  # copied in by hand: no save id
+    _checkpoint(run, 6, save="mine.bbbb.0")  # this run's, whose on_save a crashed driver lost
+    keeper = _keeper(run, keep=1, attribute=None, run_id="mine")
+    for step in (8, 10):
+        _save(keeper, run, step)
+    assert _on_disk(run) == [checkpoint_dir_name(s) for s in (2, 4, 10)]
+    rows = {r["step"]: r for r in keeper.rows()}
+    assert sorted(rows) == [2, 4, 10]  # the others' still rank (they may be the best)
+    saved = json.loads((run / RANKING_FILE).read_text())
+    assert {c["step"]: c["own"] for c in saved["checkpoints"]} == {2: False, 4: False, 10: True}
+    # A keeper without a run id (an old driver) owns no folder it finds.
+    _checkpoint(tmp_path / "old", 2, save="mine.bbbb.0")
+    assert not _keeper(tmp_path / "old", keep=1).ranking.entries[checkpoint_dir_name(2)].own
+
+
+def test_a_deletion_cut_short_is_finished_by_the_next_start(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    keeper = _keeper(run, keep=1, attribute=None, run_id="mine")
+    _save(keeper, run, 2)
+
+    # The folder's deletion fails once (the process dies, or storage is away) ...
+    def storage_away(self):
+        raise OSError("storage is away")
+
+    monkeypatch.setattr("ray_trainer._storage.Location.delete", storage_away)
+    _save(keeper, run, 4)
+    monkeypatch.undo()
+    assert _on_disk(run) == [checkpoint_dir_name(2), checkpoint_dir_name(4)]
+    saved = json.loads((run / RANKING_FILE).read_text())
+    assert saved["deleting"] == [checkpoint_dir_name(2)]
+    # ... and the next start deletes it, though no save id in its manifest says whose it is.
+    again = _keeper(run, keep=1, attribute=None, run_id="mine")
+    assert _on_disk(run) == [checkpoint_dir_name(4)]
+    assert [r["step"] for r in again.rows()] == [4]
+    assert json.loads((run / RANKING_FILE).read_text())["deleting"] == []
 
 
 # ---- the evaluation tracker's outcomes --------------------------------------------------------

@@ -113,3 +113,24 @@ def test_output_writes_the_json_for_ones_own_grafana(tmp_path, capsys):
     bad = tmp_path / "no-such-folder" / "x.json"
     assert cli.main(["grafana", "install", "--output", str(bad)]) == 2
     assert str(bad.parent) in capsys.readouterr().err
+
+
+def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path, capsys):
+    """In a world-writable folder, a symlink planted at the dashboard's name (or at the old
+    fixed temp name) must not make install write another file."""
+    session, folder = ray_session(tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (folder / grafana.DASHBOARD_FILE).symlink_to(victim)
+    (folder / f".{grafana.DASHBOARD_FILE}.tmp").symlink_to(victim)  # the old fixed temp name
+    assert cli.main(["grafana", "install", "--session-dir", str(session)]) == 2
+    assert "symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "precious"
+    (folder / grafana.DASHBOARD_FILE).unlink()
+    path = grafana.install(str(session))
+    assert victim.read_text() == "precious" and not path.is_symlink()
+    assert json.loads(path.read_text())["uid"] == DASHBOARD_UID
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+    left = sorted(p.name for p in folder.iterdir())  # no temp file left behind
+    assert left == sorted([f".{grafana.DASHBOARD_FILE}.tmp", grafana.DASHBOARD_FILE,
+                           "default_grafana_dashboard.json"])  # fmt: skip

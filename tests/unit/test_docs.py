@@ -179,6 +179,9 @@ NOT_REPOSITORY_FILES = {
     "tasks/my_task.yaml",
     "meta.json",  # the token cache's
     "ranking.json",  # the callback actor's, in the run folder
+    "lease.json",  # the run folder's lease, held by the run's driver
+    "run.json",  # what a run trains and its id, in the run folder
+    "model_spec.json",  # which model a checkpoint holds, in the checkpoint folder
     "adapter_config.json",  # an export's (peft, transformers)
     "config.json",
     "generation_config.json",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 from ray_trainer._driver import console
@@ -49,3 +50,63 @@ def test_a_preemption_watcher_setting_the_user_made_is_kept(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
     assert _start(monkeypatch)["watcher"] == "1"
     assert console.os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
+
+
+def _prepare(monkeypatch, dashboard_url: str) -> str:
+    """`prepare_ray_train` on a copy of the environment, against a cluster with or without a
+    dashboard; the state-tracking value it leaves."""
+    import ray._private.worker as ray_worker
+
+    if not isinstance(console.os.environ, dict):
+        monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+
+    monkeypatch.setattr(ray_worker, "get_dashboard_url", lambda: dashboard_url)
+    console.prepare_ray_train()
+    return console.os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"]
+
+
+def test_state_tracking_follows_whether_the_cluster_has_a_dashboard(monkeypatch):
+    """On where a dashboard would show the run, off where there is none (no state actor polling
+    a state API that is not there), for each run of one driver process."""
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+    console.os.environ.pop("RAY_TRAIN_ENABLE_STATE_TRACKING", None)
+    monkeypatch.setattr(console, "_STATE_TRACKING_OURS", False)
+    assert _prepare(monkeypatch, "") == "0"
+    assert _prepare(monkeypatch, "127.0.0.1:8265") == "1"
+    assert _prepare(monkeypatch, "") == "0"
+
+
+def test_state_tracking_the_user_set_is_kept(monkeypatch):
+    monkeypatch.setattr(console.os, "environ", dict(console.os.environ))
+    console.os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"] = "1"
+    monkeypatch.setattr(console, "_STATE_TRACKING_OURS", False)
+    assert _prepare(monkeypatch, "") == "1"
+
+
+def test_the_embedded_ray_is_a_new_instance_even_beside_a_ray_start_cluster(monkeypatch):
+    """Without address, ray.init joins the cluster of /tmp/ray/ray_current_cluster (a `ray
+    start` on this machine), which refuses num_cpus; "local" always starts a new instance."""
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_STATE_TRACKING", raising=False)
+    options = _start(monkeypatch)["options"]
+    assert options["address"] == "local" and options["num_cpus"] == 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"), [("disabled", "off"), ("DISABLED", "off"), ("token", "on")]
+)
+def test_the_token_authentication_line_asks_ray(monkeypatch, mode, said):
+    """Ray's own answer, not a string compare of ours ("DISABLED" is off for Ray too)."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from ray._raylet import Config
+
+    with monkeypatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", mode)
+        Config.initialize("")  # Ray reads the mode into its config: as ray.init does
+        try:
+            assert is_token_auth_enabled() is (said == "on")
+            line = console.dashboard_line("http://127.0.0.1:8265")
+        finally:
+            patch.undo()  # the environment as it was, then Ray's config read from it again
+            Config.initialize("")
+    assert line.endswith(f"Ray's token authentication is {said}"), line
+    assert "a new instance" in line

@@ -7,19 +7,31 @@ is encoded). What needs the cluster's size is in ``resources.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 from callbacks import ALIASES, EVENTS, global_callbacks
-from callbacks._serialize import unpicklable_state, validate_picklable
+from callbacks._serialize import CallbackPicklingError, unpicklable_state, validate_picklable
 from callbacks._state import is_stateful
-from ray_trainer._checkpoint import check_complete, complete_checkpoints, latest_checkpoint, verify
+from ray_trainer._checkpoint import (
+    STATE_FILE,
+    check_complete,
+    complete_checkpoints,
+    latest_checkpoint,
+    verify,
+)
 from ray_trainer._checkpoint.names import checkpoint_names
+from ray_trainer._checkpoint.safe import UnsafeStateError, check_state, plain
 from ray_trainer._config.args import TrainingArgs
+from ray_trainer._data.sources import DataFileError
+from ray_trainer._driver.checks.model import check_model_inputs
+from ray_trainer._driver.run_fingerprint import same_run
 from ray_trainer._errors import CheckpointError, TrainingArgsError
-from ray_trainer._model.spec import is_builtin
+from ray_trainer._model.spec import ModelLoadError, is_builtin
 from ray_trainer._objectives import resume_error
 from ray_trainer._placement import CallbackLists, build_manager
 from ray_trainer._storage import Location, is_uri, locate
@@ -79,14 +91,20 @@ def collect_callbacks(args: TrainingArgs) -> CallbackLists:
 
 
 def _check_state(callback: Any) -> None:
-    """Refuse a callback whose `state_dict()` already returns what cannot be pickled (it would
-    be left out of every checkpoint). One that cannot be called before the run is skipped."""
+    """Refuse a callback whose `state_dict()` already returns what a checkpoint cannot hold:
+    what cannot be pickled, or anything but plain data (tensors, numbers, strings, bools, None,
+    lists, dicts with str keys: a checkpoint is read weights-only), naming the callback and the
+    key. One that cannot be called before the run is skipped (the first save refuses it)."""
     try:
         state = callback.state_dict()
     except Exception:  # e.g. it needs on_train_begin first: checked at each save instead
         return
     key = getattr(callback, "state_key", None) or type(callback).__qualname__
     unpicklable_state(key, state)
+    try:
+        check_state(key, plain(state))
+    except UnsafeStateError as e:
+        raise CallbackPicklingError(str(e)) from None
 
 
 def check_inputs(args: TrainingArgs) -> dict[str, Any]:
@@ -98,7 +116,9 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
         from ray_trainer._model.spec import check_model_ref
 
         check_model_ref(args.model, allow_download=args.allow_download)
-    plans = plan_data(args)
+    check_model_inputs(args)
+    with library_errors("data", args.data):
+        plans = plan_data(args)
     train = plans.get("data")
     records = None
     if train is not None:
@@ -190,12 +210,19 @@ def check_storage(args: TrainingArgs) -> Location:
     holds no other run. Nothing is created when a check fails."""
     if args.resume_from is not None:
         _check_resume_from(args.resume_from)
-    storage = locate(args.storage_path, args.storage_filesystem)
+    with library_errors("storage_path", args.storage_path):
+        storage = locate(args.storage_path, args.storage_filesystem)
+        storage.is_dir()  # a bucket the credentials cannot reach fails here, not in a worker
     if storage.is_local and f"{os.sep}runtime_resources{os.sep}" in storage.path:
         raise TrainingArgsError(
             f"storage_path {args.storage_path!r} resolves to {storage.path}, inside Ray's cache "
             "of this job's working dir, which Ray deletes when it evicts the package "
             "(checkpoints included): give an absolute path on shared storage, or a bucket URI"
+        )
+    if storage.is_local and os.path.exists(storage.path) and not os.path.isdir(storage.path):
+        raise TrainingArgsError(
+            f"storage_path {args.storage_path!r} is a file, not a folder; give the folder runs "
+            "are written under (it is created if missing), or a bucket URI"
         )
     probe = storage.child(f".write_probe_{os.getpid()}_{secrets.token_hex(4)}")
     try:
@@ -219,7 +246,7 @@ def check_storage(args: TrainingArgs) -> Location:
     record = read_run_record(run)
     # A run that wrote no checkpoint (it failed before its first save) has nothing to protect:
     # a corrected retry under the same name replaces its record.
-    if record is not None and record.get("fingerprint") != fingerprint(args) and _checkpoints(run):
+    if record is not None and not same_run(record.get("fingerprint"), args) and _checkpoints(run):
         raise TrainingArgsError(
             f"run_name {args.run_name!r}: {run.name} already holds a different run "
             f"({record.get('fingerprint')}); pick a new run_name, or delete that folder"
@@ -260,9 +287,11 @@ def _checkpoints(folder: Location) -> list[str]:
 
 def _check_resume_from(path: str) -> None:
     try:
-        verify(path)
+        with library_errors("resume_from", path):
+            verify(path)
     except CheckpointError as e:
-        names = _checkpoints(locate(path))
+        folder = locate(path)
+        names = _checkpoints(folder)
         if names:  # a run folder, not one of its checkpoints
             latest = latest_checkpoint(path)
             hint = f"e.g. the newest complete one, {latest}" if latest else "none is complete"
@@ -271,18 +300,48 @@ def _check_resume_from(path: str) -> None:
                 f"{', '.join(names)}: pass one of them ({hint}), or give its run_name to "
                 "continue that run"
             ) from None
+        base = path.rstrip("/").rsplit("/", 1)[-1]  # a checkpoint_<step> folder: incomplete
+        if not checkpoint_names([base]) and not _looks_like_a_checkpoint(folder):
+            raise TrainingArgsError(
+                f"resume_from: {path} is not a checkpoint (no {STATE_FILE}, no rank*.complete); "
+                "pass a checkpoint_<step> folder that a run wrote (e.g. "
+                "<storage_path>/<run_name>/checkpoint_000100), or give its run_name to continue "
+                "that run"
+            ) from None
         raise TrainingArgsError(f"resume_from: {e}") from None
 
 
-def fingerprint(args: TrainingArgs) -> str:
-    """What a run trains, in one line: a later run under the same name must match it."""
+def _looks_like_a_checkpoint(folder: Location) -> bool:
+    """A folder a checkpoint save began (complete or not): its state file or a rank's marker
+    (a folder that does not exist says so in `verify`'s own message)."""
+    if not folder.is_dir():
+        return True
+    names = folder.listdir()
+    return STATE_FILE in names or any(
+        n.startswith("rank") and n.endswith(".complete") for n in names
+    )
 
-    def name(v: Any) -> str:
-        if v is None or isinstance(v, str):
-            return str(v)
-        return getattr(v, "__qualname__", type(v).__qualname__)
 
-    return f"model={name(args.model)};data={name(args.data)};demo={sorted(args.demo.items())}"
+@contextlib.contextmanager
+def library_errors(field: str, value: Any) -> Iterator[None]:
+    """A library's error while checking `field` (pyarrow's ``ArrowInvalid`` for an unknown URI
+    scheme, an ``OSError`` of a bucket without credentials...) becomes a `TrainingArgsError`
+    naming the field: the Python API refuses bad input with one family of errors. Errors of
+    ours that already name the input (`DataFileError`, `ModelLoadError`, `CheckpointError`,
+    the chat records' own) pass as they are."""
+    from pyarrow import ArrowException  # ArrowInvalid is one (and a ValueError)
+
+    try:
+        yield
+    except (TrainingArgsError, DataFileError, ModelLoadError, CheckpointError):
+        raise
+    except (ArrowException, OSError) as e:
+        shown = value if isinstance(value, str) else type(value).__name__
+        raise TrainingArgsError(
+            f"{field}: {shown!r} cannot be read ({type(e).__name__}: {e}); check the path and "
+            "its permissions, or, for a URI, its scheme (s3://, gs://, hdfs://...) and this "
+            "machine's credentials for it"
+        ) from e
 
 
 def read_run_record(run: Location) -> dict[str, Any] | None:

@@ -245,7 +245,7 @@ class AsyncSaves:
                     staged["hf"].write(folder, whole, rank == 0)
                 written += export.files(folder) if rank == 0 else []
             for name in written:
-                files[name] = os.path.getsize(os.path.join(folder, name))
+                files[name] = ckpt.file_entry(folder, name)
             if remote:
                 p.location.upload(folder)
             manifest = ckpt.manifest(rank, world, files, save_id)

@@ -15,6 +15,7 @@ import ray.train
 import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
+from ray_trainer._checkpoint import safe
 from ray_trainer._contract import RunSpec
 from ray_trainer._storage import Location, locate
 from ray_trainer._worker.checkpoints.saving import sharded_state
@@ -65,7 +66,7 @@ def maybe_resume(s: WorkerState) -> None:
             # A collective: every rank reads its shards.
             load_shards(s.parallel.model, s.optimizer, s.workload.adaptation, checkpoint.shards_dir)
         else:  # a LoRA checkpoint holds the adapters alone: the adaptation loads them
-            model_state = checkpoint.load(ckpt.MODEL_FILE, True)
+            model_state = checkpoint.load(ckpt.MODEL_FILE)
             s.workload.adaptation.load(s.parallel.module(), model_state, checkpoint.name)
             optimizer = checkpoint.load(ckpt.OPTIMIZER_FILE)
             if optimizer is not None:
@@ -117,7 +118,8 @@ def position_after(
 
 def load_shards(model: Any, optimizer: Any, adaptation: Any, shards_dir: str) -> None:
     """Read model and optimizer from DCP shards into this rank's shards (DCP reshards when the
-    checkpoint was written by another number of workers). A collective."""
+    checkpoint was written by another number of workers). A collective. The shards'
+    ``.metadata`` is read by an unpickler that builds DCP's records alone (`safe.dcp_reader`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -126,7 +128,8 @@ def load_shards(model: Any, optimizer: Any, adaptation: Any, shards_dir: str) ->
     )
 
     state = sharded_state(model, optimizer, adaptation)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(shards_dir))
+    with safe.shard_errors(shards_dir):  # all ranks raise it: DCP scatters a rank's failure
+        dcp.load(state, storage_reader=safe.dcp_reader(shards_dir, shards_dir))
     # A tied weight's other names fill themselves: they are the same parameter.
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])

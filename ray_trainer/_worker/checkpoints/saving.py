@@ -137,7 +137,7 @@ def rank_part(s: WorkerState) -> dict:
         part.update(
             scheduler=s.scheduler.state_dict(),
             trainer_state=s.progress,
-            model_spec=ModelSpec.of(s.args),
+            model_spec=ModelSpec.of(s.args).record(),
         )
     return part
 
