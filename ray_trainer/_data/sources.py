@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_trainer._errors import TrainingArgsError
 from ray_trainer._storage import Location, is_uri, locate
 
 _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -48,8 +49,9 @@ _ACCEPTED = (
 )
 
 
-class DataFileError(ValueError):
-    """A data file that is missing or malformed; the message names the file, the line and the fix."""
+class DataFileError(TrainingArgsError):
+    """A data file that is missing or malformed; the message names the file, the line and the fix
+    (a `TrainingArgsError`: the one family of errors bad input gets, still a ``ValueError``)."""
 
 
 @dataclass(frozen=True)
