@@ -68,12 +68,12 @@ def write_meta(location: Location, meta: dict[str, Any], results: list[PieceResu
     """The driver's last word on a cache: per-sample lengths and targets, then ``meta.json``
     (the marker that the cache is complete)."""
     results = sorted(results, key=lambda r: r.index)
-    lengths = np.concatenate([r.lengths for r in results]).astype(np.int32)
-    targets = np.concatenate([r.targets for r in results]).astype(np.int32)
-    location.child("lengths.npy").write_bytes(_npy(lengths))
-    location.child("targets.npy").write_bytes(_npy(targets))
+    for name in ("lengths", "targets"):  # one file's bytes at a time: 4 bytes a sample
+        npy = _joined_npy([getattr(r, name) for r in results], np.int32)
+        location.child(f"{name}.npy").write_bytes(npy)
+        del npy
     pieces = [{"index": r.index, "samples": len(r.lengths)} for r in results]
-    body = {**meta, "samples": len(lengths), "pieces": pieces}
+    body = {**meta, "samples": sum(len(r.lengths) for r in results), "pieces": pieces}
     write_folder_meta(location, CACHE_VERSION, body)
 
 
@@ -98,6 +98,25 @@ def read_folder_meta(location: Location, version: int) -> dict[str, Any] | None:
         return None
     meta = json.loads(text)
     return meta if meta.get("version") == version else None
+
+
+def _joined_npy(parts: list[np.ndarray], dtype: Any) -> bytearray:
+    """The ``.npy`` file of `parts` joined into one 1-D array, built in place: the joined
+    array is never held apart from the file's bytes (the driver's memory, on a large source,
+    is per sample)."""
+    count = sum(len(part) for part in parts)
+    head = io.BytesIO()
+    fmt = np.lib.format
+    fmt.write_array_header_1_0(
+        head,
+        {"descr": fmt.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (count,)},
+    )
+    start = head.tell()
+    out = bytearray(start + count * np.dtype(dtype).itemsize)
+    out[:start] = head.getvalue()
+    if parts:
+        np.concatenate(parts, out=np.frombuffer(out, dtype=dtype, count=count, offset=start))
+    return out
 
 
 def _npy(array: np.ndarray) -> bytes:

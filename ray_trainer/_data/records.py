@@ -18,15 +18,19 @@ from ray_trainer._data.preference import _EXAMPLE, check_in_file
 from ray_trainer._data.sources import (
     _ACCEPTED,
     _UTF8_BOM,
+    MAX_JSON_ARRAY_BYTES,
+    MAX_LINE_BYTES,
     PIECE_BYTES,
     PIECE_RECORDS,
     DataFile,
     DataFileError,
     Piece,
     Source,
+    _drop_nulls,
     _parse_line,
     read_piece,
     record_format,
+    table_batches,
 )
 from ray_trainer._storage import locate
 
@@ -132,33 +136,35 @@ def _has_text(record: dict[str, Any], fmt: str, text_field: str) -> bool:
 
 
 def _units(source: Source) -> Iterator[Iterator[tuple[Piece, list]]]:
-    """Per file (or the in-memory table): its pieces, each with its (where, record) list."""
+    """Per file (or the in-memory table): its pieces, each with its (where, record) list. Each
+    file is read once, in order, a block or a record batch at a time."""
     if source.table is not None:
-        yield _row_pieces(source, None, len(source.table))
+        yield _row_pieces(source, len(source.table))
         return
     for file in source.files:
         if file.kind in ("parquet", "arrow"):
-            yield _row_pieces(source, file, _row_count(file))
+            yield _table_pieces(file)
         else:
             yield _line_pieces(source, file)
 
 
-def _row_pieces(source: Source, file: DataFile | None, rows: int) -> Iterator[tuple[Piece, list]]:
+def _row_pieces(source: Source, rows: int) -> Iterator[tuple[Piece, list]]:
+    """The in-memory table's pieces."""
     for start in range(0, rows, PIECE_RECORDS):
-        piece = Piece(file, start, min(rows, start + PIECE_RECORDS))
+        piece = Piece(None, start, min(rows, start + PIECE_RECORDS))
         records = list(read_piece(source, piece))
-        yield Piece(file, piece.start, piece.end, records=len(records)), records
+        yield Piece(None, piece.start, piece.end, records=len(records)), records
 
 
-def _row_count(file: DataFile) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    location = locate(file.name)
-    with location.fs.open_input_file(location.path) as f:
-        if file.kind == "parquet":
-            return pq.ParquetFile(f).metadata.num_rows
-        return pa.ipc.open_stream(f).read_all().num_rows
+def _table_pieces(file: DataFile) -> Iterator[tuple[Piece, list]]:
+    """A Parquet or Arrow file's pieces: one per record batch of at most `PIECE_RECORDS` rows,
+    from one pass over the file."""
+    start = 0
+    for batch in table_batches(file, PIECE_RECORDS):
+        rows = batch.to_pylist()
+        records = [(f"{file.name}[{start + i}]", _drop_nulls(row)) for i, row in enumerate(rows)]
+        yield Piece(file, start, start + len(rows), records=len(rows)), records
+        start += len(rows)
 
 
 def _line_pieces(source: Source, file: DataFile) -> Iterator[tuple[Piece, list]]:
@@ -167,6 +173,12 @@ def _line_pieces(source: Source, file: DataFile) -> Iterator[tuple[Piece, list]]
     with location.fs.open_input_stream(location.path) as f:
         pending = f.read(_BLOCK)
         if file.kind == "json" and pending.lstrip()[:1] == b"[":  # one JSON array: one piece
+            if file.size > MAX_JSON_ARRAY_BYTES:  # parsed whole, here and in its task
+                raise DataFileError(
+                    f"{file.name}: a JSON array of {file.size / 2**20:.0f} MiB; one array is "
+                    f"parsed whole, so at most {MAX_JSON_ARRAY_BYTES // 2**20} MiB: write its "
+                    "records as JSONL, one per line (e.g. jq -c '.[]'), read piece by piece"
+                )
             rows = list(read_piece(source, Piece(file, 0, file.size)))
             yield Piece(file, 0, file.size, records=len(rows)), rows
             return
@@ -179,6 +191,12 @@ def _line_pieces(source: Source, file: DataFile) -> Iterator[tuple[Piece, list]]
             more = f.read(_BLOCK)
             lines = pending.split(b"\n")
             pending = lines.pop() if more else b""  # an unfinished line waits for the next block
+            if len(pending) > MAX_LINE_BYTES:  # never hold more than a line's bound of it
+                raise DataFileError(
+                    f"{file.name}:{lineno + len(lines)}: a line longer than "
+                    f"{MAX_LINE_BYTES // 2**20} MiB; a record (one line of JSONL) may be at most "
+                    f"{MAX_LINE_BYTES // 2**20} MiB: check that the file holds one record per line"
+                )
             for raw in lines:
                 offset += len(raw) + 1
                 if raw.strip():

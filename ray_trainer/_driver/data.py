@@ -22,7 +22,11 @@ where that node has no CPU, or, with ``num_cpus=0``, put the whole tokenization 
 to train nothing. At most `pieces_in_flight` pieces (of at most 32 MiB each) are in the object
 store at once, each freed when its task is done: a file larger than the driver's object store
 passes through it piece by piece. A bucket's files are read by each task from the bucket, and an
-in-memory ``datasets.Dataset`` goes into the object store once, whole.
+in-memory ``datasets.Dataset`` goes into the object store once, whole. So the driver's memory does
+not grow with a file's size: detection reads a prefix, the scan streams the file, and the driver
+holds one piece at a time while it ships them; what it keeps is per sample (two int32 numbers,
+its length and its scored positions, for the cache's ``lengths.npy`` and ``targets.npy``) and
+per piece (its bounds).
 """
 
 from __future__ import annotations
@@ -234,7 +238,9 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
     ship = ships_content(source)
     # One CPU per task, on whichever node has one: never pinned to the driver's node.
     task = ray.remote(_encode_task).options(num_cpus=1, max_retries=1)
-    bare = Source(**{**source.__dict__, "table": None})
+    # What every task needs of the source, put once: not its pieces (one task, one piece; a
+    # 10 GiB file has thousands of them) nor its table (an ObjectRef of its own).
+    bare = ray.put(Source(**{**source.__dict__, "table": None, "pieces": []}))
     table_ref = ray.put(source.table) if source.table is not None else None
     limit = pieces_in_flight(ship, ray.cluster_resources().get("CPU", 0), len(source.pieces))
     fs, settings, cache = args.storage_filesystem, plan.settings, plan.cache.name

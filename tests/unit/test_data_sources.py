@@ -94,11 +94,13 @@ def test_a_missing_path_names_the_field_and_where_it_looked(tmp_path):
         resolve(str(tmp_path), "data")  # a folder with no data file in it
 
 
-@pytest.mark.parametrize("content", ["", "\n\n  \n"])
-def test_an_empty_file_is_refused_with_its_name(tmp_path, content):
-    path = tmp_path / "empty.jsonl"
+@pytest.mark.parametrize(
+    ("name", "content"), [("e.jsonl", ""), ("e.jsonl", "\n\n  \n"), ("e.json", "[ ]")]
+)
+def test_an_empty_file_is_refused_with_its_name(tmp_path, name, content):
+    path = tmp_path / name
     path.write_text(content)
-    with pytest.raises(DataFileError, match=r"empty\.jsonl: no known record format .*\(none\)"):
+    with pytest.raises(DataFileError, match=rf"^data: {path} is empty \(no record in it\); write"):
         resolve(str(path), "data")
 
 
