@@ -109,6 +109,7 @@ BENCHES: dict[str, Bench] = {
         "one fire-and-forget Ray actor call per event to the same `CallbackActor`; CPU time of "
         "the sending process per event, steps paced as in training (8 events, then 50 ms)",
         quick=["--events", "800", "--rounds", "1"],
+        smoke=["--events", "100", "--rounds", "1", "--step-ms", "5"],
     ),
     "startup": Bench(
         "runner/bench_startup.py",
@@ -117,6 +118,7 @@ BENCHES: dict[str, Bench] = {
         "already initialised; for the dashboard rows, the embedded Ray started without its "
         "dashboard in a fresh process, alternating",
         quick=["--rounds", "1"],
+        smoke=["--smoke"],
         target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
         goals=startup_goals,
     ),
@@ -137,6 +139,7 @@ BENCHES: dict[str, Bench] = {
         "order); mean step time from rank 0 without the slowest 10% of steps; median of 3 "
         "independent runs",
         quick=["--runs", "1", "--rounds", "8", "--warmup", "7"],
+        smoke=["--runs", "1", "--rounds", "2", "--block", "2", "--warmup", "1"],
         target=1.02,
         target_note="each comparison the issues name (worker-side callbacks against the bare "
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
@@ -149,6 +152,7 @@ BENCHES: dict[str, Bench] = {
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
+        smoke=["--max-steps", "6", "--save-every", "3", "--eval-seconds", "0.1", "--rounds", "1"],
     ),
     "hf_trainer": Bench(
         "baselines/bench_hf_trainer.py",
@@ -156,6 +160,7 @@ BENCHES: dict[str, Bench] = {
         "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
+        smoke=["--steps", "8", "--skip", "2", "--rounds", "1"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
@@ -170,6 +175,7 @@ BENCHES: dict[str, Bench] = {
         "runner's loop against HF Trainer's, without the competition for cores",
         full=["--num-workers", "1", "--rounds", "3"],
         quick=["--num-workers", "1", "--steps", "60", "--skip", "10", "--rounds", "1"],
+        smoke=["--num-workers", "1", "--steps", "8", "--skip", "2", "--rounds", "1"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
@@ -182,6 +188,7 @@ BENCHES: dict[str, Bench] = {
         "(log-normal lengths, median ~200 tokens, longest 2,048) and samples per step, each "
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
+        smoke=["--conversations", "64", "--steps", "3", "--rounds", "1"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
@@ -193,6 +200,7 @@ BENCHES: dict[str, Bench] = {
         "`plan_data` (detection and the scan, before Ray), then `prepare_data` on an embedded "
         "Ray; a fresh driver process per size, RSS sampled every 10 ms",
         quick=["--sizes", "0.02", "0.1"],
+        smoke=["--sizes", "0.002", "0.005"],
         target_note="peak driver RSS under 500 MiB at every size (0.1, 1 and 4 GiB), so the "
         "ratio to the smallest file stays near 1; preparation time is reported, without a "
         "target",
@@ -234,6 +242,18 @@ BENCHES: dict[str, Bench] = {
         "and storage; wall time against the same run without saves; 2 workers, a GPT-2-shaped "
         "HF model (72 MiB of weights), local disk and a filesystem that writes at 100 MiB/s",
         quick=["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "256"],
+        smoke=[
+            "--strategies",
+            "ddp",
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "64",
+        ],
         target_note="on slow storage, the pause of an asynchronous save at most 0.2x the "
         "synchronous one",
     ),
@@ -242,6 +262,22 @@ BENCHES: dict[str, Bench] = {
         "Elastic training: a node lost and back, on a local cluster with a CPU-less head",
         "an uninterrupted run on both nodes, same seed and global batch (num_workers=[1, 2])",
         quick=["--quick"],
+        smoke=[
+            "--max-steps",
+            "40",
+            "--step-s",
+            "0.1",
+            "--save-every",
+            "20",
+            "--lose-at",
+            "12",
+            "--away",
+            "4",
+            "--hold-at",
+            "34",
+            "--resize-interval",
+            "2",
+        ],
         target_note="the loss of every step after a change within 1e-4 relative of the "
         "uninterrupted run's; times and steps trained again are reported, without a target",
     ),
