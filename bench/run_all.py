@@ -139,7 +139,7 @@ BENCHES: dict[str, Bench] = {
         "order); mean step time from rank 0 without the slowest 10% of steps; median of 3 "
         "independent runs",
         quick=["--runs", "1", "--rounds", "8", "--warmup", "7"],
-        smoke=["--runs", "1", "--rounds", "2", "--block", "2", "--warmup", "1"],
+        smoke=["--runs", "1", "--rounds", "3", "--block", "2", "--warmup", "1"],  # 5 steps: 4 quarters
         target=1.02,
         target_note="each comparison the issues name (worker-side callbacks against the bare "
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
