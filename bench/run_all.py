@@ -189,7 +189,8 @@ BENCHES: dict[str, Bench] = {
         "(log-normal lengths, median ~200 tokens, longest 2,048) and samples per step, each "
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
-        smoke=["--conversations", "64", "--steps", "3", "--rounds", "1"],
+        # 10 steps: bench_packing.py reads the log windows after the first (5 steps each)
+        smoke=["--conversations", "100", "--steps", "10", "--rounds", "1"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
