@@ -139,8 +139,9 @@ BENCHES: dict[str, Bench] = {
         "order); mean step time from rank 0 without the slowest 10% of steps; median of 3 "
         "independent runs",
         quick=["--runs", "1", "--rounds", "8", "--warmup", "7"],
-        # 5 steps a configuration: bench_loop.py splits them in 4 quarters
-        smoke=["--runs", "1", "--rounds", "3", "--block", "2", "--warmup", "1"],
+        # 5 counted steps a configuration (rounds x (block - 1) - warmup; the first step of a
+        # block is not counted): bench_loop.py splits them in 4 quarters
+        smoke=["--runs", "1", "--rounds", "3", "--block", "3", "--warmup", "1"],
         target=1.02,
         target_note="each comparison the issues name (worker-side callbacks against the bare "
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
