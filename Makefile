@@ -15,7 +15,7 @@ TORCH_FLAGS := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 # run `ray`, `mlflow` and `ray-trainer`, as a user of the activated venv would.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install install-dev test test-unit demo bench lint clean-venv
+.PHONY: install install-dev test test-unit demo bench bench-quick bench-smoke lint clean-venv
 
 $(VPY):
 	@$(PYTHON) -c "import ensurepip, venv" 2>/dev/null || { \
@@ -70,8 +70,17 @@ test-vllm: install-dev
 demo: install
 	$(VPY) -m ray_trainer.cli demo --num-workers 2
 
+# Every benchmark, full settings, into bench/results.{md,json,png}: 52 minutes on 2 cores.
 bench: install-dev
 	$(VPY) bench/run_all.py
+
+# The three headline figures only (loop, HF Trainer, packing), replacing their sections.
+bench-quick: install-dev
+	$(VPY) bench/run_all.py --only loop,hf_trainer,packing
+
+# Every benchmark at its smallest settings into a temporary folder (CI, after `make test`).
+bench-smoke: install-dev
+	$(VPY) bench/run_all.py --smoke
 
 lint: install-dev
 	$(VPY) -m ruff check . && $(VPY) -m ruff format --check .

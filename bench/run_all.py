@@ -6,11 +6,18 @@ the other. Their reports are put together with the machine, the versions and the
 what the baseline is, then its table) and `results.png` (one panel of ratios per benchmark, see
 `plot.py`). Every figure is a ratio to a baseline measured side by side in the same run.
 
-Usage: python bench/run_all.py [--quick] [--only NAME[,NAME]]
+Usage: python bench/run_all.py [--quick | --smoke] [--only NAME[,NAME]] [--out DIR]
 
-``--quick`` runs fewer steps and rounds (a smoke run of the whole chain, a few minutes);
-``--only`` runs the named benchmarks and replaces only their sections of the existing results.
-The full run takes about 15 minutes on a quiet 2-core machine.
+``--quick`` runs fewer steps and rounds; ``--smoke`` (`make bench-smoke`, in CI) runs every
+registered benchmark at its smallest settings into a temporary folder (never the committed
+results), through the same normalising and writing, and fails unless every one produced a report
+that normalised and `results.md` was written. ``--only`` runs the named benchmarks and replaces
+only their sections of the existing results (`make bench-quick`: loop, hf_trainer, packing).
+The full run took 52 minutes on the 2-core development machine (2026-11-27).
+
+Nothing a run measured is lost: `results.json` and `results.md` are rewritten as each benchmark
+finishes; a report that cannot be normalised is kept as it is, its error noted beside it; the
+exit status is non-zero only where a benchmark itself failed, and the summary names it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -46,6 +54,7 @@ class Bench:
     baseline: str  # one line: what the ratios are measured against
     full: list[str] = field(default_factory=list)  # extra arguments for the full run
     quick: list[str] = field(default_factory=list)  # extra arguments for --quick
+    smoke: list[str] | None = None  # extra arguments for --smoke (None: the --quick ones)
     target: float | None = None
     target_note: str = ""
     # The figures held against their targets: report -> [(what, figure, target, met)]; printed
@@ -100,6 +109,7 @@ BENCHES: dict[str, Bench] = {
         "one fire-and-forget Ray actor call per event to the same `CallbackActor`; CPU time of "
         "the sending process per event, steps paced as in training (8 events, then 50 ms)",
         quick=["--events", "800", "--rounds", "1"],
+        smoke=["--events", "100", "--rounds", "1", "--step-ms", "5"],
     ),
     "startup": Bench(
         "runner/bench_startup.py",
@@ -108,6 +118,7 @@ BENCHES: dict[str, Bench] = {
         "already initialised; for the dashboard rows, the embedded Ray started without its "
         "dashboard in a fresh process, alternating",
         quick=["--rounds", "1"],
+        smoke=["--smoke"],
         target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
         goals=startup_goals,
     ),
@@ -128,6 +139,9 @@ BENCHES: dict[str, Bench] = {
         "order); mean step time from rank 0 without the slowest 10% of steps; median of 3 "
         "independent runs",
         quick=["--runs", "1", "--rounds", "8", "--warmup", "7"],
+        # 5 counted steps a configuration (rounds x (block - 1) - warmup; the first step of a
+        # block is not counted): bench_loop.py splits them in 4 quarters
+        smoke=["--runs", "1", "--rounds", "3", "--block", "3", "--warmup", "1"],
         target=1.02,
         target_note="each comparison the issues name (worker-side callbacks against the bare "
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
@@ -140,6 +154,7 @@ BENCHES: dict[str, Bench] = {
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
+        smoke=["--max-steps", "6", "--save-every", "3", "--eval-seconds", "0.1", "--rounds", "1"],
     ),
     "hf_trainer": Bench(
         "baselines/bench_hf_trainer.py",
@@ -147,6 +162,7 @@ BENCHES: dict[str, Bench] = {
         "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
+        smoke=["--steps", "8", "--skip", "2", "--rounds", "1"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
@@ -161,6 +177,7 @@ BENCHES: dict[str, Bench] = {
         "runner's loop against HF Trainer's, without the competition for cores",
         full=["--num-workers", "1", "--rounds", "3"],
         quick=["--num-workers", "1", "--steps", "60", "--skip", "10", "--rounds", "1"],
+        smoke=["--num-workers", "1", "--steps", "8", "--skip", "2", "--rounds", "1"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
@@ -173,6 +190,8 @@ BENCHES: dict[str, Bench] = {
         "(log-normal lengths, median ~200 tokens, longest 2,048) and samples per step, each "
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
+        # 10 steps: bench_packing.py reads the log windows after the first (5 steps each)
+        smoke=["--conversations", "100", "--steps", "10", "--rounds", "1"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
@@ -184,6 +203,7 @@ BENCHES: dict[str, Bench] = {
         "`plan_data` (detection and the scan, before Ray), then `prepare_data` on an embedded "
         "Ray; a fresh driver process per size, RSS sampled every 10 ms",
         quick=["--sizes", "0.02", "0.1"],
+        smoke=["--sizes", "0.002", "0.005"],
         target_note="peak driver RSS under 500 MiB at every size (0.1, 1 and 4 GiB), so the "
         "ratio to the smallest file stays near 1; preparation time is reported, without a "
         "target",
@@ -225,6 +245,18 @@ BENCHES: dict[str, Bench] = {
         "and storage; wall time against the same run without saves; 2 workers, a GPT-2-shaped "
         "HF model (72 MiB of weights), local disk and a filesystem that writes at 100 MiB/s",
         quick=["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "256"],
+        smoke=[
+            "--strategies",
+            "ddp",
+            "--steps",
+            "4",
+            "--save-every",
+            "2",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "64",
+        ],
         target_note="on slow storage, the pause of an asynchronous save at most 0.2x the "
         "synchronous one",
     ),
@@ -233,6 +265,22 @@ BENCHES: dict[str, Bench] = {
         "Elastic training: a node lost and back, on a local cluster with a CPU-less head",
         "an uninterrupted run on both nodes, same seed and global batch (num_workers=[1, 2])",
         quick=["--quick"],
+        smoke=[
+            "--max-steps",
+            "40",
+            "--step-s",
+            "0.1",
+            "--save-every",
+            "20",
+            "--lose-at",
+            "12",
+            "--away",
+            "4",
+            "--hold-at",
+            "34",
+            "--resize-interval",
+            "2",
+        ],
         target_note="the loss of every step after a change within 1e-4 relative of the "
         "uninterrupted run's; times and steps trained again are reported, without a target",
     ),
@@ -242,12 +290,20 @@ BENCHES: dict[str, Bench] = {
 # ---- running ------------------------------------------------------------------------------
 
 
-def run_one(name: str, quick: bool, workdir: str) -> dict[str, Any]:
+def bench_args(name: str, mode: str) -> list[str]:
+    """The extra arguments of benchmark `name` for a "full", "quick" or "smoke" run."""
+    bench = BENCHES[name]
+    if mode == "smoke":
+        return bench.quick if bench.smoke is None else bench.smoke
+    return bench.quick if mode == "quick" else bench.full
+
+
+def run_one(name: str, mode: str, workdir: str) -> dict[str, Any]:
     """Run one benchmark script in a subprocess; returns its JSON report (or an error)."""
     bench = BENCHES[name]
     out = os.path.join(workdir, f"{name}.json")
     log = os.path.join(workdir, f"{name}.log")
-    args = bench.quick if quick else bench.full
+    args = bench_args(name, mode)
     cmd = [sys.executable, os.path.join(HERE, bench.script), "--json", out, *args]
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     started = time.perf_counter()
@@ -265,13 +321,34 @@ def run_one(name: str, quick: bool, workdir: str) -> dict[str, Any]:
             tail = f.read()[-3000:]
         print(f"[{name}] FAILED ({code}) after {seconds:.0f} s; log {log}:\n{tail}", flush=True)
         return {"error": f"exit {code}; see {log}", "seconds": seconds}
-    with open(out) as f:
-        report = json.load(f)
+    try:
+        with open(out) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:  # unreadable: the benchmark's own failure
+        print(f"[{name}] FAILED: its report {out} is unreadable: {exc}", flush=True)
+        return {"error": f"unreadable report {out}: {exc}; see {log}", "seconds": seconds}
+    if not isinstance(report, dict):
+        return {"error": f"report {out} is not a JSON object; see {log}", "seconds": seconds}
     report["seconds"] = seconds
     report["command"] = " ".join(["python3", f"bench/{bench.script}", *args])
     report["measured"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"[{name}] done in {seconds:.0f} s", flush=True)
     return report
+
+
+def normalise_or_keep(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """`normalise`, or where it fails, the report as the benchmark wrote it with the error
+    under ``normalise_error``: a run's figures are never lost to the normalising."""
+    if "error" in report:
+        return report
+    try:
+        return normalise(name, report)
+    except Exception as exc:  # any bug of the normalising keeps the raw figures
+        kept = dict(report)
+        kept["normalise_error"] = "".join(traceback.format_exception_only(exc)).strip()
+        kept.setdefault("title", BENCHES[name].title if name in BENCHES else name)
+        print(f"[{name}] kept as written: normalise failed: {kept['normalise_error']}", flush=True)
+        return kept
 
 
 def normalise(name: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -308,17 +385,33 @@ def _dispatch_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
 def _ratios_from_table(table: str) -> dict[str, float]:
-    """The first column against the column named `ratio...` of a markdown table."""
-    lines = [line for line in table.splitlines() if line.startswith("|")]
+    """The first column against the column named `ratio...` of the first markdown table in
+    `table`; empty where that table has no such column (bench_elastic.py's: times and steps,
+    no ratio), or there is no table. A cell without a number (``-``) is left out."""
+    lines: list[str] = []
+    for line in table.splitlines():
+        if line.strip().startswith("|"):
+            lines.append(line.strip())
+        elif lines:  # the first table ended
+            break
+    if len(lines) < 2:
+        return {}
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    col = next(i for i, c in enumerate(header) if c.startswith("ratio"))
+    col = next((i for i, c in enumerate(header) if c.lower().startswith("ratio")), None)
+    if col is None:
+        return {}
     ratios = {}
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        number = re.sub(r"[^0-9.eE+-]", "", cells[col])
+        if len(cells) <= col:
+            continue
+        number = _NUMBER.search(cells[col].replace(",", ""))
         if number:
-            ratios[cells[0]] = float(number)
+            ratios[cells[0]] = float(number.group())
     return ratios
 
 
@@ -370,7 +463,12 @@ def goal_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         if "error" in report:
             rows.append((name, "(benchmark failed)", "-", "-", "MISSED"))
             continue
-        for what, figure, target, met in goals(report):
+        try:
+            figures = goals(report)
+        except Exception as exc:  # a report kept as written may lack what the goal reads
+            rows.append((name, f"(not computed: {type(exc).__name__}: {exc})", "-", "-", "MISSED"))
+            continue
+        for what, figure, target, met in figures:
             rows.append((name, what, figure, target, "met" if met else "MISSED"))
     return rows
 
@@ -386,8 +484,8 @@ def write_markdown(results: dict[str, Any], path: str) -> None:
     lines = [
         "# Benchmark results",
         "",
-        f"{results['date']}, {'quick (smoke) run' if results['quick'] else 'full run'} of "
-        f"`python3 bench/run_all.py`, commit `{results['commit']}`.",
+        f"{results['date']}, {_run_kind(results)} of `python3 bench/run_all.py`, commit "
+        f"`{results['commit']}`.",
         "",
         f"- machine: {results['machine']}",
         "- versions: " + ", ".join(f"{k} {v[k]}" for k in v),
@@ -405,72 +503,157 @@ def write_markdown(results: dict[str, Any], path: str) -> None:
         lines += ["", "## Targets", "", goals_table(goals)]
     for name, b in results["benchmarks"].items():
         lines += ["", f"## {b.get('title', name)}", ""]
-        if "error" in b:
-            lines.append(f"Failed: {b['error']}")
-            continue
-        when = "" if name in results["ran"] else f", from an earlier run ({b.get('measured')})"
-        lines.append(
-            f"Baseline: {b['baseline_note']}. `{b.get('command', BENCHES[name].script)}`, "
-            f"{b['seconds']:.0f} s{when}."
-        )
-        if BENCHES[name].target_note:
-            lines += ["", f"Target: {BENCHES[name].target_note}."]
-        lines += ["", b["table"]]
-    with open(path, "w") as f:
+        lines += _section(name, b, results)
+    tmp = f"{path}.tmp"  # whole or not at all: a crash mid-write leaves the previous file
+    with open(tmp, "w") as f:
         f.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
 
 
-def main() -> int:
+def _run_kind(results: dict[str, Any]) -> str:
+    mode = results.get("mode") or ("quick" if results.get("quick") else "full")
+    return {"full": "full run", "quick": "quick run", "smoke": "smoke run"}.get(mode, mode)
+
+
+def _section(name: str, b: dict[str, Any], results: dict[str, Any]) -> list[str]:
+    """The lines of one benchmark's section below its title: a failure, the report kept as
+    written beside its normalising error, or the baseline, the command, the target and table."""
+    if "error" in b:
+        return [f"Failed: {b['error']}"]
+    bench = BENCHES.get(name)
+    when = "" if name in results["ran"] else f", from an earlier run ({b.get('measured')})"
+    seconds = b.get("seconds")
+    took = f", {seconds:.0f} s" if isinstance(seconds, (int, float)) else ""
+    command = b.get("command", bench.script if bench else name)
+    note = b.get("baseline_note") or (bench.baseline if bench else "")
+    lines = [f"Baseline: {note}. `{command}`{took}{when}."]
+    if "normalise_error" in b:
+        lines += ["", f"**Not normalised** ({b['normalise_error']}): the report as the "
+                  "benchmark wrote it."]  # fmt: skip
+        table = b.get("table")
+        if isinstance(table, str) and table.strip():
+            lines += ["", table]
+        raw = {k: v for k, v in b.items() if k not in ("table", "normalise_error")}
+        lines += ["", "```json", json.dumps(raw, indent=1, default=str), "```"]
+        return lines
+    if bench and bench.target_note:
+        lines += ["", f"Target: {bench.target_note}."]
+    return [*lines, "", b["table"]]
+
+
+def write_results(results: dict[str, Any], out_dir: str) -> None:
+    """`results.json` and `results.md` of what has run so far (after each benchmark)."""
+    path = os.path.join(out_dir, "results.json")
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(f"{path}.tmp", path)
+    write_markdown(results, os.path.join(out_dir, "results.md"))
+
+
+def smoke_problems(results: dict[str, Any], names: list[str], out_dir: str) -> list[str]:
+    """What a smoke run must have, missing: a normalised report of every benchmark it ran, a
+    section for each in results.md."""
+    problems = []
+    md_path = os.path.join(out_dir, "results.md")
+    md = None
+    if os.path.exists(md_path):
+        with open(md_path) as f:
+            md = f.read()
+    else:
+        problems.append(f"{md_path} was not written")
+    for name in names:
+        report = results["benchmarks"].get(name)
+        if report is None:
+            problems.append(f"[{name}] no report")
+        elif "error" in report:
+            problems.append(f"[{name}] failed: {report['error']}")
+        elif "normalise_error" in report:
+            problems.append(f"[{name}] report not normalised: {report['normalise_error']}")
+        elif md is not None and f"## {report.get('title', name)}" not in md:
+            problems.append(f"[{name}] no section in {md_path}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (smoke run)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer steps and rounds")
+    mode.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every benchmark at its smallest settings, into a temporary folder (CI); fails "
+        "unless each produced a normalised report and results.md was written",
+    )
     parser.add_argument(
         "--only", help=f"comma-separated benchmarks to run, of: {', '.join(BENCHES)}"
     )
-    opts = parser.parse_args()
+    parser.add_argument(
+        "--out",
+        help="folder for results.{json,md,png} (default: bench/, or a new temporary folder "
+        "with --smoke)",
+    )
+    opts = parser.parse_args(argv)
+    run_mode = "smoke" if opts.smoke else "quick" if opts.quick else "full"
     names = list(BENCHES)
     if opts.only:
         names = [n.strip() for n in opts.only.split(",") if n.strip()]
         unknown = [n for n in names if n not in BENCHES]
         if unknown:
             parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
+    if opts.out:
+        out_dir = os.path.abspath(opts.out)
+        os.makedirs(out_dir, exist_ok=True)
+    elif opts.smoke:
+        out_dir = tempfile.mkdtemp(prefix="ray_trainer_bench_smoke_")
+    else:
+        out_dir = HERE
+    results_json = os.path.join(out_dir, "results.json")
 
     previous: dict[str, Any] = {}
-    if opts.only and os.path.exists(RESULTS_JSON):
-        with open(RESULTS_JSON) as f:
+    if opts.only and os.path.exists(results_json):
+        with open(results_json) as f:
             previous = json.load(f).get("benchmarks", {})
 
     load_start = os.getloadavg()[0]
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="ray_trainer_bench_")
-    print(f"logs and raw reports in {workdir}", flush=True)
-    fresh = {name: run_one(name, opts.quick, workdir) for name in names}
+    print(f"logs and raw reports in {workdir}; results into {out_dir}", flush=True)
+    env = environment()
+    fresh: dict[str, dict[str, Any]] = {}
+    results: dict[str, Any] = {}
+    for name in names:
+        fresh[name] = normalise_or_keep(name, run_one(name, run_mode, workdir))
+        benchmarks = {}
+        for n in BENCHES:  # registry order, whatever ran this time
+            if n in fresh:
+                benchmarks[n] = fresh[n]
+            elif n in previous:
+                benchmarks[n] = previous[n]
+        results = {
+            **env,
+            "quick": run_mode != "full",
+            "mode": run_mode,
+            "total_seconds": time.perf_counter() - started,
+            "load": [load_start, os.getloadavg()[0]],
+            "ran": names,
+            "benchmarks": benchmarks,
+        }
+        write_results(results, out_dir)  # so far: a later crash or kill loses nothing
     total = time.perf_counter() - started
+    results_md = os.path.join(out_dir, "results.md")
+    results_png = os.path.join(out_dir, "results.png")
+    plot_error = None
+    try:
+        sys.path.insert(0, HERE)
+        from plot import draw
 
-    benchmarks = {}
-    for name in BENCHES:  # registry order, whatever ran this time
-        if name in fresh:
-            report = fresh[name]
-            benchmarks[name] = report if "error" in report else normalise(name, report)
-        elif name in previous:
-            benchmarks[name] = previous[name]
-    results = {
-        **environment(),
-        "quick": opts.quick,
-        "total_seconds": total,
-        "load": [load_start, os.getloadavg()[0]],
-        "ran": names,
-        "benchmarks": benchmarks,
-    }
-    with open(RESULTS_JSON, "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
-    write_markdown(results, RESULTS_MD)
-    sys.path.insert(0, HERE)
-    from plot import draw
-
-    draw(results, RESULTS_PNG)
-    print(f"\nwrote {RESULTS_MD}, {RESULTS_JSON}, {RESULTS_PNG} in {total / 60:.1f} min\n")
-    with open(RESULTS_MD) as f:
+        draw(results, results_png)
+    except Exception as exc:  # the figures are written already; the plot is a view of them
+        plot_error = f"{type(exc).__name__}: {exc}"
+        print(f"the plot was not drawn: {plot_error}", flush=True)
+    print(f"\nwrote {results_md}, {results_json}, {results_png} in {total / 60:.1f} min\n")
+    with open(results_md) as f:
         print(f.read())
     goals = goal_rows(results)
     if goals:  # last, where a reader of the console sees it
@@ -479,7 +662,25 @@ def main() -> int:
             print(
                 f"  {'ok    ' if met == 'met' else 'MISSED'} [{name}] {what}: {figure} ({target})"
             )
-    return 1 if any("error" in fresh[n] for n in fresh) else 0
+    print("Seconds per benchmark: " + ", ".join(
+        f"{n} {fresh[n].get('seconds', 0):.0f}" for n in names))  # fmt: skip
+    kept = [n for n in names if "normalise_error" in fresh[n]]
+    if kept:
+        print(f"Kept as written (not normalised; see results.md): {', '.join(kept)}")
+    failed = [n for n in names if "error" in fresh[n]]
+    if opts.smoke:
+        problems = smoke_problems(results, names, out_dir)
+        if plot_error:
+            problems.append(f"the plot was not drawn: {plot_error}")
+        if problems:
+            print("SMOKE RUN FAILED:\n  " + "\n  ".join(problems))
+            return 1
+        print(f"smoke run ok: {len(names)} benchmarks, each normalised, in {total:.0f} s")
+        return 0
+    if failed:
+        print(f"FAILED benchmarks: {', '.join(failed)} (their logs: {workdir})")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

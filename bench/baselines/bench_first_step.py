@@ -27,7 +27,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
-import _bench_path  # noqa: E402, F401
+import _bench_path  # noqa: E402
 from _support import emit, machine, table  # noqa: E402
 
 SIDES = {
@@ -53,7 +53,9 @@ def command(side: str, out: str, storage: str) -> list[str]:
 def first_step(side: str, tmp: str, r: int) -> float:
     """Seconds from launching `side` to its first step's begin."""
     out, log = os.path.join(tmp, f"{side}-{r}.json"), os.path.join(tmp, f"{side}-{r}.log")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    # Every bench folder: the demo's `--set callbacks=` names `_support:StepTimer`, in bench/.
+    path = [*_bench_path.FOLDERS, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     with open(log, "w") as f:
         started = time.perf_counter()
         proc = subprocess.run(

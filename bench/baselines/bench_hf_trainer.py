@@ -36,7 +36,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
-import _bench_path  # noqa: E402, F401
+import _bench_path  # noqa: E402
 from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
 
 # Ranks per side (`--num-workers`): 2 fills this machine's 2 cores (the case measured in
@@ -93,8 +93,9 @@ def launch(
     else:
         cmd = [sys.executable, os.path.abspath(__file__), "--side", side]
         cmd += ["--steps", str(steps), "--out", out, "--num-workers", str(workers)]
-    # The Ray workers the runner side starts inherit PYTHONPATH: they import `_support`.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    # The Ray workers the runner side starts inherit PYTHONPATH: they import `_support` (bench/).
+    path = [*_bench_path.FOLDERS, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     if side == "hf":  # one compute thread a rank, as a runner rank has (a worker of 1 CPU): what
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets for 2 ranks, not for 1
     with open(log, "w") as f:

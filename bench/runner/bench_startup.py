@@ -18,7 +18,11 @@ machine without a cluster: `start_embedded_ray`, then `ray.shutdown`), alternati
 * embedded Ray, no dashboard (``TrainingArgs.dashboard=False``): the baseline of this pair;
 * embedded Ray with its dashboard on 127.0.0.1 (the default).
 
-Usage: python bench/runner/bench_startup.py [--rounds 3] [--json OUT]
+Usage: python bench/runner/bench_startup.py [--rounds 3] [--smoke] [--json OUT]
+
+``--smoke`` (`run_all.py --smoke`, in CI): one round of the bare fit and `run_training` only, no
+embedded-Ray pair (two fits instead of four, and two fresh Ray starts fewer): the same report,
+fewer rows.
 
 The training configurations take turns in an order that rotates by one each round (Ray's
 worker start moves by seconds from one fit to the next; a fixed order would favour one).
@@ -158,12 +162,16 @@ def time_embedded(dashboard: bool) -> float:
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="1 round: bare and run_training only")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     import ray
 
+    if opts.smoke:
+        opts.rounds = 1
     samples: dict[str, list[float]] = {"ray": [], "ray_dashboard": []}
-    for r in range(opts.rounds):  # first, before this process starts its own Ray
+    # First, before this process starts its own Ray.
+    for r in range(0 if opts.smoke else opts.rounds):
         order = ("ray", "ray_dashboard") if r % 2 == 0 else ("ray_dashboard", "ray")
         for key in order:
             samples[key].append(time_embedded(dashboard=key == "ray_dashboard"))
@@ -176,6 +184,8 @@ def main() -> dict:
         "runner": lambda: time_runner(False),
         "runner_actor": lambda: time_runner(True),
     }
+    if opts.smoke:
+        timed = {key: timed[key] for key in ("bare", "runner")}
     samples.update({key: [] for key in timed})
     for r in range(opts.rounds):  # the order rotates: no configuration always runs first
         keys = list(timed)
@@ -193,6 +203,8 @@ def main() -> dict:
     }
     rows = []
     for key, (baseline, label) in groups.items():
+        if not samples.get(key):  # --smoke: not timed
+            continue
         med, base = statistics.median(samples[key]), statistics.median(samples[baseline])
         rows.append(
             {

@@ -1,0 +1,266 @@
+"""`bench/run_all.py` without running a benchmark: `normalise` on every table shape the
+registered benchmarks write, a report it cannot normalise kept as written beside its error, the
+results rewritten as each benchmark finishes, the exit status, and `--smoke` (issue 53).
+
+The end-to-end tests run `run_all.main` on a registry of tiny stand-in scripts (a subprocess
+each, well under a second), never a real benchmark: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import _bench_path  # noqa: F401  (every bench folder on the path)
+import run_all
+from _support import table
+
+BENCH = Path(run_all.HERE)
+
+# bench_elastic.py's table, as its `table(rows)` writes it: times and steps, no ratio column.
+ELASTIC_ROWS = [
+    {"change": "node lost: 2 -> 1 workers", "to first step (s)": 67.4, "steps trained again": 3,
+     "with periodic saves only": 10},
+    {"change": "node back: 1 -> 2 workers", "to first step (s)": 28.4, "steps trained again": 0,
+     "with periodic saves only": 10},
+]  # fmt: skip
+ELASTIC_TABLE = table(ELASTIC_ROWS) + "\n\nlargest relative loss difference: 1.3e-06"
+
+
+def _committed() -> dict[str, dict]:
+    with open(BENCH / "results.json") as f:
+        return json.load(f)["benchmarks"]
+
+
+def _shapes() -> dict[str, dict]:
+    """A report of every registered benchmark, in the shape its script writes: the committed
+    results where they hold it, else one built as the script builds it."""
+    shapes = {name: dict(r) for name, r in _committed().items() if "error" not in r}
+    shapes["dispatch"] = {  # bench_dispatch.py: rows only, no table
+        "rows": [
+            {
+                "case": "direct calls (reference)",
+                "ns_per_event": 364.0,
+                "ratio": 1.0,
+                "cpu_ns_per_event": 364.0,
+                "cpu_ratio": 1.0,
+            },
+            {
+                "case": "CallbackManager, 5 callbacks",
+                "ns_per_event": 700.0,
+                "ratio": 1.92,
+                "cpu_ns_per_event": 690.0,
+                "cpu_ratio": 1.9,
+            },
+        ]
+    }
+    shapes["elastic"] = {"baseline": "an uninterrupted run", "rows": ELASTIC_ROWS,
+                         "table": ELASTIC_TABLE}  # fmt: skip
+    shapes["packing"] = {  # two tables and a note; its own ratios and baseline
+        "table": "| configuration | tokens/s | ratio |\n|---|---|---|\n| padded batches "
+        "(baseline) | 100 | 1.000 |\n| packed | 199 | 1.99 |\n\n| preparation | s |\n|---|---|\n"
+        "| pack | 0.1 |\n\nnote",
+        "ratios": {"padded batches (baseline)": 1.0, "packed": 1.99},
+        "baseline": "padded batches (baseline)",
+    }
+    shapes["save"] = {
+        "table": "head\n\n| strategy | storage | pause (s) |\n|---|---|---|\n| ddp | local | 0.1 |"
+        "\n\ntarget",
+        "baseline": "synchronous saves",
+        "ratios": {"ddp local: pause async / sync": 0.19},
+    }
+    shapes["data_scale"] = {
+        "table": "| JSONL file | peak RSS (MiB) | ratio to the smallest |\n|---|---|---|\n"
+        "| 0.1 GiB | 200 | 1.00x |\n| 1 GiB | 210 | 1.05x |",
+        "ratios": {"0.1 GiB": 1.0, "1 GiB": 1.05},
+        "worst_peak_mib": 210,
+    }
+    return shapes
+
+
+def test_every_registered_benchmark_has_a_shape_here_and_a_script():
+    """A benchmark registered without a shape in this file fails here (add its report's shape
+    to `_shapes`), as `--smoke` fails in CI."""
+    assert set(run_all.BENCHES) <= set(_shapes())
+    for name, bench in run_all.BENCHES.items():
+        assert (BENCH / bench.script).is_file(), name
+
+
+@pytest.mark.parametrize("name", sorted(run_all.BENCHES))
+def test_normalise_reads_every_registered_benchmarks_report(name):
+    report = run_all.normalise(name, _shapes()[name])
+    assert report["title"] == run_all.BENCHES[name].title
+    assert isinstance(report["table"], str) and "|" in report["table"]
+    assert isinstance(report["ratios"], dict)
+    if name != "elastic":  # the one table without a ratio column
+        assert report["ratios"], name
+        assert all(isinstance(v, float) for v in report["ratios"].values())
+    md = _markdown({name: {**report, "seconds": 1.0}})
+    assert f"## {report['title']}" in md and "Not normalised" not in md
+
+
+def test_a_table_without_a_ratio_column_gives_no_ratios_and_keeps_its_table():
+    """The crash of the 2026-11-27 run: bench_elastic.py's table has no `ratio...` column."""
+    assert run_all._ratios_from_table(ELASTIC_TABLE) == {}
+    report = run_all.normalise("elastic", {"rows": ELASTIC_ROWS, "table": ELASTIC_TABLE})
+    assert report["ratios"] == {} and report["baseline"] is None
+    md = _markdown({"elastic": {**report, "seconds": 3.0}})
+    assert "| node lost: 2 -> 1 workers | 67.4 | 3 | 10 |" in md
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("| a | ratio |\n|---|---|\n| x (baseline) | 1.000 |\n| y | 1.02x |", {"x (baseline)": 1.0, "y": 1.02}),
+        ("Model: 96M.\n\n| c | ratio to DDP | met |\n|---|---|---|\n| FSDP | 0.51 | yes |", {"FSDP": 0.51}),
+        ("| c | Ratio (tokens/s) |\n|---|---|\n| a | 1,234.5 |\n| b | - |\n| short |", {"a": 1234.5}),
+        ("| c | ratio |\n|---|---|\n| a | 2.5e-01 |\n\n| d | ratio |\n|---|---|\n| other | 9 |", {"a": 0.25}),
+        ("| c | ratio |\n|---|---|\n| a | 1.02x (0.99-1.05) |", {"a": 1.02}),
+        ("no table at all", {}),
+        ("| only a header |", {}),
+    ],
+)  # fmt: skip
+def test_ratios_from_table_on_each_shape(text, want):
+    assert run_all._ratios_from_table(text) == want
+
+
+def test_a_report_that_cannot_be_normalised_is_kept_as_written_with_its_error():
+    raw = {"rows": [{"case": "a", "no ns here": 1}], "wall_s": 12.5, "seconds": 4.0}
+    kept = run_all.normalise_or_keep("dispatch", raw)
+    assert "KeyError" in kept["normalise_error"] and kept["wall_s"] == 12.5
+    assert kept["rows"] == raw["rows"]
+    md = _markdown({"dispatch": kept})
+    assert "**Not normalised** (KeyError" in md
+    assert '"wall_s": 12.5' in md  # the figures, as the benchmark wrote them
+    # A goal that cannot read a kept report is a missed row, not a crash.
+    goals = run_all.goal_rows(
+        {"benchmarks": {"hf_trainer": {"table": "x", "normalise_error": "e"}}}
+    )
+    assert (
+        goals[0][0] == "hf_trainer"
+        and goals[0][1].startswith("(not computed")
+        and goals[0][4] == "MISSED"
+    )
+
+
+def test_a_failed_benchmark_passes_normalise_untouched():
+    failed = {"error": "exit 1; see log", "seconds": 2.0}
+    assert run_all.normalise_or_keep("loop", failed) is failed
+    assert "Failed: exit 1; see log" in _markdown({"loop": failed})
+
+
+def _markdown(benchmarks: dict[str, dict]) -> str:
+    results = {
+        "date": "2026-11-27 10:00 UTC", "machine": "2 cores", "versions": {"python": "3"},
+        "commit": "abc", "quick": False, "mode": "full", "load": [1.0, 2.0],
+        "ran": list(benchmarks), "benchmarks": benchmarks,
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "results.md")
+        run_all.write_markdown(results, path)
+        return Path(path).read_text()
+
+
+# ---- main() on stand-in scripts ----------------------------------------------------------------
+
+GOOD = """
+import json, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| base (baseline) | 1.0 |\\n| fast | 1.5 |",
+           "args": sys.argv[3:]}, open(out, "w"))
+"""
+ELASTIC_LIKE = f"""
+import json, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({{"table": {ELASTIC_TABLE!r}, "rows": {ELASTIC_ROWS!r}}}, open(out, "w"))
+"""
+# Reads results.md in the output folder while it runs: what finished before it is written.
+PEEK = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+md = open(os.path.join(os.environ["PEEK_DIR"], "results.md")).read()
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |", "seen": "## good" in md}, open(out, "w"))
+"""
+UNNORMALISABLE = """
+import json, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({"rows": [{"case": "x"}], "figure_s": 42.0}, open(out, "w"))
+"""
+CRASH = "import sys; sys.exit(3)\n"
+
+
+def _registry(tmp_path: Path, monkeypatch, scripts: dict[str, str]) -> None:
+    benches = {}
+    for name, code in scripts.items():
+        path = tmp_path / f"{name}.py"
+        path.write_text(textwrap.dedent(code))
+        benches[name] = run_all.Bench(
+            str(path), name, f"{name}'s baseline", quick=["--q"], smoke=["--s"]
+        )
+    monkeypatch.setattr(run_all, "BENCHES", benches)
+    monkeypatch.setattr(run_all, "TIMEOUT_S", 60)
+    monkeypatch.setenv("PEEK_DIR", str(tmp_path / "out"))
+
+
+def test_main_keeps_every_figure_names_the_failed_benchmark_and_exits_1(
+    tmp_path, monkeypatch, capsys
+):
+    _registry(tmp_path, monkeypatch, {"good": GOOD, "peek": PEEK, "elastic_like": ELASTIC_LIKE,
+                                      "odd": UNNORMALISABLE, "crash": CRASH})  # fmt: skip
+    out = tmp_path / "out"
+    assert run_all.main(["--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "FAILED benchmarks: crash " in printed
+    assert "Kept as written (not normalised; see results.md): odd" in printed
+    results = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert results["peek"]["seen"] is True  # results.md held "good" before "peek" ran
+    assert results["good"]["ratios"] == {"base (baseline)": 1.0, "fast": 1.5}
+    assert results["good"]["args"] == []  # a full run: the registry's `full` arguments
+    assert results["elastic_like"]["ratios"] == {}
+    assert results["odd"]["figure_s"] == 42.0 and "KeyError" in results["odd"]["normalise_error"]
+    assert "exit 3" in results["crash"]["error"]
+    md = (out / "results.md").read_text()
+    assert "| node lost: 2 -> 1 workers | 67.4 | 3 | 10 |" in md
+    assert "**Not normalised**" in md and '"figure_s": 42.0' in md
+    assert "Failed: exit 3" in md
+    assert (out / "results.png").is_file()
+
+
+def test_main_exits_0_where_only_the_normalising_failed(tmp_path, monkeypatch, capsys):
+    _registry(tmp_path, monkeypatch, {"good": GOOD, "odd": UNNORMALISABLE})
+    assert run_all.main(["--out", str(tmp_path / "out")]) == 0
+    assert "FAILED" not in capsys.readouterr().out
+
+
+def test_smoke_runs_every_registered_benchmark_into_a_temporary_folder(
+    tmp_path, monkeypatch, capsys
+):
+    _registry(tmp_path, monkeypatch, {"good": GOOD, "elastic_like": ELASTIC_LIKE})
+    committed = (BENCH / "results.md").read_bytes()
+    assert run_all.main(["--smoke"]) == 0
+    printed = capsys.readouterr().out
+    assert "smoke run ok: 2 benchmarks" in printed
+    out = Path(printed.split("results into ", 1)[1].split("\n", 1)[0])
+    assert out != BENCH and "ray_trainer_bench_smoke_" in out.name
+    assert "smoke run of" in (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["good"]["args"] == ["--s"]
+    assert (BENCH / "results.md").read_bytes() == committed
+
+
+@pytest.mark.parametrize("bad", [UNNORMALISABLE, CRASH])
+def test_smoke_fails_on_a_benchmark_without_a_normalised_report(bad, tmp_path, monkeypatch, capsys):
+    _registry(tmp_path, monkeypatch, {"good": GOOD, "bad": bad})
+    assert run_all.main(["--smoke", "--out", str(tmp_path / "out")]) == 1
+    printed = capsys.readouterr().out
+    assert (
+        "SMOKE RUN FAILED" in printed
+        and "[bad]" in printed
+        and "[good]" not in printed.split("SMOKE RUN FAILED")[1]
+    )
