@@ -189,6 +189,24 @@ def test_every_position_at_fixed_shapes_gives_the_same_loss_and_gradients(chunk,
     assert all(not g.any() for g in zero[2].values()) and len(zero[2]) == (2 if bias else 1)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_vocabulary_padded_for_the_gpu_gives_the_same_loss_and_gradients(bias):
+    """On a GPU the head is padded to a multiple of 64 rows (zero rows, logits -inf) so that its
+    products run on aligned kernels: the loss and every gradient are the unpadded ones, and the
+    head's gradients keep the head's shape."""
+    torch.manual_seed(0)
+    head = nn.Linear(DIM, VOCAB, bias=bias)
+    assert VOCAB % 64  # the padding is exercised
+    hidden, labels = _batch(seed=8)
+    targets = shifted_targets(labels)
+    full = _grads(lambda h: _full_loss_sum(h, labels, head), hidden, head)
+    padded = _grads(lambda h: _fused_sum(h, targets, head, 7, select=False, align=64), hidden, head)
+    assert _within(padded[0], full[0])
+    assert _within(padded[1], full[1])
+    for name, grad in full[2].items():
+        assert padded[2][name].shape == grad.shape and _within(padded[2][name], grad), name
+
+
 def test_the_fused_gradients_under_bf16_match_the_head_s_own_backward():
     """Under autocast the fused pass multiplies in bf16 as the head's own backward does, and sums
     the weight's gradient in fp32: close to the full path's gradients at bf16's rounding."""
@@ -206,8 +224,9 @@ def test_the_fused_gradients_under_bf16_match_the_head_s_own_backward():
 
 
 def test_the_default_chunk_keeps_a_chunks_logits_near_32_mib_and_is_never_tiny():
-    assert default_chunk_size(50_257, "cuda") == 2**30 // (4 * 50_257)  # 5,340: GPUs take 1 GiB
-    assert default_chunk_size(128_256, "cuda") == 2_092
+    # GPUs take 1 GiB, in whole multiples of 64 positions (5,340 and 2,092 rounded down)
+    assert default_chunk_size(50_257, "cuda") == 5_312
+    assert default_chunk_size(128_256, "cuda") == 2_048
     assert default_chunk_size(32_000) == 262
     assert default_chunk_size(128_256) == 256  # 128 MiB of logits: tiny chunks are slow
     assert default_chunk_size(50) == 167_772  # a tiny vocabulary: one chunk in practice
