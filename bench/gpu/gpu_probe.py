@@ -11,7 +11,9 @@ for the device in one step, then the profile of three steps sorted by GPU time a
 what the runner's step does beyond the loop above. Without a GPU it runs bench_gpu's TINY
 shape on the CPU, to check the script (those figures mean nothing).
 
-Usage: python bench/gpu/gpu_probe.py [--compiled] [--runner [--compiled]]
+`--compiled-only` times only the three compiled variants (about a minute on an H100).
+
+Usage: python bench/gpu/gpu_probe.py [--compiled | --compiled-only] [--runner [--compiled]]
 """
 
 from __future__ import annotations
@@ -191,16 +193,18 @@ def profile_runner(compiled: bool, steps: int = 40, first: int = 30, count: int 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--compiled-only", action="store_true", help="only the compiled variants")
     parser.add_argument("--runner", action="store_true", help="only profile run_training's step")
     opts = parser.parse_args()
     print(torch.cuda.get_device_name(0) if GPU else "CPU", torch.__version__, flush=True)
     if opts.runner:
         return profile_runner(opts.compiled)
-    for label, chunk in [("model's own loss", None), ("chunked, default", 0),
-                         ("chunked 256", 256), ("chunked 2048", 2048)]:  # fmt: skip
-        print(f"eager, {label}: {run(chunk, False):.1f} ms/step", flush=True)
-    run(0, False, steps=16, skip=3, prof=True)
-    if opts.compiled:
+    if not opts.compiled_only:
+        for label, chunk in [("model's own loss", None), ("chunked, default", 0),
+                             ("chunked 256", 256), ("chunked 2048", 2048)]:  # fmt: skip
+            print(f"eager, {label}: {run(chunk, False):.1f} ms/step", flush=True)
+        run(0, False, steps=16, skip=3, prof=True)
+    if opts.compiled or opts.compiled_only:
         for label, chunk, how in [("model's own loss", None, True), ("chunked, default", 0, True),
                                   ("chunked, body only (as run_training)", 0, "body")]:  # fmt: skip
             ms = run(chunk, how, steps=45, skip=25)
