@@ -3,9 +3,9 @@
 Runs in the driver, before ``ray.init()``, from `inputs.check_inputs`: the built-in model's
 ``demo`` settings and position limit, a ``tokenizer`` it would not use, ``max_length`` against
 a Hugging Face model's ``max_position_embeddings``, and what a model factory returns (built on
-the meta device: no memory, no weights). Each refusal is a `TrainingArgsError` naming the field
-and the fix; ``liger_kernel=True`` against the workers' kind (GPU), the packages it needs and the model's
-family. A check that cannot be made cheaply here is left to the workers.
+the meta device: no memory, no weights), and ``liger_kernel=True`` against the workers' kind
+(GPU), the packages it needs and the model's family. Each refusal is a `TrainingArgsError`
+naming the field and the fix; a check that cannot be made cheaply here is left to the workers.
 """
 
 from __future__ import annotations
