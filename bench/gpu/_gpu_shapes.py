@@ -1,10 +1,14 @@
-"""The GPT-2 shapes and random-token data of bench_gpu.py's tables (imported by its tables and
-by the Ray workers that build the model, through PYTHONPATH)."""
+"""The GPT-2 (and GPT-2-sized Llama) shapes and random-token data of bench_gpu.py's tables
+(imported by its tables and by the Ray workers that build the model, through PYTHONPATH)."""
 
 from __future__ import annotations
 
 FULL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab": 50257, "seq": 512, "batch": 16}
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab": 256, "seq": 64, "batch": 4}
+#: The same sizes as a Llama (RMSNorm, RoPE, SwiGLU at 8/3 of the width, untied head): the
+#: family liger-kernel patches, which GPT-2 is not.
+LLAMA = {**FULL, "family": "llama", "ffn": 2048}
+TINY_LLAMA = {**TINY, "family": "llama", "ffn": 176}
 
 
 def _config(shape: dict):
@@ -23,11 +27,24 @@ def _config(shape: dict):
 
 
 def make_model(shape: dict):
-    """A fresh GPT-2 of that shape, seeded: every configuration starts from the same weights."""
+    """A fresh GPT-2 (or, with ``family="llama"``, Llama) of that shape, seeded: every
+    configuration starts from the same weights."""
     import torch
     import transformers
 
     torch.manual_seed(0)
+    if shape.get("family") == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=shape["vocab"],
+            hidden_size=shape["n_embd"],
+            intermediate_size=shape["ffn"],
+            num_hidden_layers=shape["n_layer"],
+            num_attention_heads=shape["n_head"],
+            max_position_embeddings=shape["seq"],
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+        )
+        return transformers.LlamaForCausalLM(config)
     return transformers.GPT2LMHeadModel(_config(shape))
 
 

@@ -392,11 +392,17 @@ LONG_TINY = {**LONG, "vocab_size": 4096, "hidden_size": 64, "intermediate_size":
 LONG_BUDGET = 24 * GiB  # the fixed memory every configuration gets
 
 
-def long_steps(config: dict[str, Any], length: int, chunked: bool, offload: bool, steps: int,
+#: Table 6's losses: the model's own from the full logits, the chunked loss, liger-kernel's fused
+#: linear cross-entropy (with its RMSNorm, RoPE and SwiGLU: `liger_kernel=True`).
+LOSSES = {"full": "full logits (baseline)", "chunked": "chunked", "liger": "liger-kernel"}
+
+
+def long_steps(config: dict[str, Any], length: int, loss: str, offload: bool, steps: int,
                budget: int | None) -> dict[str, Any]:  # fmt: skip
     """In a fresh process: `steps` training steps on one sequence of `length` tokens (every
-    position takes the loss), activation checkpointing on, bf16 autocast, the runner's AdamW;
-    the step time, or "oom" when it does not fit in `budget` bytes of the device."""
+    position takes the loss, `loss` one of `LOSSES`), activation checkpointing on, bf16
+    autocast, the runner's AdamW; the step time, or "oom" when it does not fit in `budget`
+    bytes of the device."""
     import torch
 
     from ray_trainer._config.args import TrainingArgs
@@ -414,8 +420,12 @@ def long_steps(config: dict[str, Any], length: int, chunked: bool, offload: bool
     model.config.use_cache = False
     for block in model.model.layers:
         checkpoint_forward(block)
-    if chunked:
+    if loss == "chunked":
         assert use_chunked_loss(model, None) is None
+    elif loss == "liger":
+        from ray_trainer._worker.model.liger import use_liger
+
+        assert use_liger(model, TrainingArgs(use_gpu=gpu, liger_kernel=True)) is None
     optimizer = _optimizer(model, TrainingArgs(mixed_precision="bf16"), device)
     ids = torch.randint(config["vocab_size"], (1, length), device=device)
     offloader = ActivationOffload(device) if offload and gpu else contextlib.nullcontext()
@@ -449,41 +459,40 @@ def _fresh(fn: Any, *args: Any) -> Any:
 
 def table_6(cpu: bool) -> dict[str, Any]:
     """The longest sequence that fits in a fixed memory (24 GiB of the GPU), chunked loss
-    against the full logits, each with and without activation offloading; and the step time
-    chunked against unchunked at a length both fit. A Llama shape with Llama 3's 128,256-token
-    vocabulary, activation checkpointing on. Target: chunked step at most 1.03x unchunked."""
+    against the full logits, each with and without activation offloading, and liger-kernel's
+    fused linear cross-entropy without; and the step time of each loss at a length all fit.
+    A Llama shape with Llama 3's 128,256-token vocabulary, activation checkpointing on. Target:
+    the chunked (or liger) step at most 1.03x the full logits'. Liger's rows need a GPU,
+    triton and liger-kernel: without them they say why and are skipped."""
+    from ray_trainer._model.liger_probe import missing_liger_kernel
+
     config = LONG_TINY if cpu else LONG
     lengths = (128, 256) if cpu else (8192, 16384, 32768, 65536, 131072)
     steps = 2 if cpu else 3
-    timed = lengths[0]  # timed first: a run cut short in the search still has the ratio
-    speed = {
-        c: _fresh(long_steps, config, timed, c, False, 4 if cpu else 8, None) for c in (False, True)
-    }
-    ratio = speed[True]["step_s"] / speed[False]["step_s"]
-    print(f"table 6: step at {timed:,}: full {speed[False]['step_s']:.4f} s, chunked "
-          f"{speed[True]['step_s']:.4f} s ({ratio:.3f}x)", flush=True)  # fmt: skip
+    no_liger = missing_liger_kernel(use_gpu=not cpu)
+    losses = [k for k in LOSSES if k != "liger" or no_liger is None]
+    timed = lengths[0]  # timed first: a run cut short in the search still has the ratios
+    speed = {k: _fresh(long_steps, config, timed, k, False, 4 if cpu else 8, None) for k in losses}
+    ratios = {k: speed[k]["step_s"] / speed["full"]["step_s"] for k in losses if k != "full"}
+    print(f"table 6: step at {timed:,}: " + ", ".join(
+        f"{LOSSES[k]} {speed[k]['step_s']:.4f} s" for k in losses), flush=True)  # fmt: skip
     longest, rows = {}, []
-    for chunked in (False, True):
-        for offload in (False, True):
-            fits = 0
-            for length in lengths:  # doubling until it no longer fits
-                r = _fresh(
-                    long_steps,
-                    config,
-                    length,
-                    chunked,
-                    offload,
-                    steps,
-                    None if cpu else LONG_BUDGET,
-                )
-                if not r["fits"]:
-                    break
-                fits = length
-                print(f"table 6: chunked={chunked} offload={offload} {length} fits", flush=True)
-            longest[(chunked, offload)] = fits
-            rows.append({"loss": "chunked" if chunked else "full logits (baseline)",
-                         "activation offloading": "on" if offload else "off",
-                         "longest sequence that fits": f"{fits:,}" if fits else f"< {lengths[0]:,}"})  # fmt: skip
+    searches = [(k, o) for k in ("full", "chunked") for o in (False, True)] + [("liger", False)]
+    for loss, offload in searches:
+        row = {"loss": LOSSES[loss], "activation offloading": "on" if offload else "off"}
+        if loss not in losses:
+            rows.append({**row, "longest sequence that fits": f"skipped: {no_liger}"})
+            continue
+        fits = 0
+        for length in lengths:  # doubling until it no longer fits
+            budget = None if cpu else LONG_BUDGET
+            r = _fresh(long_steps, config, length, loss, offload, steps, budget)
+            if not r["fits"]:
+                break
+            fits = length
+            print(f"table 6: loss={loss} offload={offload} {length} fits", flush=True)
+        longest[(loss, offload)] = fits
+        rows.append({**row, "longest sequence that fits": f"{fits:,}" if fits else f"< {lengths[0]:,}"})  # fmt: skip
     head = (
         f"Llama shape, {config['num_hidden_layers']} layers of width {config['hidden_size']}, "
         f"vocabulary {config['vocab_size']:,}, untied head; one sequence, every position taking "
@@ -491,14 +500,20 @@ def table_6(cpu: bool) -> dict[str, Any]:
         f"{'unbounded (CPU smoke)' if cpu else f'{LONG_BUDGET / GiB:.0f} GiB of the GPU'}; "
         f"lengths tried: {', '.join(f'{n:,}' for n in lengths)}."
     )
-    timing = (
-        f"step at {timed:,} tokens: full logits {speed[False]['step_s'] * 1e3:.1f} ms, chunked "
-        f"{speed[True]['step_s'] * 1e3:.1f} ms: {ratio:.3f}x (target <= 1.03: "
-        f"{'met' if ratio <= 1.03 else 'NOT met'})"
-    )
-    return {"table": "\n\n".join([head, table(rows), timing]),
-            "figures": {"chunked_vs_full_step": ratio,
-                        **{f"longest chunked={c} offload={o}": n for (c, o), n in longest.items()}}}  # fmt: skip
+    timing = f"step at {timed:,} tokens: full logits {speed['full']['step_s'] * 1e3:.1f} ms"
+    for k, ratio in ratios.items():
+        verdict = "met" if ratio <= 1.03 else "NOT met"
+        timing += f"; {LOSSES[k]} {speed[k]['step_s'] * 1e3:.1f} ms: {ratio:.3f}x (target <= 1.03: {verdict})"  # fmt: skip
+    if "liger" in ratios:
+        faster = "liger" if ratios["liger"] < ratios["chunked"] else "chunked"
+        timing += f". Faster of the two: {LOSSES[faster]} ({ratios['liger'] / ratios['chunked']:.3f}x liger / chunked)"  # fmt: skip
+    else:
+        timing += f". liger-kernel skipped: {no_liger}"
+    figures = {f"{k}_vs_full_step": r for k, r in ratios.items()}
+    figures |= {f"longest loss={k} offload={o}": n for (k, o), n in longest.items()}
+    if no_liger:
+        figures["liger_skipped"] = no_liger
+    return {"table": "\n\n".join([head, table(rows), timing]), "figures": figures}
 
 
 def table_7(cpu: bool) -> dict[str, Any]:

@@ -12,8 +12,9 @@ limit=$1
 shift
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
-if [ ! -d /tmp/site/ray ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+# Again when a wheel carried since (liger-kernel's, for liger_kernel=True) is not installed yet.
+if [ ! -d /tmp/site/ray ] || { compgen -G '.whl/liger_kernel-*.whl' > /dev/null && [ ! -d /tmp/site/liger_kernel ]; }; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

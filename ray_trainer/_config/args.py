@@ -93,6 +93,10 @@ class TrainingArgs(BaseModel):
     # (docs/large-models.md); default: a chunk's fp32 logits near 32 MiB, at least 256 positions.
     chunked_loss: bool = True
     loss_chunk_size: int | None = Field(None, gt=0)
+    # liger-kernel (ray-trainer[gpu]) on GPU workers: its RMSNorm, RoPE, SwiGLU and fused linear
+    # cross-entropy (in place of the chunked loss) on a Llama, Mistral, Qwen2/3 or Phi-3 model
+    # (docs/gpu.md). None: on where it runs and was measured faster (off until then).
+    liger_kernel: bool | None = None
     # What the run trains for: one of the registered objectives (`ray_trainer._objectives`):
     # "sft" (the next-token loss), or "dpo" (docs/preference.md): pairs {prompt, chosen,
     # rejected} against a reference (the model as DPO starts), with TRL 1.16's losses. The
@@ -383,6 +387,12 @@ class TrainingArgs(BaseModel):
                 "offload_activations=True with compile=True: the offload hooks run in eager "
                 "autograd and are not checked under torch.compile; drop one of them (with a "
                 "compiled model, activation_checkpointing=True saves memory instead)"
+            )
+        if self.liger_kernel and (self.loss_fn is not None or not self.chunked_loss):
+            what = "loss_fn" if self.loss_fn is not None else "chunked_loss=False"
+            raise ValueError(
+                f"liger_kernel=True with {what}: liger-kernel computes the model's loss itself, "
+                "without the full logits, in place of the chunked loss; drop one of them"
             )
         if self.loss_chunk_size is not None and not self.chunked_loss:
             raise ValueError(

@@ -95,14 +95,8 @@ def build_workload(
         from ray_trainer._worker.model.packed_attention import use_packed_attention
 
         packed_layout = use_packed_attention(model)
-    if args.loss_fn is None and args.chunked_loss and is_causal_lm(model) and _is_hf(model):
-        from ray_trainer._worker.model.chunked_loss import use_chunked_loss
-
-        reason = use_chunked_loss(model, args.loss_chunk_size)
-        if reason is not None:  # said once per worker
-            logger.info(
-                "chunked loss off: %s; the model computes its loss from full logits", reason
-            )
+    if args.loss_fn is None and is_causal_lm(model) and _is_hf(model):
+        _use_fused_loss(model, args)
     objective.prepare(model, adaptation)
     tokenizer = spec.data_tokenizer()
     pad_id = _pad_id(tokenizer)
@@ -136,6 +130,27 @@ def build_workload(
         adaptation=adaptation,
         objective=objective,
     )
+
+
+def _use_fused_loss(model: nn.Module, args: TrainingArgs) -> None:
+    """The loss of a Hugging Face causal LM without its full logits: liger-kernel's fused
+    linear cross-entropy where the run asks for it and it runs here (`liger.use_liger` raises
+    for ``liger_kernel=True`` where it cannot), else the chunked loss, else the model's own."""
+    from ray_trainer._worker.model.liger import liger_wanted, use_liger
+
+    if liger_wanted(args):
+        why_not = use_liger(model, args)
+        if why_not is None:
+            logger.info("liger-kernel on: its kernels and fused linear cross-entropy")
+            return
+        logger.info("liger-kernel off (liger_kernel=None): %s", why_not)  # said once per worker
+    if not args.chunked_loss:
+        return
+    from ray_trainer._worker.model.chunked_loss import use_chunked_loss
+
+    reason = use_chunked_loss(model, args.loss_chunk_size)
+    if reason is not None:  # said once per worker
+        logger.info("chunked loss off: %s; the model computes its loss from full logits", reason)
 
 
 def model_loss(outputs: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

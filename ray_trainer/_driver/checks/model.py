@@ -3,8 +3,9 @@
 Runs in the driver, before ``ray.init()``, from `inputs.check_inputs`: the built-in model's
 ``demo`` settings and position limit, a ``tokenizer`` it would not use, ``max_length`` against
 a Hugging Face model's ``max_position_embeddings``, and what a model factory returns (built on
-the meta device: no memory, no weights). Each refusal is a `TrainingArgsError` naming the field
-and the fix; a check that cannot be made cheaply here is left to the workers.
+the meta device: no memory, no weights), and ``liger_kernel=True`` against the workers' kind
+(GPU), the packages it needs and the model's family. Each refusal is a `TrainingArgsError`
+naming the field and the fix; a check that cannot be made cheaply here is left to the workers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def check_model_inputs(args: TrainingArgs) -> None:
         _check_factory(args)
     elif isinstance(args.model, str):
         _check_positions(args)
+    if args.liger_kernel:
+        _check_liger(args)
 
 
 def _check_builtin(args: TrainingArgs) -> None:
@@ -123,3 +126,30 @@ def _check_positions(args: TrainingArgs) -> None:
             f"max_length={args.max_length} is beyond {args.model}'s position limit "
             f"(max_position_embeddings={limit}); lower max_length to {limit} or less"
         )
+
+
+def _check_liger(args: TrainingArgs) -> None:
+    """``liger_kernel=True``: GPU workers, triton and liger-kernel importable (checked here, as
+    compile's toolchain is; each worker checks again), and a model of a family liger-kernel
+    patches (its config read, or the factory's model built on the meta device)."""
+    from ray_trainer._model.liger_probe import missing_liger_kernel, unsupported_family
+
+    problem = missing_liger_kernel(args.use_gpu)
+    if problem:
+        raise TrainingArgsError(problem)
+    if is_builtin(args.model):
+        raise TrainingArgsError(
+            "liger_kernel=True with the built-in model, which has none of the layers liger-kernel "
+            "replaces; train a Hugging Face Llama, Mistral, Qwen2/3 or Phi-3 model, or set "
+            "liger_kernel=False"
+        )
+    spec = ModelSpec.of(args)
+    try:
+        config = spec.hf_config() if isinstance(args.model, str) else None
+        if config is None:  # a factory's model: built without memory, its config read
+            config = getattr(spec.build_meta_model(), "config", None)
+    except Exception:  # not readable here (a factory that reads weights): each worker checks
+        return
+    problem = unsupported_family(getattr(config, "model_type", None))
+    if problem:
+        raise TrainingArgsError(problem)
