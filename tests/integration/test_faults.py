@@ -49,5 +49,6 @@ def test_failing_evaluations_are_recorded_and_do_not_block_the_end(evals_run):
     assert sum("timed out" in e or "not finished" in e for e in errors) == len(saves)
     # 4 evaluations per checkpoint, in step order.
     assert [e["step"] for e in result.evaluations] == [step for step in saves for _ in range(4)]
-    # The hanging evaluation held the end for at most its timeout, not its 300 s.
-    assert evals_run["seconds"] < 120
+    # The hanging evaluation held the end for at most its timeout, not its 300 s: a run whose
+    # end waited for it would take over 300 s from its first save (a loaded machine: 145 s).
+    assert evals_run["seconds"] < 240

@@ -172,7 +172,9 @@ def evals_run(ray_session, tmp_path_factory):
             max_steps=EVALS_STEPS,
             save_every_steps=EVALS_SAVE_EVERY,
             run_name="evals",
-            eval_timeout_s=30,  # the evaluations may queue behind each other: not 10
+            # 12 evaluation tasks on the 2 CPUs the workers leave: they may queue behind each
+            # other (and behind their workers' start on a loaded machine) at the end.
+            eval_timeout_s=60,
             callbacks=[
                 AllRanksRecorder(folder),
                 SlowSteps(0.05),
