@@ -13,7 +13,11 @@ import os
 from pathlib import Path
 
 import pytest
-from shared_runs import fsdp_runs  # noqa: F401  (a session fixture several modules read)
+from shared_runs import (  # noqa: F401  (session fixtures that several modules read)
+    crash_then_resume,
+    evals_run,
+    fsdp_runs,
+)
 from support_paths import pythonpath
 from waiting import wait_until
 

@@ -1,9 +1,11 @@
-"""The callback actor under a real run: never in the way, errors isolated, control, restarts."""
+"""The callback actor under a real run: never in the way, errors isolated, control, restarts.
+
+The hung-hook test reads the session's `crash_then_resume` (`tests/support/shared_runs.py`,
+shared with `test_faults.py`)."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 from rt_support import (
     ActorRecorder,
@@ -11,10 +13,7 @@ from rt_support import (
     ActorStopAt,
     AllRanksRecorder,
     GarbageReturner,
-    HangingAsyncLogger,
     HeldActorHook,
-    LockLaterActor,
-    LockLaterRank0,
     RaisingActorCallback,
     Rank0GarbageReturner,
     SlowSteps,
@@ -141,29 +140,16 @@ def _safe_read(folder):
 
 
 def test_a_hung_async_hook_is_cancelled_and_recorded_and_unpicklable_state_is_left_out(
-    ray_session, tmp_path
+    crash_then_resume,
 ):
+    # The session's `crash_then_resume` (shared_runs.py): its second call, which resumes
+    # test_faults.py's crashed run from step 2 to step 10, saving and logging every 5 steps.
     from ray_trainer import _checkpoint
     from ray_trainer._storage import locate
 
-    folder = str(tmp_path / "records")
-    timeout = 2.0
-    started = time.monotonic()
-    result = _run(
-        tmp_path,
-        "hung-hook",
-        [
-            HangingAsyncLogger(),
-            ActorRecorder(folder),
-            LockLaterRank0(),
-            LockLaterActor(),
-        ],
-        max_steps=10,
-        save_every_steps=5,
-        callback_timeout_s=timeout,
-        eval_timeout_s=5,
-    )
-    elapsed = time.monotonic() - started
+    result = crash_then_resume["resumed"]
+    elapsed = crash_then_resume["resumed_seconds"]
+    assert crash_then_resume["hook_timeout"] == 2.0
     # The hang held each on_log for the hook timeout, then was cancelled: the run ended within
     # the documented bound (start-up, the two cancelled logs, the end's own waits).
     assert elapsed < 90, elapsed
@@ -171,7 +157,8 @@ def test_a_hung_async_hook_is_cancelled_and_recorded_and_unpicklable_state_is_le
     assert [(e["event"], e["step"]) for e in hung] == [("on_log", 5), ("on_log", 10)]
     assert all("ran over the hook timeout of 2 s" in e["error"] for e in hung)
     # The events behind the hang were handled, and counted honestly.
-    saves = [r["step"] for r in read_records(folder, "actor") if r["event"] == "on_save"]
+    records = crash_then_resume["resumed_records"]
+    saves = [r["step"] for r in records if r["event"] == "on_save"]
     assert saves == [5, 10]
     assert result.events["on_save"] == 2 and result.unhandled_events == {}
     # A state_dict() that cannot be pickled: recorded against its callback, on rank 0 and on

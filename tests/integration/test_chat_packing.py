@@ -1,16 +1,20 @@
 """Chat fine-tuning end to end: messages JSONL rendered with the model's own chat template,
 encoded once into the run's token cache by Ray tasks, packed without padding on 2 gloo workers;
 the loss falls, a resumed run trains on the same samples as an uninterrupted one, and a second
-run on the same data reuses the cache while a changed template builds a new one."""
+run on the same data reuses the cache while a changed template builds a new one. The
+uninterrupted run's checkpoints are scored by `GenerationEval` (in a task, and kept in an
+evaluator actor) while it trains."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import sys
 
 import pytest
 from rt_support import StopAt, read_records
+from waiting import wait_until
 
 from callbacks import TrainerCallback
 
@@ -72,13 +76,42 @@ def _fields(chat, folder, **overrides):
     return fields
 
 
+#: The held-out chat rows the generation evaluations ask (the last assistant turn of each is the
+#: reference): conversations the run never trains on.
+HELD_OUT = {"n": 3, "seed": 2}
+
+
+def _generation_evals() -> list:
+    """One-off: a task per second checkpoint, transformers in the task. Kept: one evaluator
+    actor for the run, the generation in a subprocess of an interpreter (`python=`, as for a
+    vLLM environment), on every checkpoint."""
+    from callbacks import EvalOnSave, GenerationEval
+    from ray_trainer._demo.chat import chat_conversations
+
+    prompts = [{"messages": m} for m in chat_conversations(**HELD_OUT)]
+    kept = GenerationEval(prompts, name="kept", backend="hf", max_new_tokens=8,
+                          python=sys.executable, keep_engine=True)  # fmt: skip
+    return [
+        EvalOnSave(
+            GenerationEval(prompts, name="chat", backend="hf", max_new_tokens=8,
+                           metrics=["exact_match", "contains"]),
+            num_gpus=0, every_n_saves=2,
+        ),
+        EvalOnSave(kept, num_gpus=0),
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(ray_session, chat):
     from ray_trainer import run_training
 
     root = chat[0]
     whole = root / "whole"
-    run_training(**_fields(chat, whole, run_name="chat-whole"))
+    # The uninterrupted run also carries test_a_generation_eval...'s two `GenerationEval`s: its
+    # saves at steps 6 and 12 (they change no sample and no loss) are evaluated while it trains.
+    generation = _generation_evals()
+    whole_result = run_training(**_fields(chat, whole, run_name="chat-whole", save_every_steps=6,
+                                          callbacks=[BatchDigest(str(whole)), *generation]))  # fmt: skip
     cache_root = root / "storage" / ".ray_trainer" / "data-cache"
     (first_cache,) = os.listdir(cache_root)
     meta = cache_root / first_cache / "meta.json"
@@ -88,6 +121,7 @@ def runs(ray_session, chat):
         BatchDigest(part), StopAt(5)]))  # fmt: skip
     resumed = run_training(**_fields(chat, part, run_name="chat-resumed"))
     return {
+        "whole_result": whole_result,
         "whole": read_records(str(whole), "digest"),
         "part": read_records(str(part), "digest"),
         "stopped": stopped,
@@ -167,3 +201,49 @@ def test_a_changed_template_encodes_again(ray_session, chat):
     caches = prepare_data(plans, changed)  # Ray tasks encode it
     assert plans["data"].meta["samples"] == 400
     assert os.path.basename(caches["data"]) == plans["data"].fingerprint
+
+
+def test_a_generation_eval_in_an_eval_task_scores_a_chat_checkpoint_and_keeps_its_samples(
+    runs, ray_session
+):
+    from ray_trainer._demo.chat import chat_conversations
+
+    held_out = chat_conversations(**HELD_OUT)
+    result = runs["whole_result"]
+    for e in result.evaluations:
+        assert "error" not in e, e
+        assert 0 < e["seconds_after_save"] < 120  # from its save to its metrics
+    (evaluation,) = [e for e in result.evaluations if "chat/vllm" in e["metrics"]]
+    assert evaluation["step"] == STEPS  # every second save: the second, at step 12
+    kept_runs = [e for e in result.evaluations if "kept/vllm" in e["metrics"]]
+    assert sorted(e["step"] for e in kept_runs) == [6, 12], result.evaluations
+    assert all(0 <= e["metrics"]["kept/exact_match"] <= 1 for e in kept_runs)
+    # The evaluator actor and its generation subprocess ended with the run.
+    assert not _processes_running("run_generation_child.py")
+    # It held a CPU for the whole run (num_cpus=1): every CPU is free again once it is gone.
+    total = ray_session.cluster_resources()["CPU"]
+    wait_until(lambda: ray_session.available_resources().get("CPU") == total, 30,
+               "the evaluator actor to give its CPU back")  # fmt: skip
+    metrics = evaluation["metrics"]
+    assert 0.0 <= metrics["chat/exact_match"] <= metrics["chat/contains"] <= 1.0
+    assert metrics["chat/vllm"] == 0.0 and 0 < metrics["chat/answer_tokens_mean"] <= 8
+    samples_path = os.path.join(evaluation["checkpoint_path"], "eval", "chat.jsonl")
+    assert metrics["chat/samples"] == samples_path
+    with open(samples_path) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["reference"] for s in samples] == [m[-1]["content"] for m in held_out]
+    assert [s["prompt"] for s in samples] == [m[:-1] for m in held_out]
+    assert {s["step"] for s in samples} == {evaluation["step"]}
+
+
+def _processes_running(needle: str) -> list[int]:
+    """The pids whose command line holds `needle` (this machine's /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found

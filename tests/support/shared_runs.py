@@ -16,14 +16,43 @@ so the run's Ray Train start-up, its steps and its restart are paid once, not pe
 * ``ddp``: DDP from the same seed with activation checkpointing and asynchronous checkpoints to a
   local folder, 4 steps: the same losses as FSDP's (``test_fsdp.py``), and its exports
   (``test_async_checkpoint.py``).
+
+`evals_run`: one tiny run (`rt_support.tiny_run`, 15 steps, a save every 5) with four
+``EvalOnSave`` of their own at each save: one held until training took 2 more steps, one that
+raises, one that hangs past its timeout, one a callable object. Read by ``test_eval_on_save.py``
+(one evaluation per save, in step order, without the loop waiting) and ``test_faults.py``
+(failing and hanging evaluations recorded, the end not held).
+
+`crash_then_resume`: a tiny run without retries whose rank 1 is killed at step 3 (it fails with
+its step-2 checkpoint), then a new call that resumes it to step 10 with an actor-side ``async``
+``on_log`` that hangs and stateful callbacks whose state cannot be pickled. Read by
+``test_faults.py`` (the failure, the actor's events, the resume) and
+``test_callback_actor.py`` (the hung hook cancelled and recorded, the state left out).
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
-from rt_support import AllRanksRecorder, ShardProbe, eval_hf_export, read_records
+from rt_support import (
+    ActorRecorder,
+    AllRanksRecorder,
+    CallableEval,
+    HangingAsyncLogger,
+    HeldEval,
+    KillRank1Once,
+    LockLaterActor,
+    LockLaterRank0,
+    ShardProbe,
+    SlowSteps,
+    eval_hf_export,
+    hanging_eval,
+    raising_eval,
+    read_records,
+    tiny_run,
+)
 from slow_storage import CompleteAtOnSave, slow_filesystem
 
 from callbacks import EvalOnSave
@@ -123,4 +152,90 @@ def fsdp_runs(ray_session, tmp_path_factory):
         "shards": read_records(folder, "shards"),
         "on_save": {k: _lines(tmp / f"{k}-on-save.jsonl") for k in ("fsdp", "ddp")},
         "crashed": crashed.read_text() if crashed.exists() else "",
+    }
+
+
+#: The steps of `evals_run` and its save period: one evaluation of each kind per save.
+EVALS_STEPS, EVALS_SAVE_EVERY = 15, 5
+
+
+@pytest.fixture(scope="session")
+def evals_run(ray_session, tmp_path_factory):
+    from ray_trainer import run_training
+
+    tmp = tmp_path_factory.mktemp("evals-run")
+    folder = str(tmp / "records")
+    started = time.monotonic()
+    result = run_training(
+        **tiny_run(
+            tmp,
+            max_steps=EVALS_STEPS,
+            save_every_steps=EVALS_SAVE_EVERY,
+            run_name="evals",
+            # 12 evaluation tasks on the 2 CPUs the workers leave: they may queue behind each
+            # other (and behind their workers' start on a loaded machine) at the end.
+            eval_timeout_s=60,
+            callbacks=[
+                AllRanksRecorder(folder),
+                SlowSteps(0.05),
+                # Each evaluation lasts until training has taken 2 more steps.
+                EvalOnSave(HeldEval(folder, max_steps=EVALS_STEPS), num_gpus=0, num_cpus=1),
+                EvalOnSave(raising_eval, num_gpus=0),
+                EvalOnSave(hanging_eval, num_gpus=0, timeout_s=2),
+                EvalOnSave(CallableEval(1000), num_gpus=0),  # a callable object works too
+            ],
+        )
+    )
+    return {"result": result, "seconds": time.monotonic() - started}
+
+
+@pytest.fixture(scope="session")
+def crash_then_resume(ray_session, tmp_path_factory):
+    from ray_trainer import RunFailedError, run_training
+
+    tmp = tmp_path_factory.mktemp("crash-then-resume")
+    crash_folder, resume_folder = str(tmp / "crash-records"), str(tmp / "resume-records")
+    try:
+        run_training(
+            **tiny_run(
+                tmp,
+                max_steps=8,
+                save_every_steps=2,
+                max_failures=0,
+                run_name="crash-no-retry",
+                callbacks=[KillRank1Once(3), ActorRecorder(crash_folder)],
+            )
+        )
+    except RunFailedError as e:
+        failure: RunFailedError | None = e
+    else:
+        failure = None
+    # A new call resumes it from its step-2 checkpoint; its actor's `on_log` hangs (each cut at
+    # the hook timeout) and two callbacks' state cannot be pickled once training began.
+    timeout = 2.0
+    started = time.monotonic()
+    resumed = run_training(
+        **tiny_run(
+            tmp,
+            max_steps=10,
+            save_every_steps=5,
+            log_every_steps=5,
+            run_name="crash-no-retry",
+            callbacks=[
+                HangingAsyncLogger(),
+                ActorRecorder(resume_folder),
+                LockLaterRank0(),
+                LockLaterActor(),
+            ],
+            callback_timeout_s=timeout,
+            eval_timeout_s=5,
+        )
+    )
+    return {
+        "failure": failure,
+        "crash_records": read_records(crash_folder, "actor"),
+        "resumed": resumed,
+        "resumed_seconds": time.monotonic() - started,
+        "resumed_records": read_records(resume_folder, "actor"),
+        "hook_timeout": timeout,
     }
