@@ -82,7 +82,28 @@ def _shapes() -> dict[str, dict]:
         "ratios": {"0.1 GiB": 1.0, "1 GiB": 1.05},
         "worst_peak_mib": 210,
     }
+    shapes["host_step"] = _host_step_report()
     return shapes
+
+
+def _host_step_report() -> dict:
+    """bench_host_step.py's report, from its own `summarize` of 8 rounds of 3 steps each."""
+    import bench_host_step
+
+    wall = {name: [[0.010 * k, 0.011 * k, 0.012 * k]] * 8 for name, k in
+            (("bare", 1.0), ("bare_again", 1.01), ("runner", 1.15))}  # fmt: skip
+    cpu = {name: [[0.9 * t for t in block] for block in rounds] for name, rounds in wall.items()}
+    return bench_host_step.summarize(wall, cpu)
+
+
+def test_host_step_ratio_is_the_runners_cpu_time_over_the_bare_loops():
+    report = _host_step_report()
+    ratios = report["ratios"]
+    assert ratios[report["baseline"]] == pytest.approx(1.0)
+    runner = next(v for k, v in ratios.items() if k.startswith("runner step"))
+    assert runner == pytest.approx(1.15)
+    lo, hi = next(v for k, v in report["spreads"].items() if k.startswith("runner step"))
+    assert lo == pytest.approx(1.15) and hi == pytest.approx(1.15)
 
 
 def test_every_registered_benchmark_has_a_shape_here_and_a_script():

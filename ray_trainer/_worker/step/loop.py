@@ -103,6 +103,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
     """One optimizer step over this rank's micro-batches of the step; returns its agreement."""
     hooks, acc, wl, n_micro = s.hooks, s.accelerator, s.workload, len(micro_batches)
     started = time.perf_counter()
+    autocast, backward = amp_tools(acc)
     hooks.fire("on_step_begin")
     loss_sum: Any = 0  # sum over micro-batches of token-loss sum / norm (a device tensor)
     targets = tokens = positions = 0  # counted on the host by the loader: no sync
@@ -113,7 +114,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
         # Only the last micro-batch all-reduces gradients; the others accumulate locally.
         with contextlib.nullcontext() if last else s.parallel.no_sync():
             hooks.fire("on_before_forward", batch=batch, micro_step=i)
-            with acc.autocast():
+            with autocast():
                 if s.offload is None:
                     outputs, loss = wl.forward(s.model, batch, micro.targets)
                 else:  # offload_activations: what forward saves goes to the host
@@ -129,7 +130,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
                     loss_sum, [targets, tokens, positions], hooks.take_pending(), acc.device,
                     s.world_size, s.copy_stream, *_own_numbers(s),
                 )  # fmt: skip
-            acc.backward(loss)
+            backward(loss)
             hooks.fire("on_after_backward", batch=batch, outputs=outputs, micro_step=i)
 
     # The mean over the global batch's targets: a collective under FSDP (the norm of all shards).
@@ -142,6 +143,19 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
         s.ctx.loss = float(loss_sum) * wl.norm / max(targets, 1)  # this rank's: a CPU-GPU sync
         hooks.fire("on_step_end")
     return agreement
+
+
+def amp_tools(acc: Any) -> tuple[Any, Any]:
+    """The step's autocast context and backward: accelerate's under mixed precision (fp16: its
+    scaler), else a null context and torch's own backward. accelerate's autocast builds its
+    state on every call and its backward divides the loss by its accumulation steps (1: the loop
+    accumulates itself), a cost a host-bound step sees (``bench/runner/bench_host_step.py``)."""
+    autocast = acc.autocast if acc.native_amp else contextlib.nullcontext
+    return autocast, (acc.backward if acc.scaler is not None else _backward)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 def _own_numbers(s: WorkerState) -> tuple[tuple[float, ...], Any]:
@@ -179,10 +193,20 @@ def after_boundary(s: WorkerState, agreement: Agreement, schedule: Schedule) -> 
 
 
 def _optimizer_step(s: WorkerState) -> None:
-    """Step the optimizer and the scheduler, zero the gradients."""
-    s.optimizer.step()
+    """Step the optimizer and the scheduler, zero the gradients.
+
+    Under accelerate's wrapper (DDP) without an fp16 scaler, torch's optimizer itself after the
+    first step: the wrapper's `step` searches sys.path for the LOMO package twice per call
+    (about 0.5 ms of host time per step on a worker's path) and its `zero_grad` inspects a
+    signature, and they do nothing else here (the loop accumulates gradients itself; no XLA).
+    The first step goes through the wrapper: the scheduler checks then that it was called."""
+    optimizer = s.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is not None and getattr(optimizer, "scaler", None) is None and s.progress.global_step:
+        optimizer = inner
+    optimizer.step()
     s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _count_step(s: WorkerState, seconds: float) -> None:
