@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from typing import Any
@@ -112,6 +113,14 @@ def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     for row in rows:
         out.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
     return "\n".join(out)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: torchrun's rendezvous port, so that a benchmark beside
+    another one on the machine (a full run, a test) does not fail with EADDRINUSE."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_ray(num_cpus: int, extra_paths: tuple[str, ...] = ()) -> None:

@@ -368,11 +368,16 @@ class SharedRay:
         self.pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
         self.cluster = LocalCluster(num_cpus=4)
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Start the head (bounded: 10 s on an idle machine, over 90 s on one loaded by other
+        Ray clusters); a start that fails or times out leaves none of its processes."""
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = self.pythonpath  # the head's, so every worker's
         try:
-            self.cluster.start()
+            self.cluster.start(timeout_s=timeout_s)
+        except BaseException:  # `ray start` killed at its timeout leaves its daemons running
+            self.cluster.stop()
+            raise
         finally:
             if saved is None:
                 os.environ.pop("PYTHONPATH")

@@ -40,7 +40,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
 import _bench_path  # noqa: E402
-from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
+from _support import (  # noqa: E402
+    LossKeeper,
+    StepTimer,
+    emit,
+    free_port,
+    machine,
+    steady_step_seconds,
+    table,
+)
 
 # Ranks per side (`--num-workers`): 2 fills this machine's 2 cores (the case measured in
 # docs/benchmarks.md); 1 leaves a core to whatever else runs (Ray's own processes).
@@ -84,7 +92,7 @@ def launch(
             "--nproc_per_node",
             str(workers),
             "--master_port",
-            "29533",
+            str(free_port()),
             os.path.join(HERE, "_hf_trainer_worker.py"),
             "--steps",
             str(steps),
