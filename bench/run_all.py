@@ -161,7 +161,8 @@ BENCHES: dict[str, Bench] = {
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
-        smoke=["--max-steps", "6", "--save-every", "3", "--eval-seconds", "0.1", "--rounds", "1"],
+        # one save (the last step), so one evaluation each way
+        smoke=["--max-steps", "2", "--save-every", "2", "--eval-seconds", "0.1", "--rounds", "1"],
         shares_ray=True,
     ),
     "hf_trainer": Bench(
@@ -201,7 +202,7 @@ BENCHES: dict[str, Bench] = {
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
         # 10 steps: bench_packing.py reads the log windows after the first (5 steps each)
-        smoke=["--conversations", "100", "--steps", "10", "--rounds", "1"],
+        smoke=["--smoke", "--conversations", "100", "--steps", "10"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
