@@ -345,9 +345,17 @@ def test_smoke_shares_one_ray_with_the_benchmarks_that_join_it_and_stops_it(
     results = json.loads((out / "results.json").read_text())["benchmarks"]
     assert results["joins"]["address"] == "127.0.0.2:1"
     assert results["alone"]["address"] is None  # elastic, memory: Ray of their own or none
-    assert _FakeSharedRay.log == ["start", "stop"]
-    # A full run, and a smoke run where nothing joins, start no shared Ray.
-    _FakeSharedRay.log.clear()
-    assert run_all.main(["--out", str(out)]) == (1 if crash else 0)
+    assert _FakeSharedRay.log == ["start", "stop"]  # stopped also after a failed benchmark
+
+
+def test_a_full_run_and_a_smoke_run_without_ray_start_no_shared_ray(tmp_path, monkeypatch):
+    _registry(tmp_path, monkeypatch, {"joins": SEES_ADDRESS, "alone": SEES_ADDRESS})
+    b = run_all.BENCHES["joins"]
+    monkeypatch.setitem(run_all.BENCHES, "joins", run_all.Bench(
+        b.script, "joins", "b", smoke=["--s"], shares_ray=True))  # fmt: skip
+    monkeypatch.setattr(run_all, "SharedRay", _FakeSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--only", "joins", "--out", str(out)]) == 0
     assert run_all.main(["--smoke", "--only", "alone", "--out", str(out)]) == 0
     assert _FakeSharedRay.log == []
