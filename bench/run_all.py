@@ -691,9 +691,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"one Ray for the smoke run at {shared.cluster.gcs_address}, started in "
               f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
     try:
-        for name in names:
+        for i, name in enumerate(names):
             env = shared.env() if shared and BENCHES[name].shares_ray else None
             fresh[name] = normalise_or_keep(name, run_one(name, run_mode, workdir, env))
+            if shared and not any(BENCHES[n].shares_ray for n in names[i + 1 :]):
+                shared.stop()  # its daemons would take CPU from the benchmarks left
+                shared = None
             benchmarks = {}
             for n in BENCHES:  # registry order, whatever ran this time
                 if n in fresh:
