@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 from typing import Any
@@ -114,21 +115,28 @@ def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     return "\n".join(out)
 
 
-def init_ray(num_cpus: int) -> None:
-    """An embedded Ray for one benchmark; its workers import bench/ modules via PYTHONPATH."""
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: torchrun's rendezvous port, so that a benchmark beside
+    another one on the machine (a full run, a test) does not fail with EADDRINUSE."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_ray(num_cpus: int, extra_paths: tuple[str, ...] = ()) -> None:
+    """An embedded Ray for one benchmark; its workers import bench/ modules via PYTHONPATH.
+    Under ``RAY_ADDRESS`` (`run_all.py --smoke`: one Ray shared by every benchmark) it joins
+    that cluster instead, whose size is its own (`num_cpus` is not asked for)."""
     import ray
 
+    paths = [*_bench_path.FOLDERS, *extra_paths, os.environ.get("PYTHONPATH")]
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, paths))}}
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+        return
     ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={
-            "env_vars": {
-                "PYTHONPATH": os.pathsep.join(
-                    filter(None, [*_bench_path.FOLDERS, os.environ.get("PYTHONPATH")])
-                )
-            }
-        },
+        num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env
     )
 
 

@@ -60,6 +60,9 @@ class Bench:
     # The figures held against their targets: report -> [(what, figure, target, met)]; printed
     # in the run's summary and in results.md, where a miss shows as "MISSED".
     goals: Callable[[dict[str, Any]], list[tuple[str, str, str, bool]]] | None = None
+    # --smoke: joins the one Ray the smoke run starts for all (RAY_ADDRESS) instead of starting
+    # its own; False for a benchmark without Ray, or with clusters of its own (elastic).
+    shares_ray: bool = False
 
 
 def hf_trainer_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
@@ -110,6 +113,7 @@ BENCHES: dict[str, Bench] = {
         "the sending process per event, steps paced as in training (8 events, then 50 ms)",
         quick=["--events", "800", "--rounds", "1"],
         smoke=["--events", "100", "--rounds", "1", "--step-ms", "5"],
+        shares_ray=True,
     ),
     "startup": Bench(
         "runner/bench_startup.py",
@@ -121,6 +125,7 @@ BENCHES: dict[str, Bench] = {
         smoke=["--smoke"],
         target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
         goals=startup_goals,
+        shares_ray=True,
     ),
     "first_step": Bench(
         "baselines/bench_first_step.py",
@@ -129,6 +134,7 @@ BENCHES: dict[str, Bench] = {
         "gloo, the same model, data and AdamW); each side a fresh process tree, from its launch "
         "to the first step's begin, alternating",
         quick=["--rounds", "1"],
+        shares_ray=True,
     ),
     "loop": Bench(
         "runner/bench_loop.py",
@@ -147,6 +153,7 @@ BENCHES: dict[str, Bench] = {
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
         "actor callback against no callbacks) at a step-time ratio of at most 1.02; the noise "
         "floor row shows how far two identical loops land apart",
+        shares_ray=True,
     ),
     "host_step": Bench(
         "runner/bench_host_step.py",
@@ -168,7 +175,9 @@ BENCHES: dict[str, Bench] = {
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
-        smoke=["--max-steps", "6", "--save-every", "3", "--eval-seconds", "0.1", "--rounds", "1"],
+        # one save (the last step), so one evaluation each way
+        smoke=["--max-steps", "2", "--save-every", "2", "--eval-seconds", "0.1", "--rounds", "1"],
+        shares_ray=True,
     ),
     "hf_trainer": Bench(
         "baselines/bench_hf_trainer.py",
@@ -176,11 +185,12 @@ BENCHES: dict[str, Bench] = {
         "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
-        smoke=["--steps", "8", "--skip", "2", "--rounds", "1"],
+        smoke=["--smoke", "--steps", "8", "--skip", "2"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
         goals=hf_trainer_goals,
+        shares_ray=True,
     ),
     "hf_trainer_1rank": Bench(
         "baselines/bench_hf_trainer.py",
@@ -191,11 +201,12 @@ BENCHES: dict[str, Bench] = {
         "runner's loop against HF Trainer's, without the competition for cores",
         full=["--num-workers", "1", "--rounds", "3"],
         quick=["--num-workers", "1", "--steps", "60", "--skip", "10", "--rounds", "1"],
-        smoke=["--num-workers", "1", "--steps", "8", "--skip", "2", "--rounds", "1"],
+        smoke=["--num-workers", "1", "--smoke", "--steps", "8", "--skip", "2"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
         goals=hf_trainer_goals,
+        shares_ray=True,
     ),
     "packing": Bench(
         "data/bench_packing.py",
@@ -205,10 +216,11 @@ BENCHES: dict[str, Bench] = {
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
         # 10 steps: bench_packing.py reads the log windows after the first (5 steps each)
-        smoke=["--conversations", "100", "--steps", "10", "--rounds", "1"],
+        smoke=["--smoke", "--conversations", "100", "--steps", "10"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
+        shares_ray=True,
     ),
     "data_scale": Bench(
         "data/bench_data_scale.py",
@@ -217,11 +229,12 @@ BENCHES: dict[str, Bench] = {
         "`plan_data` (detection and the scan, before Ray), then `prepare_data` on an embedded "
         "Ray; a fresh driver process per size, RSS sampled every 10 ms",
         quick=["--sizes", "0.02", "0.1"],
-        smoke=["--sizes", "0.002", "0.005"],
+        smoke=["--sizes", "0.002", "--dir", "{work}/data_scale"],
         target_note="peak driver RSS under 500 MiB at every size (0.1, 1 and 4 GiB), so the "
         "ratio to the smallest file stays near 1; preparation time is reported, without a "
         "target",
         goals=data_scale_goals,
+        shares_ray=True,
     ),
     "dpo": Bench(
         "baselines/bench_dpo.py",
@@ -231,11 +244,13 @@ BENCHES: dict[str, Bench] = {
         'against `run_training(objective="dpo", num_workers=1)`; non-padding tokens of chosen '
         "and rejected sequences per second of steps after the first ones",
         quick=["--quick"],
+        smoke=["--smoke"],
         target=1.0,
         target_note="the runner's padded tokens/s at least 1.0x TRL's padded, packed at least "
         "1.5x; the reference pass against training and the peak RSS of a reference in each "
         "step are reported, without a target",
         goals=dpo_goals,
+        shares_ray=True,
     ),
     "memory": Bench(
         "memory/bench_memory.py",
@@ -246,6 +261,8 @@ BENCHES: dict[str, Bench] = {
         "rank 0's `torch.save` of model and optimizer (FSDP: every rank's DCP shards), slowest "
         "rank's save time and bytes of all files",
         quick=["--quick", "--saves", "1", "--rounds", "1"],
+        # the state phase on 2 workers: DDP and FSDP once each (load, LoRA, loss: --quick)
+        smoke=["--quick", "--workers", "2", "--phases", "state", "--saves", "1", "--rounds", "1"],
         target_note="FSDP's state per rank at most 1/N + 10% of DDP's (ratio <= 0.55 on 2 "
         "workers, <= 0.275 on 4); checkpoint time and size are reported, without a target; "
         "the load phase: the peak anonymous memory a pretrained 254M-parameter Llama adds to a "
@@ -262,6 +279,8 @@ BENCHES: dict[str, Bench] = {
         smoke=[
             "--strategies",
             "ddp",
+            "--storages",
+            "local",
             "--steps",
             "4",
             "--save-every",
@@ -273,28 +292,15 @@ BENCHES: dict[str, Bench] = {
         ],
         target_note="on slow storage, the pause of an asynchronous save at most 0.2x the "
         "synchronous one",
+        shares_ray=True,
     ),
     "elastic": Bench(
         "faults/bench_elastic.py",
         "Elastic training: a node lost and back, on a local cluster with a CPU-less head",
         "an uninterrupted run on both nodes, same seed and global batch (num_workers=[1, 2])",
         quick=["--quick"],
-        smoke=[
-            "--max-steps",
-            "40",
-            "--step-s",
-            "0.1",
-            "--save-every",
-            "20",
-            "--lose-at",
-            "12",
-            "--away",
-            "4",
-            "--hold-at",
-            "34",
-            "--resize-interval",
-            "2",
-        ],
+        # the cluster and the uninterrupted run only: a node lost and back takes minutes
+        smoke=["--smoke"],
         target_note="the loss of every step after a change within 1e-4 relative of the "
         "uninterrupted run's; times and steps trained again are reported, without a target",
     ),
@@ -312,19 +318,29 @@ def bench_args(name: str, mode: str) -> list[str]:
     return bench.quick if mode == "quick" else bench.full
 
 
-def run_one(name: str, mode: str, workdir: str) -> dict[str, Any]:
-    """Run one benchmark script in a subprocess; returns its JSON report (or an error)."""
+def run_one(
+    name: str, mode: str, workdir: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one benchmark script in a subprocess (in `env`, else this process's environment);
+    returns its JSON report (or an error)."""
     bench = BENCHES[name]
     out = os.path.join(workdir, f"{name}.json")
     log = os.path.join(workdir, f"{name}.log")
-    args = bench_args(name, mode)
+    # "{work}" in an argument: this run's work folder (never a folder a full run writes)
+    args = [a.replace("{work}", workdir) for a in bench_args(name, mode)]
     cmd = [sys.executable, os.path.join(HERE, bench.script), "--json", out, *args]
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     started = time.perf_counter()
     with open(log, "w") as f:
         try:
             proc = subprocess.run(
-                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S, check=False
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=TIMEOUT_S,
+                check=False,
             )
             code = proc.returncode
         except subprocess.TimeoutExpired:
@@ -348,6 +364,51 @@ def run_one(name: str, mode: str, workdir: str) -> dict[str, Any]:
     report["measured"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"[{name}] done in {seconds:.0f} s", flush=True)
     return report
+
+
+class SharedRay:
+    """`--smoke`: one Ray for every benchmark that can share it (`Bench.shares_ray`), started
+    once instead of once per benchmark. It is the test suite's `LocalCluster` (a `ray start
+    --head` on 127.0.0.2 with ports and a temp dir of its own, its dashboard set as the state
+    API's address, stopped by process id: never another Ray on the machine). A benchmark joins
+    it through ``RAY_ADDRESS`` (`_support.init_ray` and `run_training` both read it); the
+    cluster's workers get every bench folder and tests/support on their ``PYTHONPATH``."""
+
+    def __init__(self) -> None:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
+        import _bench_path
+        from local_cluster import LocalCluster
+
+        paths = [ROOT, *_bench_path.FOLDERS, os.path.join(ROOT, "tests", "support")]
+        self.pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
+        self.cluster = LocalCluster(num_cpus=4)
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Start the head (bounded: 10 s on an idle machine, over 90 s on one loaded by other
+        Ray clusters); a start that fails or times out leaves none of its processes."""
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = self.pythonpath  # the head's, so every worker's
+        try:
+            self.cluster.start(timeout_s=timeout_s)
+        except BaseException:  # `ray start` killed at its timeout leaves its daemons running
+            self.cluster.stop()
+            raise
+        finally:
+            if saved is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = saved
+
+    def env(self) -> dict[str, str]:
+        """A joining benchmark's environment."""
+        return {
+            **self.cluster.node_env(),
+            "PYTHONPATH": self.pythonpath,
+            "RAY_ADDRESS": self.cluster.gcs_address,
+        }
+
+    def stop(self) -> None:
+        self.cluster.stop()
 
 
 def normalise_or_keep(name: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -633,27 +694,42 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="ray_trainer_bench_")
     print(f"logs and raw reports in {workdir}; results into {out_dir}", flush=True)
-    env = environment()
+    machine_env = environment()
     fresh: dict[str, dict[str, Any]] = {}
     results: dict[str, Any] = {}
-    for name in names:
-        fresh[name] = normalise_or_keep(name, run_one(name, run_mode, workdir))
-        benchmarks = {}
-        for n in BENCHES:  # registry order, whatever ran this time
-            if n in fresh:
-                benchmarks[n] = fresh[n]
-            elif n in previous:
-                benchmarks[n] = previous[n]
-        results = {
-            **env,
-            "quick": run_mode != "full",
-            "mode": run_mode,
-            "total_seconds": time.perf_counter() - started,
-            "load": [load_start, os.getloadavg()[0]],
-            "ran": names,
-            "benchmarks": benchmarks,
-        }
-        write_results(results, out_dir)  # so far: a later crash or kill loses nothing
+    shared = None
+    if opts.smoke and any(BENCHES[n].shares_ray for n in names):
+        shared = SharedRay()
+        began = time.perf_counter()
+        shared.start()
+        print(f"one Ray for the smoke run at {shared.cluster.gcs_address}, started in "
+              f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
+    try:
+        for i, name in enumerate(names):
+            env = shared.env() if shared and BENCHES[name].shares_ray else None
+            fresh[name] = normalise_or_keep(name, run_one(name, run_mode, workdir, env))
+            if shared and not any(BENCHES[n].shares_ray for n in names[i + 1 :]):
+                shared.stop()  # its daemons would take CPU from the benchmarks left
+                shared = None
+            benchmarks = {}
+            for n in BENCHES:  # registry order, whatever ran this time
+                if n in fresh:
+                    benchmarks[n] = fresh[n]
+                elif n in previous:
+                    benchmarks[n] = previous[n]
+            results = {
+                **machine_env,
+                "quick": run_mode != "full",
+                "mode": run_mode,
+                "total_seconds": time.perf_counter() - started,
+                "load": [load_start, os.getloadavg()[0]],
+                "ran": names,
+                "benchmarks": benchmarks,
+            }
+            write_results(results, out_dir)  # so far: a later crash or kill loses nothing
+    finally:
+        if shared is not None:
+            shared.stop()
     total = time.perf_counter() - started
     results_md = os.path.join(out_dir, "results.md")
     results_png = os.path.join(out_dir, "results.png")

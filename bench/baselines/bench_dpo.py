@@ -37,7 +37,10 @@ Rounds alternate the order; medians. Targets: the runner's padded tokens/s >= 1.
 (precomputed reference both), packed >= 1.5x TRL's padded.
 
 Usage: python bench/baselines/bench_dpo.py [--pairs 256] [--steps 24] [--skip 4] [--rounds 1]
-       [--batch-size 8] [--threads 1] [--quick] [--json OUT]
+       [--batch-size 8] [--threads 1] [--quick | --smoke] [--json OUT]
+
+``--smoke`` (`run_all.py --smoke`, in CI): ``--quick``'s sizes, 24 pairs, 3 steps, and only the
+three configurations the targets read (TRL padded, the runner padded and packed); no memory phase.
 """
 
 from __future__ import annotations
@@ -378,6 +381,12 @@ def main() -> dict:
     parser.add_argument("--memory-pairs", type=int, default=8)
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, 1 round")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="--quick, 3 steps, only TRL padded, runner padded and packed; no memory phase "
+        "(run_all.py --smoke)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--side", choices=["trl", "trl_ref_model"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -387,10 +396,14 @@ def main() -> dict:
     if opts.side:
         trl_side(opts)
         return {}
-    if opts.quick:
+    if opts.quick or opts.smoke:
         opts.pairs, opts.steps, opts.skip, opts.rounds = 48, 6, 2, 1
         opts.hidden_size, opts.layers, opts.memory_hidden_size, opts.memory_layers = 64, 2, 128, 2
         opts.memory_pairs = 8
+    labels = list(LABELS)
+    if opts.smoke:  # the targets' three configurations, the fewest steps tokens/s needs
+        opts.pairs, opts.steps, opts.skip = 24, 3, 1
+        labels = ["trl", "padded", "packed"]
 
     started = time.perf_counter()
     work = tempfile.mkdtemp(prefix="bench_dpo_")
@@ -399,23 +412,26 @@ def main() -> dict:
     try:  # models, data, storage and clocks: removed at the end (the figures are in the report)
         throughput = Phase(work, "throughput", opts.hidden_size, opts.layers, pairs, opts)
         size = {"steps": opts.steps, "batch_size": opts.batch_size, "skip": opts.skip}
-        rows: dict[str, list[dict]] = {name: [] for name in LABELS}
+        rows: dict[str, list[dict]] = {name: [] for name in labels}
         for r in range(opts.rounds):
-            for name in list(LABELS) if r % 2 == 0 else list(reversed(LABELS)):
+            for name in labels if r % 2 == 0 else list(reversed(labels)):
                 rows[name].append(throughput.run(name, size))
                 _progress(f"round {r}", name, rows[name][-1])
         meta = reference_meta(throughput.storage)  # the pass of the first precomputing run
-        memory = Phase(work, "memory", opts.memory_hidden_size, opts.memory_layers,
-                       pairs[: opts.memory_pairs], opts)  # fmt: skip
-        small = {"steps": opts.memory_steps, "batch_size": 2, "skip": 1}
-        peaks = {name: memory.run(name, small) for name in MEMORY}
+        peaks, memory = {}, None
+        if not opts.smoke:
+            memory = Phase(work, "memory", opts.memory_hidden_size, opts.memory_layers,
+                           pairs[: opts.memory_pairs], opts)  # fmt: skip
+            small = {"steps": opts.memory_steps, "batch_size": 2, "skip": 1}
+            peaks = {name: memory.run(name, small) for name in MEMORY}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for name, run in peaks.items():
         _progress("memory", name, run)
     report = summarise(rows, meta, throughput, opts)
-    report.update(memory_report(peaks, memory))
-    report["table"] += "\n\n" + report.pop("memory_table")
+    if memory is not None:
+        report.update(memory_report(peaks, memory))
+        report["table"] += "\n\n" + report.pop("memory_table")
     report["seconds"] = time.perf_counter() - started
     report["machine"] = (
         machine() + f", trl {_version('trl')}, transformers {_version('transformers')}"
@@ -508,9 +524,11 @@ def summarise(
         }
         for k, v in rows.items()
     ]
-    in_step = median(rows["in_step"], "tokens_per_s") / median(
-        rows["trl_ref_model"], "tokens_per_s"
-    )
+    in_step = None  # --smoke runs neither reference-in-each-step configuration
+    if "in_step" in rows and "trl_ref_model" in rows:
+        in_step = median(rows["in_step"], "tokens_per_s") / median(
+            rows["trl_ref_model"], "tokens_per_s"
+        )
     pairs, batch = len(phase.lengths), opts.batch_size
     reference = [
         _reference_row("TRL, in its training process", "-", median(rows["trl"], "reference_s"),
@@ -531,9 +549,13 @@ def summarise(
         f"{opts.steps} steps, the first {opts.skip} left out; max_tokens_per_batch="
         f"{phase.max_tokens} (a padded micro-batch's mean positions); model hidden "
         f"{phase.hidden}, {phase.layers} layers ({phase.weights_bytes / MiB:.1f} MiB fp32); "
-        f"{opts.rounds} round(s), medians. Reference in each step on both sides: ray-trainer's "
-        f"frozen copy {in_step:.3f}x TRL's reference model."
+        f"{opts.rounds} round(s), medians."
     )
+    if in_step is not None:
+        note += (
+            f" Reference in each step on both sides: ray-trainer's frozen copy {in_step:.3f}x "
+            "TRL's reference model."
+        )
     targets = (
         f"Targets: ray-trainer padded / TRL padded {padded:.3f}x (>= 1.0: "
         f"{'met' if padded >= 1.0 else 'MISSED'}); ray-trainer packed / TRL padded {packed:.3f}x "

@@ -28,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
 import _bench_path  # noqa: E402
-from _support import emit, machine, table  # noqa: E402
+from _support import emit, free_port, machine, table  # noqa: E402
 
 SIDES = {
     "torchrun": "torchrun, the demo's first step by hand (baseline)",
@@ -40,7 +40,7 @@ def command(side: str, out: str, storage: str) -> list[str]:
     if side == "torchrun":
         return [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", "29534", os.path.join(HERE, "_torchrun_demo.py"), "--out", out,
+            "--master_port", str(free_port()), os.path.join(HERE, "_torchrun_demo.py"), "--out", out,
         ]  # fmt: skip
     timer = json.dumps([{"class": "_support:StepTimer", "path": out}])
     return [

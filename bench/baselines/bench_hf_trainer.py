@@ -20,7 +20,10 @@ the steady-state steps (after `--skip` warm-up steps): the non-pad input tokens 
 Rounds alternate the sides; medians are reported with the ratio runner / HF.
 
 Usage: python bench/baselines/bench_hf_trainer.py [--steps 200] [--skip 20] [--rounds 2] [--json OUT]
-       [--num-workers 2]
+       [--num-workers 2] [--smoke]
+
+``--smoke`` (`run_all.py --smoke`, in CI): one round of HF Trainer and `run_training` (the side the
+target reads); no `dashboard=False` side.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
 import _bench_path  # noqa: E402
-from _support import LossKeeper, StepTimer, emit, machine, steady_step_seconds, table  # noqa: E402
+from _support import (  # noqa: E402
+    LossKeeper,
+    StepTimer,
+    emit,
+    free_port,
+    machine,
+    steady_step_seconds,
+    table,
+)
 
 # Ranks per side (`--num-workers`): 2 fills this machine's 2 cores (the case measured in
 # docs/benchmarks.md); 1 leaves a core to whatever else runs (Ray's own processes).
@@ -81,7 +92,7 @@ def launch(
             "--nproc_per_node",
             str(workers),
             "--master_port",
-            "29533",
+            str(free_port()),
             os.path.join(HERE, "_hf_trainer_worker.py"),
             "--steps",
             str(steps),
@@ -127,6 +138,11 @@ def main() -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--num-workers", type=int, default=NUM_WORKERS, help="ranks per side")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one round of HF Trainer and run_training only (run_all.py --smoke)",
+    )
     parser.add_argument("--side", choices=["runner", "runner_no_dashboard"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -140,6 +156,9 @@ def main() -> dict:
         "runner": "run_training (this runner; its embedded Ray with the dashboard, the default)",
         "runner_no_dashboard": "run_training, `dashboard=False`",
     }
+    if opts.smoke:  # the baseline and the side the target reads
+        opts.rounds = 1
+        del sides["runner_no_dashboard"]
     step_s: dict[str, list[float]] = {k: [] for k in sides}
     startup_s: dict[str, list[float]] = {k: [] for k in sides}
     total_s: dict[str, list[float]] = {k: [] for k in sides}

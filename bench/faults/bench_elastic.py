@@ -19,6 +19,8 @@ Reported, from every rank's event log (`time.monotonic`, one clock on one host):
   losses after each change are those of the uninterrupted run, up to the reduction order).
 
 Not in CI; in ``make bench`` (about 8 minutes): ``python bench/faults/bench_elastic.py [--json OUT]``.
+``--smoke`` (`run_all.py --smoke`, in CI) is its smallest piece: the same cluster and the
+uninterrupted run of 6 steps over both nodes, no node lost; its table has the one row.
 """
 
 from __future__ import annotations
@@ -127,7 +129,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         cluster.add_node(NODE_B, num_cpus=1)
         base_dir = os.path.join(work, "baseline")
         baseline = {**fields, "run_name": "baseline", "_records": base_dir, "_step_s": opts.step_s}
+        launched = time.monotonic()
         finish(start_driver(cluster, baseline))
+        if opts.smoke:
+            return smoke_report(records(base_dir), launched, opts, work)
 
         folder = os.path.join(work, "elastic")
         driver = start_driver(
@@ -211,6 +216,38 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def smoke_report(
+    rs: list[dict[str, Any]], launched: float, opts: argparse.Namespace, work: str
+) -> dict[str, Any]:
+    """`--smoke`: the uninterrupted run's records as a report of the same shape, no node lost
+    (the cluster, the driver, both workers over the two nodes, the event logs, the table)."""
+    begins = {r["attempt"]: r for r in rs if r["event"] == "on_train_begin" and r["rank"] == 0}
+    sizes = [begins[a]["world_size"] for a in sorted(begins)]
+    if sizes != [2]:
+        raise RuntimeError(f"expected one attempt on 2 workers, got sizes {sizes}")
+    first = steps_of(rs, min(begins))[0]
+    rows = [
+        {
+            "change": "none (--smoke: no node lost)",
+            "to first step (s)": round(first["t"] - launched, 1),
+            "steps trained again": 0,
+            "with periodic saves only": 0,
+        }
+    ]
+    if not opts.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "name": "elastic",
+        "machine": machine(),
+        "baseline": "an uninterrupted run on both nodes, same seed and global batch",
+        "rows": rows,
+        "worker_sizes": sizes,
+        "steps_logged": len(losses(rs)),
+        "options": vars(opts),
+        "table": table(rows) + f"\n\n--smoke: {len(losses(rs))} steps logged, sizes {sizes}",
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-steps", type=int, default=240)
@@ -227,12 +264,20 @@ def main() -> None:
         "resize cannot let the run end first)",
     )
     p.add_argument("--quick", action="store_true", help="a shorter run (smoke test)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the cluster and the uninterrupted run only, 6 steps: no node lost (run_all.py "
+        "--smoke)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--json", help="write the report here")
     opts = p.parse_args()
     if opts.quick:
         opts.max_steps, opts.step_s = 120, 0.25
         opts.save_every, opts.lose_at, opts.away, opts.hold_at = 50, 55, 10, 110
+    if opts.smoke:
+        opts.max_steps, opts.step_s, opts.save_every = 6, 0.0, 3
     emit(run(opts), opts.json)
 
 

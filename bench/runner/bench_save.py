@@ -32,11 +32,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests", "support")  # slow filesystem
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
-import _bench_path  # noqa: E402
+import _bench_path  # noqa: E402, F401
 
 sys.path.insert(0, TESTS)
 
-from _support import emit, machine, table  # noqa: E402
+from _support import emit, init_ray, machine, table  # noqa: E402
 
 from callbacks import TrainerCallback  # noqa: E402
 
@@ -144,8 +144,7 @@ def main() -> dict:
         for i in range(2000):
             words = [TINY_WORDS[(i * 7 + j) % len(TINY_WORDS)] for j in range(40)]
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([*_bench_path.FOLDERS, TESTS])}})  # fmt: skip
+    init_ray(num_cpus=4, extra_paths=(TESTS,))
     clocks: dict[tuple, dict] = {}
     for strategy in opts.strategies.split(","):
         clocks[(strategy, "-", "none")] = one_run(strategy, "local", "none", opts, model, data)

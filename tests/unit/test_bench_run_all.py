@@ -285,3 +285,98 @@ def test_smoke_fails_on_a_benchmark_without_a_normalised_report(bad, tmp_path, m
         and "[bad]" in printed
         and "[good]" not in printed.split("SMOKE RUN FAILED")[1]
     )
+
+
+# ---- the smoke run's own settings --------------------------------------------------------------
+
+# The arguments of a full run, as `make bench` has always run them: a smoke setting changed in
+# the registry must never reach them.
+FULL_ARGS = {"hf_trainer_1rank": ["--num-workers", "1", "--rounds", "3"]}
+
+
+def test_a_full_run_keeps_its_arguments():
+    for name in run_all.BENCHES:
+        assert run_all.bench_args(name, "full") == FULL_ARGS.get(name, []), name
+
+
+@pytest.mark.parametrize("name", sorted(run_all.BENCHES))
+def test_every_smoke_flag_is_one_its_script_parses(name):
+    """A smoke argument its script does not know fails in CI after minutes: here, at once."""
+    source = (BENCH / run_all.BENCHES[name].script).read_text()
+    flags = [a for a in run_all.bench_args(name, "smoke") if a.startswith("--")]
+    assert flags, f"{name}: no smoke setting of its own"
+    for flag in flags:
+        assert f'"{flag}"' in source, f"{name}: {flag} is not an option of its script"
+
+
+def test_smoke_arguments_name_the_runs_own_work_folder(tmp_path, monkeypatch, capsys):
+    """data_scale's `--dir {work}/...`: never the folder a full run beside it writes."""
+    _registry(tmp_path, monkeypatch, {"good": GOOD})
+    bench = run_all.BENCHES["good"]
+    monkeypatch.setitem(run_all.BENCHES, "good", run_all.Bench(
+        bench.script, "good", "b", smoke=["--dir", "{work}/data_scale"]))  # fmt: skip
+    assert run_all.main(["--smoke", "--out", str(tmp_path / "out")]) == 0
+    work = capsys.readouterr().out.split("logs and raw reports in ", 1)[1].split(";", 1)[0]
+    args = json.loads((tmp_path / "out" / "results.json").read_text())["benchmarks"]["good"]
+    assert args["args"] == ["--dir", f"{work}/data_scale"]
+
+
+class _FakeSharedRay:
+    """Stands in for `run_all.SharedRay` (a real `ray start`): records its start and stop."""
+
+    log: list[str] = []
+
+    def __init__(self) -> None:
+        self.cluster = type("C", (), {"gcs_address": "127.0.0.2:1"})()
+
+    def start(self) -> None:
+        self.log.append("start")
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "RAY_ADDRESS": self.cluster.gcs_address}
+
+    def stop(self) -> None:
+        self.log.append("stop")
+
+
+SEES_ADDRESS = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |",
+           "address": os.environ.get("RAY_ADDRESS")}, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_smoke_shares_one_ray_with_the_benchmarks_that_join_it_and_stops_it(
+    crash, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    scripts = {"joins": SEES_ADDRESS, "alone": SEES_ADDRESS} | ({"crash": CRASH} if crash else {})
+    _registry(tmp_path, monkeypatch, scripts)
+    for name in ("joins", "crash"):
+        if name in run_all.BENCHES:
+            b = run_all.BENCHES[name]
+            monkeypatch.setitem(run_all.BENCHES, name, run_all.Bench(
+                b.script, name, "b", smoke=["--s"], shares_ray=True))  # fmt: skip
+    monkeypatch.setattr(run_all, "SharedRay", _FakeSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--out", str(out)]) == (1 if crash else 0)
+    results = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert results["joins"]["address"] == "127.0.0.2:1"
+    assert results["alone"]["address"] is None  # elastic, memory: Ray of their own or none
+    assert _FakeSharedRay.log == ["start", "stop"]  # stopped also after a failed benchmark
+
+
+def test_a_full_run_and_a_smoke_run_without_ray_start_no_shared_ray(tmp_path, monkeypatch):
+    _registry(tmp_path, monkeypatch, {"joins": SEES_ADDRESS, "alone": SEES_ADDRESS})
+    b = run_all.BENCHES["joins"]
+    monkeypatch.setitem(run_all.BENCHES, "joins", run_all.Bench(
+        b.script, "joins", "b", smoke=["--s"], shares_ray=True))  # fmt: skip
+    monkeypatch.setattr(run_all, "SharedRay", _FakeSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--only", "joins", "--out", str(out)]) == 0
+    assert run_all.main(["--smoke", "--only", "alone", "--out", str(out)]) == 0
+    assert _FakeSharedRay.log == []
