@@ -168,6 +168,7 @@ BENCHES: dict[str, Bench] = {
         smoke=["--rounds", "5", "--block", "3", "--warmup", "1"],
         target=1.2,
         target_note="the runner's step at most 1.2x the bare loop's (issue 49)",
+        shares_ray=True,
     ),
     "eval": Bench(
         "eval/bench_eval.py",
