@@ -184,7 +184,7 @@ def _resolve_loss_function(model: nn.Module) -> None:
     property looks the function up at every call, and for a model whose class name names no
     loss (GPT-2's ``GPT2LMHeadModel``: ``loss_type`` None) it calls ``logger.warning_once``
     first, which dynamo cannot trace: a graph break in every compiled step that computes the
-    model's own loss (tests/unit/test_compile_graphs.py). The pinned function is the one the
+    model's own loss (tests/unit/test_model_parallel_compile_graphs.py). The pinned function is the one the
     property returns (``ForCausalLMLoss`` for such a model), so the loss is unchanged."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     loss = getattr(type(inner), "loss_function", None)
