@@ -169,6 +169,7 @@ def _compile(model: nn.Module, args: TrainingArgs) -> None:
     problem = missing_compile_toolchain(args.use_gpu)
     if problem:
         raise RuntimeError(problem)
+    _resolve_loss_function(model)
     if args.strategy == "fsdp":
         for block in find_blocks(model, args.fsdp_shard_modules):
             block.compile()
@@ -176,6 +177,19 @@ def _compile(model: nn.Module, args: TrainingArgs) -> None:
         from ray_trainer._worker.model.chunked_loss import chunked_body
 
         (chunked_body(model) or model).compile()
+
+
+def _resolve_loss_function(model: nn.Module) -> None:
+    """Pin a Hugging Face model's loss function, resolved once here. Its ``loss_function``
+    property looks the function up at every call, and for a model whose class name names no
+    loss (GPT-2's ``GPT2LMHeadModel``: ``loss_type`` None) it calls ``logger.warning_once``
+    first, which dynamo cannot trace: a graph break in every compiled step that computes the
+    model's own loss (tests/unit/test_model_parallel_compile_graphs.py). The pinned function is the one the
+    property returns (``ForCausalLMLoss`` for such a model), so the loss is unchanged."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    loss = getattr(type(inner), "loss_function", None)
+    if isinstance(loss, property) and loss.fset is not None:
+        inner.loss_function = inner.loss_function  # its setter keeps it on the instance
 
 
 def _shard(model: nn.Module, args: TrainingArgs, device: torch.device, precision: str) -> None:

@@ -1,0 +1,189 @@
+"""`compile=True`: no graph break and no recompile in a training step after its first steps
+(issue 49). torch._dynamo's counters over steps of the loop's own `train_step` (DDP with
+inductor on the CPU, the other cases with "aot_eager": the same dynamo and AOTAutograd graphs,
+without inductor's code generation), on the model, optimizer and loader that the worker's own assembly builds
+(`build_workload`, `prepare`, the step loader), for DDP, FSDP2, packed rows, LoRA and the chunked
+loss. No Ray: one spawned process in a 1-rank gloo group (its own dynamo state and process group),
+where accelerate wraps the model in DDP as on several ranks (dynamo then splits the compiled
+forward at DDP's buckets).
+
+The first steps compile: the model's forward (its blocks under FSDP; the transformer body alone
+with the chunked loss) and its backward at the first step's shapes; a padded batch's second
+length marks the sequence dimension dynamic (one recompile, at the second step). Packed rows
+have one shape (``pad_to`` the packing budget) and compile once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gloo_support import run_ranks
+
+from ray_trainer._data.cache import PieceResult, cache_location, write_meta, write_piece
+from ray_trainer._model.compile_probe import missing_compile_toolchain
+from ray_trainer._storage import locate
+
+MAX_LENGTH = 20
+#: Steps that may compile (see the docstring); none may after them.
+FIRST_STEPS = 2
+CHECKED_STEPS = 2
+#: Each case's TrainingArgs besides the model, the data and compile=True.
+CASES = {
+    "ddp": {"chunked_loss": False},
+    "fsdp": {"strategy": "fsdp", "chunked_loss": False},
+    "packed": {"packing": True, "max_tokens_per_batch": 40, "chunked_loss": False},
+    "lora": {"lora": {"r": 4, "lora_alpha": 8}, "chunked_loss": False},
+    "chunked": {"chunked_loss": True, "loss_chunk_size": 8},
+}
+#: The case compiled with inductor; the others with "aot_eager": dynamo and AOTAutograd exactly
+#: as under inductor (graph breaks and recompiles are theirs), without inductor's C++ code
+#: generation, which took about 170 s a case on 2 cores with an empty cache (847 s for five).
+INDUCTOR_CASES = frozenset({"ddp"})
+
+pytestmark = pytest.mark.skipif(
+    missing_compile_toolchain(False) is not None, reason="no C++ compiler for inductor"
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("graphs")
+    model = make_tiny_causal_lm(root / "model", n_layer=1, n_embd=16, n_positions=48)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(16):  # variable lengths, masked prompts: every padded step its own length
+        n = int(rng.integers(4, MAX_LENGTH))
+        ids = rng.integers(3, 16, n).tolist()
+        cut = int(rng.integers(1, n - 1))
+        samples.append((ids, [-100] * cut + ids[cut:]))
+    location = cache_location(locate(str(root)), "graphs")
+    write_piece(location, 0, samples)
+    lengths = np.array([len(i) for i, _ in samples], dtype=np.int32)
+    targets = np.array([sum(x != -100 for x in lab[1:]) for _, lab in samples], dtype=np.int32)
+    write_meta(location, {}, [PieceResult(0, lengths, targets, len(samples), 0, 0, [])])
+    return str(model), location.name
+
+
+def compiled_steps(rank: int, world: int, model_path: str, cache: str) -> dict:
+    """Each case's dynamo counters after its first steps and after the checked ones."""
+    import torch
+
+    compile_module = torch.nn.Module.compile
+    out = {}
+    for name, fields in CASES.items():
+        backend = "inductor" if name in INDUCTOR_CASES else "aot_eager"
+        torch.nn.Module.compile = lambda m, *a, _b=backend, **k: compile_module(m, *a, **{**k, "backend": _b})  # fmt: skip
+        try:
+            out[name] = _case(rank, world, model_path, cache, fields)
+        finally:
+            torch.nn.Module.compile = compile_module
+    return out
+
+
+def _case(rank: int, world: int, model_path: str, cache: str, fields: dict) -> dict:
+    import torch
+    import torch._dynamo
+    from accelerate import Accelerator
+    from torch._dynamo.utils import counters
+
+    from callbacks import CallbackManager, TrainingContext
+    from ray_trainer import TrainingArgs
+    from ray_trainer._worker.assemble import _loader, _optimizer
+    from ray_trainer._worker.model.parallel import Replicated, prepare
+    from ray_trainer._worker.objectives import worker_objective
+    from ray_trainer._worker.state import WorkerState
+    from ray_trainer._worker.step.hooks import Hooks
+    from ray_trainer._worker.step.loop import train_step
+    from ray_trainer._worker.workload import build_workload
+
+    torch._dynamo.reset()  # a case's compiles are its own
+    counters.clear()
+    args = TrainingArgs(
+        model=model_path, data="unused.jsonl", compile=True, num_workers=world, batch_size=2,
+        max_length=MAX_LENGTH, max_grad_norm=1.0, warmup_steps=0, **fields,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True, mixed_precision="no")
+    objective = worker_objective(args)
+    workload = build_workload(args, objective, {"data": cache})
+    loader = _loader(args, workload, world, rank)
+
+    def make_optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return _optimizer(m, args, acc.device)
+
+    parallel = prepare(workload.model, args, acc, make_optimizer, "no", workload.materialize)
+    if isinstance(parallel, Replicated):  # accelerate wraps it in a gloo group of one rank too
+        assert isinstance(parallel.model, torch.nn.parallel.DistributedDataParallel)
+    ctx = TrainingContext(rank=rank, world_size=world, model=parallel.module())
+    s = WorkerState(
+        spec=None, args=args, rank=rank, world_size=world, accelerator=acc, parallel=parallel,
+        model=parallel.model, optimizer=parallel.optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda _: 1.0),
+        workload=workload, loader=loader, hooks=Hooks(CallbackManager(), ctx), ctx=ctx,
+        total_steps=FIRST_STEPS + CHECKED_STEPS, steps_per_epoch=loader.steps_per_epoch,
+    )  # fmt: skip
+    steps = loader.steps(0)
+    widths, losses = [], []
+    for i in range(FIRST_STEPS + CHECKED_STEPS):
+        if i == FIRST_STEPS:
+            first = {k: dict(v) for k, v in counters.items()}
+        micro = next(steps)
+        widths.append(sorted({m.batch["input_ids"].shape[1] for m in micro}))
+        agreed = train_step(s, micro).result()
+        losses.append(agreed.loss_sum * workload.norm / max(agreed.targets, 1))
+    after = {k: dict(v) for k, v in counters.items()}
+    torch._dynamo.reset()
+    return {"first": first, "after": after, "widths": widths, "losses": losses}
+
+
+@pytest.fixture(scope="module")
+def results(setup):
+    """Every case's counters, from one spawned process (imports and gloo set up once)."""
+    model_path, cache = setup
+    (by_case,) = run_ranks(compiled_steps, 1, model_path, cache)
+    assert set(by_case) == set(CASES)
+    return by_case
+
+
+#: Packed rows recompile when a row's layout changes: `PackedLayout` reaches the compiled model
+#: (down to its attention) as a list of groups, each group's gather/keep/place tensors of a size
+#: that changes from row to row (the first change recompiles with them dynamic: "tensor
+#: 'kwargs['packed'].groups[0][0]' size mismatch at index 0. expected 51, actual 57", at the
+#: third step here), and the number of groups is a list length dynamo guards on.
+PACKED_RECOMPILES = pytest.mark.xfail(
+    strict=True,
+    reason="a packed row's PackedLayout changes size from row to row: the compiled model "
+    "recompiles for a new layout (issue 49, part 1: not fixed yet)",
+)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=PACKED_RECOMPILES) if c == "packed" else c for c in CASES]
+)
+def test_no_graph_break_and_no_recompile_after_the_first_steps(results, case):
+    assert _problems(results[case]) == []
+
+
+def test_the_checked_steps_change_shape_where_a_padded_batch_does(results):
+    # A padded batch's length changes from step to step (the dynamic dimension is exercised);
+    # packed rows keep one width (compile=True pads them to the packing budget).
+    assert len({w for ws in results["ddp"]["widths"] for w in ws}) > 1
+    assert {w for ws in results["packed"]["widths"] for w in ws} == {40}
+
+
+def _problems(r: dict) -> list:
+    """What a case's counters show wrong: nothing compiled, a graph break (dynamo's reason),
+    a frame compiled after the first steps (a recompile or a new frame), a loss not finite."""
+    first, after = r["first"], r["after"]
+    found = []
+    if first.get("stats", {}).get("unique_graphs", 0) < 1:  # else nothing was checked
+        found.append(("nothing compiled", first))
+    if after.get("graph_break"):
+        found.append(("graph breaks", after["graph_break"]))
+    if after.get("frames") != first.get("frames") or after.get("stats") != first.get("stats"):
+        found.append(("compiled after the first steps", first, after))
+    if not all(np.isfinite(r["losses"])):
+        found.append(("loss not finite", r["losses"]))
+    return found
