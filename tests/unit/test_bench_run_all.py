@@ -291,7 +291,10 @@ def test_smoke_fails_on_a_benchmark_without_a_normalised_report(bad, tmp_path, m
 
 # The arguments of a full run, as `make bench` has always run them: a smoke setting changed in
 # the registry must never reach them.
-FULL_ARGS = {"hf_trainer_1rank": ["--num-workers", "1", "--rounds", "3"]}
+FULL_ARGS = {
+    "hf_trainer_1rank": ["--num-workers", "1", "--rounds", "3"],
+    "host_step": ["--rounds", "30", "--block", "20"],
+}
 
 
 def test_a_full_run_keeps_its_arguments():
