@@ -266,7 +266,7 @@ def table_1(opts: argparse.Namespace, cpu: bool) -> dict:
     unknown = sorted(set(wanted) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-    if "bare_compiled" not in wanted:
+    if "bare_compiled" not in wanted and not opts.no_baseline:
         wanted.insert(0, "bare_compiled")  # the baseline every ratio is taken against
     seconds, skipped = {}, {}
     for key in wanted:
@@ -279,7 +279,7 @@ def table_1(opts: argparse.Namespace, cpu: bool) -> dict:
             continue
         _release_device_memory()
         print(f"{label}: {seconds[key] * 1e3:.1f} ms/step", flush=True)
-    base = seconds["bare_compiled"]
+    base = seconds.get("bare_compiled")
     rows = []
     for key in wanted:
         label = CONFIGS[key][0]
@@ -297,7 +297,7 @@ def table_1(opts: argparse.Namespace, cpu: bool) -> dict:
                 "tokens/s": f"{tokens:,.0f}",
                 "MFU": "-" if value is None else f"{value:.1%}",
                 "vs compiled bare loop": "-"
-                if key in LLAMA_CONFIGS
+                if key in LLAMA_CONFIGS or base is None
                 else f"{seconds[key] / base:.3f}",
             }
         )
@@ -321,6 +321,12 @@ def main() -> dict:
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--configs", default=None, help="table 1's configurations, in this order (default: all)"
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="table 1 without the compiled bare loop (for a pair of --configs compared "
+        "with each other, e.g. runner_compiled,runner_compiled_cb)",
     )
     parser.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU")
     opts = parser.parse_args()

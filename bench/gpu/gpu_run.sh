@@ -7,6 +7,7 @@
 # Usage (from the checkout's root, .whl/ carried):  bash bench/gpu/gpu_run.sh SECONDS TABLE...
 #   e.g.  bash bench/gpu/gpu_run.sh 170 2 3 5      (at most 170 s a table)
 #   STEPS=120 CONFIGS=runner_compiled,hf_compiled bash bench/gpu/gpu_run.sh 400 1   (part of table 1)
+#   BASELINE=0 CONFIGS=runner_compiled,runner_compiled_cb bash bench/gpu/gpu_run.sh 300 1   (a pair alone)
 set -uo pipefail
 limit=$1
 shift
@@ -23,6 +24,7 @@ for table in "$@"; do
   extra=()
   [ "$table" = 1 ] && extra=(--steps "${STEPS:-150}" --skip 50)  # about 6 minutes, not 10
   [ "$table" = 1 ] && [ -n "${CONFIGS:-}" ] && extra+=(--configs "$CONFIGS")
+  [ "$table" = 1 ] && [ "${BASELINE:-1}" = 0 ] && extra+=(--no-baseline)
   timeout "$limit" python3 bench/gpu/bench_gpu.py --table "$table" "${extra[@]}" \
     --json "$out/gpu-$table.json" > "$out/gpu-$table.log" 2>&1
   echo "== table $table: exit $?, $(( $(date +%s) - started )) s"
