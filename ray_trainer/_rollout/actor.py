@@ -63,8 +63,14 @@ class RolloutActor:
         return self.engine.finish_sync(version)
 
     def info(self) -> dict[str, Any]:
-        """Who answers: the backend, the policy version held, the process id."""
-        return {"backend": self.backend, "version": self.engine.version, "pid": os.getpid()}
+        """Who answers: the backend, the policy version held, the device, the process id."""
+        device = getattr(self.engine, "device", None)
+        return {
+            "backend": self.backend,
+            "version": self.engine.version,
+            "device": None if device is None else str(device),
+            "pid": os.getpid(),
+        }
 
     def close(self) -> None:
         self.engine.close()
