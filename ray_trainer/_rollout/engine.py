@@ -65,7 +65,9 @@ class EngineSpec:
             base as the trainer does and each sync loads the adapter only; None: full weights.
         device: ``"cpu"``, ``"cuda"`` ... (default: ``"cuda"`` where the process sees a GPU).
         dtype: the engine's weights' dtype, a torch dtype name (``"float32"``).
-        batch_size: sequences per ``generate`` call and per log-prob forward.
+        batch_size: sequences per ``generate`` call and, at most, per log-prob forward.
+        logits_bytes: the most memory one log-prob forward's logits may take: fewer sequences
+            go into a forward where the vocabulary or the completions are long.
         eos_token_ids: the tokens that end a completion (default: every id the model's
             generation config declares, as TRL takes them).
         pad_token_id: the padding id (default: the model's, else the first end id).
@@ -76,12 +78,15 @@ class EngineSpec:
     device: str | None = None
     dtype: str = "float32"
     batch_size: int = 64
+    logits_bytes: int = 2**30
     eos_token_ids: list[int] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
+        for name in ("batch_size", "logits_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 class RolloutEngine(abc.ABC):

@@ -49,7 +49,10 @@ class HfEngine(RolloutEngine):
         for config in (self.model.generation_config, self.model.config):
             pad = pad if pad is not None else getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
-        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # peft's wrapper passes its keyword arguments on to the base model's forward.
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self._keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
+        self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
         self._receiver: Receiver | None = None
 
     @classmethod
@@ -133,13 +136,17 @@ class HfEngine(RolloutEngine):
     ) -> list[list[float]]:
         """Per-token log-probs of each ``(prompt, completion)``: teacher-forced forwards of
         right-padded batches, ``log_softmax(logits / temperature)`` at each completion token,
-        the logits kept from the shortest prompt's last position on."""
+        the logits kept from the shortest prompt's last position on; a forward's logits stay
+        within ``logits_bytes`` (one sequence at least)."""
         import torch
 
+        longest = max((len(p) + len(c) for p, c in pairs), default=1)
+        per_row = longest * self._vocab * 4  # fp32 logits of one sequence, at most
+        rows = max(1, min(self.spec.batch_size, self.spec.logits_bytes // per_row))
         out: list[list[float]] = []
         with torch.inference_mode():
-            for start in range(0, len(pairs), self.spec.batch_size):
-                chunk = pairs[start : start + self.spec.batch_size]
+            for start in range(0, len(pairs), rows):
+                chunk = pairs[start : start + rows]
                 seqs = [p + c for p, c in chunk]
                 width = max(len(s) for s in seqs)
                 ids = torch.tensor(

@@ -76,6 +76,11 @@ def test_the_logprobs_are_a_teacher_forced_forwards_at_the_temperature(spec):
         expected = trainer_logprobs(trainer, probe)
         assert logprob_diff(c.logprobs, expected) < 1e-5
         assert logprob_diff(engine.logprobs(c.prompt_ids, c.completion_ids, 0.7), expected) < 1e-5
+    # One sequence per forward (its logits bounded to 1 byte) gives the same numbers.
+    narrow = HfEngine.build(EngineSpec(spec.model, batch_size=4, logits_bytes=1))
+    pairs = [(c.prompt_ids, c.completion_ids) for c in completions]
+    for c, logprobs in zip(completions, narrow.sequence_logprobs(pairs, 0.7), strict=True):
+        assert logprob_diff(logprobs, c.logprobs) < 1e-5
     c = completions[0]
     at_one = trainer_logprobs(trainer, Probe.of(c, temperature=1.0))
     assert logprob_diff(c.logprobs, at_one) > 1e-3  # the temperature is in them
