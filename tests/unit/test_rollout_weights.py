@@ -1,8 +1,9 @@
 """Weights in buckets (`_rollout/weights.py`, `_rollout/transport.py`): every bucket within its
 bound, a tensor larger than a bucket cut into slices, what arrives equal bit for bit to what was
 sent, and the receiver's refusals (a name it does not hold, a sync that missed a tensor or sent
-one twice, a bucket outside a sync). Under FSDP2 on two real gloo ranks (no Ray), the sender
-gathers one parameter at a time and the engine gets the whole model."""
+one twice, a bucket outside a sync). Under FSDP2 on two real gloo ranks (no Ray), the chat
+model sharded as a training worker shards it: the sender gathers one parameter at a time and the
+hf engine then scores the probe as the sharded forward does (1e-5)."""
 
 from __future__ import annotations
 
@@ -136,32 +137,54 @@ def test_the_receiver_refuses_what_it_cannot_apply():
         list(buckets([("w", torch.zeros(2))], max_bytes=2))
 
 
-def sharded_sync(rank: int, world: int) -> dict:
-    """Both ranks: a model sharded with FSDP2, its parameters gathered one at a time; rank 0
-    sends them into a plain copy in buckets smaller than one parameter."""
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
+def sharded_sync(rank: int, world: int, model_path: str) -> dict:
+    """Both ranks: the chat model as a training worker shards it under FSDP2 (built on the meta
+    device, filled per rank), its weights moved; its parameters gathered one at a time, rank 0
+    sending them into an hf engine in buckets, then the probe against the sharded forward."""
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._rollout.engine import EngineSpec
+    from ray_trainer._rollout.engine_hf import HfEngine
+    from ray_trainer._rollout.probe import Probe, logprob_diff, trainer_logprobs
+    from ray_trainer._worker.model.build import build_model
+    from ray_trainer._worker.model.parallel import _shard
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
-    whole = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
-    sharded = [type(p).__name__ for p in model.parameters()]
+    args = TrainingArgs(model=model_path, strategy="fsdp")
+    spec = ModelSpec.of(args)
+    model, fill = build_model(spec)
+    _shard(model, args, torch.device("cpu"), "no")
+    fill(model, torch.device("cpu"))
+    with torch.no_grad():  # the trainer's weights move away from the files'
+        for p in model.parameters():
+            p.to_local().mul_(1.5)
+    kinds = sorted({type(p).__name__ for p in model.parameters()})
+    probe = Probe((5, 6, 7, 8), (9, 10, 11, 12, 13))
     named = full_tensors(model.named_parameters())
     if rank != 0:
         for _ in named:  # the other ranks enter each gather beside rank 0
             pass
-        return {"sharded": sharded}
-    holder = _Holder(whole)
-    stats = sync_weights(LocalTransport(holder), named, 1, bucket_bytes=64)
-    same = {n: torch.equal(holder.tensors[n], whole[n]) for n in whole}
-    return {"sharded": sharded, "same": same, "largest": stats.largest_bucket}
+        trainer_logprobs(model, probe)  # the sharded forward: a collective too
+        return {"kinds": kinds}
+    engine = HfEngine.build(EngineSpec(spec, device="cpu"))
+    scored = (list(probe.prompt_ids), list(probe.completion_ids), probe.temperature)
+    before = engine.logprobs(*scored)
+    stats = sync_weights(LocalTransport(engine), named, 1, bucket_bytes=16384)
+    trainer = trainer_logprobs(model, probe)
+    return {
+        "kinds": kinds,
+        "moved": logprob_diff(before, trainer),
+        "diff": logprob_diff(engine.logprobs(*scored), trainer),
+        "largest": stats.largest_bucket,
+        "buckets": stats.buckets,
+    }
 
 
-def test_fsdp2_weights_are_gathered_one_at_a_time_and_arrive_whole():
-    r0, r1 = run_ranks(sharded_sync, 2)
-    assert set(r0["sharded"]) == set(r1["sharded"]) == {"DTensor"}
-    assert r0["same"] and all(r0["same"].values()), r0["same"]
-    assert r0["largest"] <= 64
+def test_fsdp2_weights_are_gathered_one_at_a_time_into_the_engine(tmp_path):
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    path = make_tiny_chat_model(tmp_path / "chat")
+    r0, r1 = run_ranks(sharded_sync, 2, str(path))
+    assert r0["kinds"] == r1["kinds"] == ["DTensor"]
+    assert r0["moved"] > 1e-3  # the engine started from other weights
+    assert r0["diff"] < 1e-5  # and holds the sharded trainer's after the sync
+    assert r0["largest"] <= 16384 and r0["buckets"] > 1
