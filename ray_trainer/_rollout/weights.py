@@ -177,11 +177,14 @@ class Receiver:
             done = self._covered.get(canonical(e.name), 0) + e.numel
             if done > e.total:
                 raise WeightSyncError(f"{e.name}: sent more than once in sync {self.pending}")
-            nbytes = e.numel * torch.empty(0, dtype=getattr(torch, e.dtype)).element_size()
-            raw = np.array(bucket.data[e.offset : e.offset + nbytes])  # own, writable memory
-            source = torch.from_numpy(raw).view(getattr(torch, e.dtype))
-            with torch.no_grad():
-                target.view(-1)[e.start : e.start + e.numel].copy_(source)
+            if e.numel:  # an empty tensor is covered by its entry alone
+                kind = getattr(torch, e.dtype)
+                nbytes = e.numel * torch.empty(0, dtype=kind).element_size()
+                raw = np.array(bucket.data[e.offset : e.offset + nbytes])  # own, writable memory
+                with torch.no_grad():
+                    target.view(-1)[e.start : e.start + e.numel].copy_(
+                        torch.from_numpy(raw).view(kind)
+                    )
             self._covered[canonical(e.name)] = done
         self._bytes += bucket.nbytes
         return bucket.nbytes
