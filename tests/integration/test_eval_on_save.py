@@ -1,12 +1,15 @@
 """EvalOnSave: evaluation tasks on each checkpoint while training goes on (real Ray).
 
 The first test reads the session's `evals_run` (`tests/support/shared_runs.py`, shared with
-`test_faults.py`)."""
+`test_faults.py`). The last one drives a GRPO rollout engine (`ray_trainer/_rollout/`), the
+other engine kept warm in an actor of its own: it generates, takes new weights in buckets
+through the object store without restarting, passes the probe, and is seen dead once killed."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from rt_support import SlowSteps, tiny_run
 
 from callbacks import EvalOnSave
@@ -58,3 +61,46 @@ def test_early_stopping_on_an_eval_on_save_metric_stops_the_run(ray_session, tmp
     assert 12 <= result.global_step < 200
     steps = [e["step"] for e in result.evaluations]
     assert steps[:3] == [4, 8, 12] and steps == sorted(steps)
+
+
+def test_a_rollout_engine_actor_generates_syncs_in_buckets_and_passes_the_probe(
+    ray_session, tmp_path
+):
+    import torch
+
+    from ray_trainer._demo.chat import make_tiny_chat_model
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._rollout.actor import RemoteEngine, RolloutEngineDied
+    from ray_trainer._rollout.engine import EngineSpec, SamplingParams
+    from ray_trainer._rollout.probe import Probe, logprob_diff, trainer_logprobs
+
+    spec = EngineSpec(ModelSpec(model=str(make_tiny_chat_model(tmp_path / "chat"))), device="cpu")
+    engine = RemoteEngine("hf", spec, {"CPU": 0.5}, timeout_s=120)
+    try:
+        params = SamplingParams(num_generations=2, max_completion_length=5, seed=1)
+        before = engine.generate([[5, 6, 7], [8, 9]], params)
+        info = engine.info()
+        assert info["backend"] == "hf" and info["pid"] != os.getpid()
+        assert [c.prompt_index for c in before] == [0, 0, 1, 1]
+        assert {c.version for c in before} == {0}
+        trainer = spec.model.build_model().eval()
+        with torch.no_grad():  # the trainer's weights move
+            generator = torch.Generator().manual_seed(0)
+            for p in trainer.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        stats = engine.sync(trainer.named_parameters(), 1, bucket_bytes=32768)
+        full = sum(p.numel() * p.element_size() for p in trainer.parameters())
+        assert stats.bytes == full and stats.buckets == -(-full // 32768)
+        assert stats.largest_bucket <= 32768 and stats.metrics()["sync/seconds"] > 0
+        after = engine.generate([[5, 6, 7], [8, 9]], params)
+        assert {c.version for c in after} == {1}
+        assert engine.info()["pid"] == info["pid"]  # the same engine, never restarted
+        assert [c.logprobs for c in after] != [c.logprobs for c in before]
+        probe = Probe.of(after[0])
+        assert logprob_diff(engine.probe(probe), trainer_logprobs(trainer, probe)) < 1e-5
+        engine.kill()
+        assert not engine.alive(timeout_s=30)
+        with pytest.raises(RolloutEngineDied):
+            engine.generate([[5, 6, 7]], params)
+    finally:
+        engine.kill()

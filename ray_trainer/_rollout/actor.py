@@ -1,0 +1,186 @@
+"""In the rollout actor (its class) and on rank 0 of the training workers (its handle): an engine on Ray.
+
+`RolloutActor` is the Ray actor that holds one rollout engine for a run, on resources of its own
+(``rollout_resources``: ``{"CPU": 1}``, ``{"GPU": 0.3}`` beside a worker's 0.7 ...). It is
+built once; new weights arrive through the object store (``transport.ObjectStoreTransport``),
+never by restarting it. `RemoteEngine` is how the trainer side uses it: generate, sync, probe,
+each waiting with a timeout, and a dead actor raised as `RolloutEngineDied` (or seen by
+`alive`). Ray does not restart it (``max_restarts=0``): restarting and syncing again is the
+training loop's policy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ray_trainer._rollout.engine import EngineSpec, SamplingParams
+from ray_trainer._rollout.engines import build_engine, resolve_backend
+from ray_trainer._rollout.probe import Probe
+from ray_trainer._rollout.transport import ObjectStoreTransport, sync_weights
+from ray_trainer._rollout.types import Completion
+from ray_trainer._rollout.weights import DEFAULT_BUCKET_BYTES, Bucket, SyncStats
+
+
+class RolloutEngineDied(RuntimeError):
+    """The rollout engine's actor died (its process ended, or its node was lost)."""
+
+
+class RolloutActor:
+    """The Ray actor's class: one engine of `backend` built from `spec` (and `state_dict`).
+
+    Runs in its own Ray worker process; Ray runs its calls one at a time, so a sync's buckets
+    and a rollout never interleave.
+    """
+
+    def __init__(
+        self, backend: str, spec: EngineSpec, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        self.backend = resolve_backend(backend)
+        self.engine = build_engine(self.backend, spec, state_dict)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_indices: list[int] | None = None,
+    ) -> list[Completion]:
+        return self.engine.generate(prompts, params, prompt_indices)
+
+    def logprobs(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float
+    ) -> list[float]:
+        return self.engine.logprobs(prompt_ids, completion_ids, temperature)
+
+    def begin_sync(self, version: int) -> None:
+        self.engine.begin_sync(version)
+
+    def load_bucket(self, bucket: Bucket) -> int:
+        return self.engine.load_bucket(bucket)
+
+    def finish_sync(self, version: int) -> dict[str, Any]:
+        return self.engine.finish_sync(version)
+
+    def info(self) -> dict[str, Any]:
+        """Who answers: the backend, the policy version held, the device, the process id."""
+        device = getattr(self.engine, "device", None)
+        return {
+            "backend": self.backend,
+            "version": self.engine.version,
+            "device": None if device is None else str(device),
+            "pid": os.getpid(),
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def actor_options(resources: dict[str, float] | None) -> dict[str, Any]:
+    """Ray's actor options for ``rollout_resources`` (``{"CPU": 1}``, ``{"GPU": 0.3}``, custom
+    resources), fractions allowed; a resource left out is not taken."""
+    rest = dict(resources if resources is not None else {"CPU": 1})
+    for key, value in rest.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(
+                f"rollout_resources[{key!r}] must be a number >= 0, got {value!r} "
+                '(e.g. {"CPU": 1} or {"GPU": 0.3})'
+            )
+    return {
+        "num_cpus": float(rest.pop("CPU", 0)),
+        "num_gpus": float(rest.pop("GPU", 0)),
+        "resources": {k: float(v) for k, v in rest.items()},
+    }
+
+
+class RemoteEngine:
+    """A rollout engine in its Ray actor, as the trainer side drives it.
+
+    Args:
+        backend: ``"hf"`` or ``"auto"``.
+        spec: how the engine builds its model (`EngineSpec`).
+        resources: the actor's ``rollout_resources`` (default ``{"CPU": 1}``).
+        state_dict: weights to start from instead of the spec's.
+        timeout_s: the longest one call (a rollout, a bucket) may take.
+        options: more Ray actor options (``name``, ``scheduling_strategy`` ...).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        spec: EngineSpec,
+        resources: dict[str, float] | None = None,
+        *,
+        state_dict: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+        **options: Any,
+    ) -> None:
+        import ray
+
+        remote = ray.remote(RolloutActor).options(
+            **actor_options(resources), max_restarts=0, max_task_retries=0, **options
+        )
+        self.actor = remote.remote(backend, spec, state_dict)
+        self.timeout_s = timeout_s
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_indices: list[int] | None = None,
+    ) -> list[Completion]:
+        """The engine's completions (see `RolloutEngine.generate`)."""
+        return self._get(self.actor.generate.remote(prompts, params, prompt_indices))
+
+    def sync(
+        self,
+        named: Iterable[tuple[str, Any]],
+        version: int,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: Any = None,
+    ) -> SyncStats:
+        """Send `named`'s tensors as policy `version`, a bucket at a time through the object
+        store (see `transport.sync_weights`)."""
+        import ray
+
+        transport = ObjectStoreTransport(self.actor, self.timeout_s)
+        try:
+            return sync_weights(transport, named, version, bucket_bytes=bucket_bytes, dtype=dtype)
+        except ray.exceptions.RayActorError as e:
+            raise RolloutEngineDied(f"the rollout engine died during sync {version}: {e}") from e
+
+    def probe(self, probe: Probe) -> list[float]:
+        """The engine's per-token log-probs of the probe completion."""
+        return self._get(
+            self.actor.logprobs.remote(
+                list(probe.prompt_ids), list(probe.completion_ids), probe.temperature
+            )
+        )
+
+    def info(self) -> dict[str, Any]:
+        return self._get(self.actor.info.remote())
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """Whether the actor answers within `timeout_s` (False once it has died)."""
+        import ray
+
+        try:
+            ray.get(self.actor.info.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        return True
+
+    def kill(self) -> None:
+        """End the actor (and its engine) now."""
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise RolloutEngineDied(f"the rollout engine died: {e}") from e
