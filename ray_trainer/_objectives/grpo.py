@@ -225,7 +225,10 @@ def _explain(e: ValidationError) -> str:
             continue
         shown = repr(err.get("input"))
         shown = shown if len(shown) < 80 else shown[:77] + "..."
-        lines.append(f"  - {field}: {err['msg'].removeprefix('Value error, ')} (got {shown})")
+        message = err["msg"].removeprefix("Value error, ")
+        info = GrpoConfig.model_fields.get(name)
+        default = f"; TRL's default is {info.default!r}" if info and err["loc"] else ""
+        lines.append(f"  - {field}: {message} (got {shown}){default}")
     return "\n".join(lines)
 
 

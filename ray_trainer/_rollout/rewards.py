@@ -345,9 +345,11 @@ def score_on_ray(
         try:
             columns.append(ray.get(ref))
         except ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
-            if isinstance(cause, RewardError):
-                raise RewardError(str(cause.args[0]) if cause.args else str(cause)) from None
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RewardError):  # its message has the user's traceback
+                raise RewardError(str(cause)) from None
+            raise RewardError(f"reward function {refs[ref].name!r}'s task failed: {e}") from None
+        except ray.exceptions.RayError as e:  # its worker died, the task was cancelled...
             raise RewardError(f"reward function {refs[ref].name!r}'s task failed: {e}") from None
     return torch.tensor(columns, dtype=torch.float32).T.reshape(len(batch), len(fns))
 
