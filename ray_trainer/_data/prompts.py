@@ -32,6 +32,8 @@ from ray_trainer._data.chat import ChatTemplateError, RecordError, check_message
 from ray_trainer._data.sources import DataFileError
 from ray_trainer._data.template import render, resolve_chat_template
 
+#: What TRL passes reward functions besides a record's fields: no field may take these names.
+_REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 #: TRL 1.16's prompt-only formats, as :func:`prompt_format` names them.
 PROMPT_FORMATS = ("standard", "conversational")
 _EXAMPLE = (
@@ -92,12 +94,12 @@ def check_prompt(record: Any, first: tuple[str, str] | None = None) -> str:
                 "would continue the assistant's message instead of answering; end the prompt "
                 "on the user's (or a tool's) turn, or drop the last message"
             )
-    shadowed = [k for k in record if k in ("prompts", "completions", "completion_ids")]
+    shadowed = [k for k in record if k in _REWARD_ARGUMENTS]
     if shadowed:
         raise RecordError(
             f"field {shadowed[0]!r} would shadow the reward functions' own argument of that "
-            "name (they take prompts, completions, completion_ids and the other fields by "
-            "name); rename the field"
+            f"name (they take {', '.join(_REWARD_ARGUMENTS)} and the other fields by name); "
+            "rename the field"
         )
     if first is not None and fmt != first[0]:
         raise RecordError(

@@ -203,7 +203,7 @@ def _check_signature(fn: Any, name: str, i: int, columns: Sequence[str]) -> None
             f"data: a column named {shadowed[0]!r} would shadow the reward functions' own "
             f"argument of that name ({', '.join(RESERVED)}); rename the column"
         )
-    needed = [n for n in ("prompts", "completions", *columns) if n not in params]
+    needed = [n for n in (*RESERVED, *columns) if n not in params]
     if needed and not var_kw:
         raise TrainingArgsError(
             f"reward_fns[{i}] {name!r} cannot take {', '.join(map(repr, needed))}: reward "

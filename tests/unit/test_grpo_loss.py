@@ -114,6 +114,7 @@ def trl_trainer(tiny, tmp_path_factory):
         output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=4,
         num_generations=2, max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE,
         bf16=False, use_cpu=True, report_to="none", save_strategy="no", disable_dropout=True,
+        gradient_checkpointing=False,
     )  # fmt: skip
 
     def reward(completions, **kwargs):
@@ -131,8 +132,9 @@ CASES = {
     **{t: {"loss_type": t} for t in LOSS_TYPES},
     "grpo+kl": {"loss_type": "grpo", "beta": 0.04},
     "dapo+kl+sequence": {"loss_type": "dapo", "beta": 0.04, "importance_sampling_level": "sequence"},
-    "bnpo+sequence_mask": {"loss_type": "bnpo", "importance_sampling": "sequence_mask"},
-    "dr_grpo+token_truncate": {"loss_type": "dr_grpo", "importance_sampling": "token_truncate"},
+    # Bounds that keep some completions' (tokens') ratios and zero (clamp) others.
+    "bnpo+sequence_mask": {"loss_type": "bnpo", "importance_sampling": ("sequence_mask", 0.5, 2.0)},
+    "dr_grpo+token_truncate": {"loss_type": "dr_grpo", "importance_sampling": ("token_truncate", 0.8, 1.3)},
     "dapo+masked_truncated": {"loss_type": "dapo", "masked_rows": (1, 2)},
 }  # fmt: skip
 
@@ -145,7 +147,7 @@ def test_loss_metrics_and_gradients_equal_trls(tiny, trl_trainer, case):
     masked_rows = options.pop("masked_rows", ())
     beta = options.get("beta", 0.0)
     level = options.get("importance_sampling_level", "token")
-    mode = options.pop("importance_sampling", None)
+    mode, low, cap = options.pop("importance_sampling", (None, None, None))
     inputs = step_inputs(tokenizer, masked_rows)
     policy = load(path)
     old = off_policy(policy, inputs, seed=1)
@@ -160,7 +162,9 @@ def test_loss_metrics_and_gradients_equal_trls(tiny, trl_trainer, case):
         ref_logps=ref if beta else None, sampling_logps=sampling, entropy=entropy,
         mask=inputs["completion_mask"],
     )  # fmt: skip
-    ratio = importance_ratio(tokens, mode, cap=1.3 if mode else None, low=0.8 if mode else None)
+    ratio = importance_ratio(tokens, mode, cap=cap, low=low)
+    if mode is not None:  # the bounds bite: some weights are changed, others kept
+        assert ((ratio == 0) | (ratio == low) | (ratio == cap)).any() and (ratio != 1.0).any()
     loss, metrics = grpo_loss(
         tokens, epsilon=0.2, epsilon_high=0.28, importance_sampling_ratio=ratio,
         max_completion_length=MAX_COMPLETION, **options,

@@ -87,7 +87,11 @@ def test_callables_and_module_function_strings_resolve(module_of_rewards):
         ([exact, "my_rewards_for_test:exact"], {}, "a second reward function named 'exact'"),
         ([exact], {"resources": {"exakt": {"CPU": 1}}}, "reward_resources names 'exakt'"),
         ([exact], {"resources": {"exact": {"CPU": -1}}}, "give a dict of Ray resources"),
-        ([lambda prompts, completions: []], {"columns": ["answer"]}, "cannot take 'answer'"),
+        (
+            [lambda prompts, completions: []],
+            {"columns": ["answer"]},
+            "cannot take 'completion_ids', 'trainer_state', 'answer'",
+        ),
         ([exact], {"columns": ["completions"]}, "a column named 'completions' would shadow"),
     ],
 )
