@@ -16,7 +16,10 @@ function per step, in parallel (:func:`score_on_ray`). In the order a step uses 
   every function returned None for is unscorable: NaN, and advantage 0);
 - :func:`group_advantages`: group-relative advantages (``scale_rewards`` group, batch or none);
   a group of equal rewards gets 0, never NaN;
-- :func:`reward_metrics`, :func:`completion_metrics`: TRL's names for the step's logs.
+- :func:`reward_metrics`, :func:`completion_metrics`: TRL's names for the step's logs;
+- :func:`score_step`: all of it for one step's ``Completion`` records (the rollout engines'
+  records, ``types.py`` beside this module: ``prompt_index``, ``completion_ids``,
+  ``truncated``... read by attribute), grouped by prompt.
 
 Tensors are torch on the CPU; nothing here needs a GPU, and only :func:`score_on_ray` needs Ray.
 """
@@ -451,3 +454,86 @@ def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dic
         "completions/max_length": float(max(lengths, default=0)),
         "completions/clipped_ratio": sum(bool(t) for t in truncated) / n,
     }
+
+
+# -- one step -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoredStep:
+    """One step's completions scored: ``completions`` grouped (each prompt's
+    ``num_generations`` consecutive, prompts in ledger order), and for each of them, in that
+    order, ``per_function`` rewards (``[completions, functions]``, NaN for None), the
+    weighted ``rewards`` and the ``advantages``; ``metrics`` with TRL's names."""
+
+    completions: list[Any]
+    per_function: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    metrics: dict[str, float]
+
+
+def grouped(completions: Sequence[Any], num_generations: int) -> list[Any]:
+    """``completions`` (records with a ``prompt_index``) in groups: by prompt position, each
+    prompt's completions in the order the engines returned them. Raises ``ValueError`` when a
+    prompt has other than ``num_generations`` completions (a rollout lost or repeated one)."""
+    order = sorted(range(len(completions)), key=lambda i: completions[i].prompt_index)
+    out = [completions[i] for i in order]
+    counts: dict[int, int] = {}
+    for c in out:
+        counts[c.prompt_index] = counts.get(c.prompt_index, 0) + 1
+    wrong = {p: n for p, n in counts.items() if n != num_generations}
+    if wrong:
+        p, n = next(iter(wrong.items()))
+        raise ValueError(
+            f"prompt {p} has {n} completions, GRPO groups num_generations={num_generations} "
+            "per prompt: a rollout returned too few or too many"
+        )
+    return out
+
+
+def score_step(
+    completions: Sequence[Any],
+    prompts: Any,
+    fns: Sequence[RewardFunction],
+    *,
+    num_generations: int,
+    decode: Callable[[list[int]], str],
+    scale_rewards: str = "group",
+    weights: Sequence[float] | None = None,
+    state: RewardState | None = None,
+    on_ray: bool = True,
+    timeout_s: float | None = None,
+) -> ScoredStep:
+    """Score one step's ``Completion`` records: group them (:func:`grouped`), build the
+    reward functions' batch (``prompts[c.prompt_index]`` has the record's ``prompt`` and
+    ``columns``, e.g. an ``EncodedPrompt``; ``decode`` turns ids into text, skipping special
+    tokens as TRL does; a conversational prompt's completion becomes an assistant message),
+    call the functions (as Ray tasks with ``on_ray``), and turn their rewards into advantages
+    and metrics. Runs in the process that drives the rollouts."""
+    ordered = grouped(completions, num_generations)
+    texts = [decode(list(c.completion_ids)) for c in ordered]
+    records = [prompts[c.prompt_index] for c in ordered]
+    names = sorted({k for r in records for k in r.columns})
+    batch = RewardBatch(
+        prompts=[r.prompt for r in records],
+        completions=[
+            [{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t
+            for r, t in zip(records, texts, strict=True)
+        ],
+        completion_ids=[list(c.completion_ids) for c in ordered],
+        columns={k: [r.columns.get(k) for r in records] for k in names},
+        prompt_index=[c.prompt_index for c in ordered],
+    )
+    if on_ray:
+        per_function = score_on_ray(fns, batch, state, timeout_s)
+    else:
+        per_function = score(fns, batch, state)
+    w = reward_weights(weights, fns)
+    rewards = combine_rewards(per_function, w)
+    advantages, zero_std = group_advantages(rewards, num_generations, scale_rewards)
+    metrics = reward_metrics(per_function, [f.name for f in fns], w, zero_std)
+    metrics.update(
+        completion_metrics([len(c.completion_ids) for c in ordered], [c.truncated for c in ordered])
+    )
+    return ScoredStep(list(ordered), per_function, rewards, advantages, metrics)

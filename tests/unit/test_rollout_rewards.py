@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 import sys
 import types
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from ray_trainer._rollout.rewards import (
     reward_metrics,
     reward_weights,
     score,
+    score_step,
 )
 
 
@@ -244,3 +247,52 @@ def test_reward_and_completion_metrics_have_trls_names():
         "completions/max_length": 8.0,
         "completions/clipped_ratio": 0.25,
     }
+
+
+# -- one step's Completion records ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A stand-in for the rollout engines' record (the fields this side reads)."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+    version: int = 0
+
+
+def test_a_steps_completions_are_grouped_scored_and_turned_into_advantages():
+    prompts = {
+        3: SimpleNamespace(prompt="2+2=", columns={"answer": "4"}),
+        5: SimpleNamespace(prompt=[{"role": "user", "content": "3+3?"}], columns={"answer": "6"}),
+    }
+    words = {1: "4", 2: "5", 3: "6"}
+    # The engines return the completions out of prompt order.
+    completions = [
+        Completion(5, [9], [3], [-0.1], False),
+        Completion(3, [8], [1], [-0.2], False),
+        Completion(5, [9], [2, 2, 2], [-0.3] * 3, True),
+        Completion(3, [8], [2], [-0.4], False),
+    ]
+
+    def match(prompts, completions, answer, **kwargs):
+        text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        return [float(t.startswith(a)) for t, a in zip(text, answer, strict=True)]
+
+    fns = resolve_reward_fns([match], columns=["answer"])
+    step = score_step(
+        completions, prompts, fns, num_generations=2, on_ray=False,
+        decode=lambda ids: "".join(words[i] for i in ids),
+    )  # fmt: skip
+    assert [c.prompt_index for c in step.completions] == [3, 3, 5, 5]
+    assert step.per_function[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert step.advantages[0] > 0 > step.advantages[1] and step.advantages[2] > 0
+    assert step.metrics["reward"] == 0.5 and step.metrics["completions/clipped_ratio"] == 0.25
+    assert step.metrics["completions/max_length"] == 3.0
+    with pytest.raises(
+        ValueError, match="prompt 5 has 1 completions, GRPO groups num_generations=2"
+    ):
+        score_step(completions[1:], prompts, fns, num_generations=2, on_ray=False, decode=str)
