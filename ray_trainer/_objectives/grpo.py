@@ -275,5 +275,7 @@ GRPO = Objective(
     fields=("grpo", "reward_fns"),
     check=check_args,
     needs_reference=_needs_reference,
-    metrics=LOSS_METRICS,
+    # The rollout side's (rewards, completions) then the loss's; each step also logs
+    # rewards/<fn>/mean and rewards/<fn>/std per reward function, named at run time.
+    metrics=(*ROLLOUT_METRICS, *LOSS_METRICS),
 )

@@ -17,6 +17,7 @@ from ray_trainer._objectives.grpo import (
     IMPORTANCE_SAMPLING,
     LOSS_METRICS,
     LOSS_TYPES,
+    ROLLOUT_METRICS,
     SCALE_REWARDS,
     GrpoConfig,
 )
@@ -90,7 +91,10 @@ def test_grpo_is_described_but_not_registered_until_its_loop_is_wired():
         TrainingArgs.coerce(objective="grpo")
     assert GRPO.name == "grpo" and GRPO.takes("prompts") and not GRPO.takes("messages")
     assert GRPO.fields == ("grpo", "reward_fns") and not GRPO.needs_reference(None)
-    assert GRPO.metrics == LOSS_METRICS and "clip_ratio/region_mean" in GRPO.metrics
+    assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS)
+    for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
+                 "clip_ratio/region_mean", "kl", "entropy"):  # fmt: skip
+        assert name in GRPO.metrics, name
 
 
 def test_grpo_refuses_a_custom_loss_and_no_data():
