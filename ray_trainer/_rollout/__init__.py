@@ -1,6 +1,8 @@
-"""Every process that takes part in online RL: rollouts, their rewards, and what they produce.
+"""Every process of an online-RL run: the rollout side of GRPO (engines, weight sync, rewards).
 
-A package shared by the driver, the rollout engines' actors and the reward tasks; import each
-name from the module that defines it (``rewards``: the reward functions, their rewards and the
-advantages). It holds no code of its own, so the modules beside each other import nothing here.
+The rollout engines live here behind one seam (``engines.py``: a registry of backends, ``"hf"``
+now), with the weights they receive (``weights.py``, ``transport.py``), the check that they
+hold the trainer's weights (``probe.py``), the Ray actor that hosts one (``actor.py``), and the
+record both sides use (``types.py``). Nothing here imports a process room (``_worker``,
+``_actor``, ``_driver``). See docs/rl.md, "Rollout engines".
 """
