@@ -64,7 +64,7 @@ def step_inputs(tokenizer, masked_rows=()) -> dict:
     pad = tokenizer.pad_token_id
     prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    completion_ids = torch.randint(10, 1000, (len(LENGTHS), MAX_COMPLETION), generator=g)
+    completion_ids = torch.randint(10, len(tokenizer), (len(LENGTHS), MAX_COMPLETION), generator=g)
     full = torch.tensor([[1] * n + [0] * (MAX_COMPLETION - n) for n in LENGTHS])
     completion_ids = completion_ids.masked_fill(full == 0, pad)
     mask = full.clone()
@@ -98,7 +98,7 @@ def off_policy(model, inputs, seed: int) -> torch.Tensor:
     with torch.no_grad():
         logps, _ = per_token(model, inputs)
     g = torch.Generator().manual_seed(seed)
-    return logps + (torch.rand(logps.shape, generator=g) - 0.5) * 0.8
+    return logps + (torch.rand(logps.shape, generator=g) - 0.5) * 1.6
 
 
 @pytest.fixture(scope="module")
@@ -319,13 +319,12 @@ def part_tokens(head, problem, first: int, count: int) -> CompletionTokens:
     """The completions [first, first + count) as one micro-batch (its own sequence numbers)."""
     hidden, _, targets, sequence, mask, advantages, fixed = problem
     keep = (sequence >= first) & (sequence < first + count)
-    logps = (
-        torch.log_softmax(hidden[keep] @ head.T, -1).gather(1, targets[keep][:, None]).squeeze(1)
-    )
+    logp = torch.log_softmax(hidden[keep] @ head.T, -1)
     return CompletionTokens(
-        logps, sequence[keep] - first, advantages[first : first + count], mask=mask[keep],
-        old_logps=fixed["old"][keep], ref_logps=fixed["ref"][keep],
-        sampling_logps=fixed["sampling"][keep], entropy=torch.rand(int(keep.sum())),
+        logp.gather(1, targets[keep][:, None]).squeeze(1), sequence[keep] - first,
+        advantages[first : first + count], mask=mask[keep], old_logps=fixed["old"][keep],
+        ref_logps=fixed["ref"][keep], sampling_logps=fixed["sampling"][keep],
+        entropy=-(logp.exp() * logp).sum(-1).detach(),
     )  # fmt: skip
 
 
