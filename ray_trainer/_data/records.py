@@ -2,8 +2,9 @@
 
 :func:`scan` runs in the driver before Ray starts (skipped when the run's token cache already
 holds the source): it reads every record once, checks its shape for the source's format
-(``chat.check_record``, or for preference pairs ``preference.check_in_file``: pure Python, no
-tokenizer), and cuts the source into :class:`Piece` s of at most ``PIECE_RECORDS`` records for the
+(``chat.check_record``, for preference pairs ``preference.check_in_file``, for prompt-only
+records ``prompts.check_prompt``: pure Python, no tokenizer; a prompt is also tokenized when
+`scan` is given a ``PromptEncoder``, to refuse one that leaves no room for its completion), and cuts the source into :class:`Piece` s of at most ``PIECE_RECORDS`` records for the
 preparation tasks. The first bad record fails the run with its file and line (or row) and the
 fix, and how many other records are bad.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from ray_trainer._data.chat import RecordError, check_record
 from ray_trainer._data.preference import _EXAMPLE, check_in_file
+from ray_trainer._data.prompts import PromptEncoder, check_prompt
 from ray_trainer._data.sources import (
     _ACCEPTED,
     _UTF8_BOM,
@@ -37,12 +39,19 @@ from ray_trainer._storage import locate
 _BLOCK = 8 * 2**20
 
 
-def scan(source: Source, text_field: str = "text", train_on: str = "assistant") -> Source:
+def scan(
+    source: Source,
+    text_field: str = "text",
+    train_on: str = "assistant",
+    prompt_encoder: PromptEncoder | None = None,
+) -> Source:
     """Check every record of `source` and cut it into pieces; returns it with ``records`` and
-    ``pieces`` set (and ``pair_format``, for preference pairs). Raises :class:`DataFileError`
-    naming the first bad record."""
+    ``pieces`` set (and ``pair_format``, for preference pairs or prompt-only records). Raises
+    :class:`DataFileError` naming the first bad record."""
     if source.fmt == "preference":
         return _scan_pairs(source)
+    if source.fmt == "prompts":
+        return _scan_prompts(source, prompt_encoder)
     errors: list[str] = []
     pieces: list[Piece] = []
     total = 0
@@ -115,6 +124,39 @@ def _scan_pairs(source: Source) -> Source:
             f"line, e.g. {_EXAMPLE}"
         )
     source.records, source.pieces, source.pair_format = total, pieces, source_first[0]
+    return source
+
+
+def _scan_prompts(source: Source, encoder: PromptEncoder | None) -> Source:
+    """`scan` of prompt-only records: every record checked (and tokenized, with `encoder`),
+    one format (strings, or lists of messages) per source; sets ``pair_format`` to it."""
+    errors: list[str] = []
+    pieces: list[Piece] = []
+    total = 0
+    first: tuple[str, str] | None = None  # the source's format, and where it was set
+    for rows in _units(source):
+        for piece, records in rows:
+            for where, record in records:
+                try:
+                    if isinstance(record, _Bad):
+                        raise RecordError(record.why)
+                    fmt = check_prompt(record, first)
+                    if encoder is not None:
+                        encoder.encode(record)
+                except RecordError as e:
+                    errors.append(f"{where}: {e}")
+                    continue
+                first = first or (fmt, where)
+            pieces.append(piece)
+            total += piece.records
+    if errors:
+        raise DataFileError(f"{source.field}: {_first_bad(errors)}")
+    if first is None:
+        raise DataFileError(
+            f"{source.field}: {source.name} holds no prompts; write one JSON object per line, "
+            'e.g. {"prompt": "What is 2 + 2?", "answer": "4"}'
+        )
+    source.records, source.pieces, source.pair_format = total, pieces, first[0]
     return source
 
 

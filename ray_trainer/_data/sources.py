@@ -90,7 +90,9 @@ class Source:
     records: int | None = None  # set by `scan`
     pieces: list[Piece] = field(default_factory=list)
     first: dict[str, Any] = field(default_factory=dict, repr=False)  # told the format
-    pair_format: str | None = None  # a "preference" source's pair format (see `preference`)
+    # A "preference" source's pair format (see `preference`), or a "prompts" source's prompt
+    # format (see `prompts`).
+    pair_format: str | None = None
 
 
 def is_hf_dataset(value: Any) -> bool:
@@ -138,7 +140,8 @@ def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | N
 def detect_format(name: str, columns: list[str], first: dict[str, Any], text_field: str) -> str:
     """The record format from the columns: ``chosen`` and ``rejected`` (preference pairs, in
     any of their formats: ``preference``) first, then ``messages``, then ``prompt``/``completion``
-    (lists of messages: ``conversational``), then the text field."""
+    (lists of messages: ``conversational``), then the text field, then ``prompt`` alone
+    (prompt-only records: ``prompts``, see ``prompts``)."""
     if "chosen" in columns and "rejected" in columns:
         return "preference"
     if "messages" in columns:
@@ -147,6 +150,8 @@ def detect_format(name: str, columns: list[str], first: dict[str, Any], text_fie
         return "conversational" if isinstance(first.get("prompt"), list) else "prompt_completion"
     if text_field in columns:
         return "text"
+    if "prompt" in columns:  # prompt-only records, with any other columns (GRPO's data)
+        return "prompts"
     found = ", ".join(repr(c) for c in columns) or "none"
     hint = "" if text_field != "text" else "; set text_field to read another column as text"
     raise DataFileError(

@@ -134,6 +134,7 @@ def check_objective(field: str, value: Any, source: Source | None, args: Trainin
         "prompt_completion": "prompt/completion records",
         "text": f"{args.text_field!r} text records",
         "preference": "preference pairs (chosen/rejected)",
+        "prompts": "prompt-only records (no completion)",
     }.get(source.fmt, f"{source.fmt!r} records")
     owners = [o.name for o in map(objective_of, names()) if o.takes(source.fmt)]
     fix = f"set objective={owners[0]!r} to train on them, or " if owners else ""

@@ -1,0 +1,281 @@
+"""Every process: the description of GRPO (online RL on sampled completions) and its settings.
+
+GRPO trains on prompt-only records (``{"prompt": ...}``, ``ray_trainer/_data/prompts.py``): each
+step samples ``num_generations`` completions per prompt from rollout engines, scores them with
+reward functions (``ray_trainer/_rollout/rewards.py``), turns the rewards into group-relative
+advantages, and takes TRL 1.16's clipped policy loss on them
+(``ray_trainer/_worker/objectives/grpo_loss.py``). Its settings are one nested config,
+:class:`GrpoConfig`, with the names and defaults of TRL 1.16's ``GRPOConfig``.
+
+:data:`GRPO` is defined here but NOT registered (``ray_trainer/_objectives/__init__.py``): the
+rollout loop that trains with it is not wired yet, and a user must never be able to pick an
+objective that cannot train. Wiring it is a ``register(GRPO)`` beside SFT and DPO, a ``grpo``
+field on ``TrainingArgs`` (validated by :meth:`GrpoConfig.coerce`), and the worker module named
+in :data:`GRPO` (``build(args)``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ray_trainer._errors import TrainingArgsError
+from ray_trainer._objectives.base import Objective
+
+#: The policy losses, each as TRL 1.16's ``GRPOTrainer._compute_loss`` computes it.
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+#: How rewards become advantages (TRL's ``scale_rewards``).
+SCALE_REWARDS = ("group", "batch", "none")
+#: The engine/trainer log-prob mismatch correction (TRL's ``vllm_importance_sampling_mode``).
+IMPORTANCE_SAMPLING = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+
+#: The metrics of a GRPO step computed by the loss on the workers (TRL's names), in the order
+#: of the worker's metric sums; ``trained_tokens`` (ours) counts the completion tokens the loss
+#: was taken on, 0 when every completion was masked (``mask_truncated_completions``).
+LOSS_METRICS = (
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+    "trained_tokens",
+)
+#: The metrics of a GRPO step computed from its completions and rewards (TRL's names), before
+#: the loss; ``rewards/<fn>/mean`` and ``rewards/<fn>/std`` follow, per reward function.
+ROLLOUT_METRICS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+)
+#: Timings and checks of the rollout side (ours; the loop that measures them is not wired yet).
+ROLLOUT_TIMINGS = (
+    "rollout/tokens_per_s",
+    "rollout/seconds",
+    "reward/seconds",
+    "sync/seconds",
+    "sync/bytes",
+    "rollout/logprob_diff",
+)
+
+#: TRL ``GRPOConfig`` names that ray-trainer calls otherwise, and the name to use.
+_RENAMED = {
+    "vllm_importance_sampling_mode": "importance_sampling",
+    "vllm_importance_sampling_correction": "importance_sampling (None turns it off)",
+    "vllm_importance_sampling_cap": "importance_sampling_cap",
+    "vllm_importance_sampling_clip_max": "importance_sampling_cap",
+    "vllm_importance_sampling_clip_min": "importance_sampling_min",
+}
+#: TRL ``GRPOConfig`` names that are TrainingArgs fields here (or will be, with the loop).
+_ELSEWHERE = {
+    "reward_funcs": "reward_fns",
+    "learning_rate": "learning_rate",
+    "per_device_train_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum_steps",
+    "max_prompt_length": "max_length (prompt + completion)",
+    "use_vllm": "rollout_backend",
+    "vllm_mode": "rollout_backend",
+}
+_TRL_UNSUPPORTED = (
+    "delta", "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy",
+    "off_policy_mask_threshold", "multi_objective_aggregation", "sapo_temperature_neg",
+    "sapo_temperature_pos", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+    "num_generations_eval", "generation_batch_size", "steps_per_generation", "min_p",
+    "repetition_penalty", "generation_kwargs", "use_bias_correction_kl", "cast_lm_head_to_fp32",
+)  # fmt: skip
+
+
+class GrpoConfig(BaseModel):
+    """GRPO's settings (``TrainingArgs.grpo`` once the loop is wired), with TRL 1.16's names.
+
+    Args:
+        num_generations: completions sampled per prompt (a group); at least 2.
+        max_completion_length: the most tokens a completion may have; a prompt must leave room
+            for it within ``TrainingArgs.max_length``.
+        temperature, top_p, top_k: sampling (``top_k=0``: off). The log-probs the loss takes
+            are the policy's at ``temperature`` (logits divided by it), as TRL's.
+        beta: the KL coefficient against the model as it started (0: no KL, no reference).
+        epsilon, epsilon_high: the clipping range ``[1 - epsilon, 1 + epsilon_high]`` of the
+            importance ratio (``epsilon_high`` None: ``epsilon``; DAPO uses 0.28).
+        num_iterations: optimizer passes over each batch of completions (TRL's mu).
+        loss_type: ``"dapo"`` (TRL's default), ``"grpo"``, ``"dr_grpo"`` or ``"bnpo"``.
+        scale_rewards: advantages divided by the group's reward std (``"group"``), the
+            batch's (``"batch"``) or not at all (``"none"``); True and False mean group and none.
+        importance_sampling_level: the policy ratio per token (``"token"``) or one per
+            completion, its tokens' mean log-ratio (``"sequence"``, GSPO).
+        mask_truncated_completions: completions cut at ``max_completion_length`` take no loss.
+        importance_sampling: the correction of the mismatch between the engine's log-probs
+            and the trainer's: TRL's ``vllm_importance_sampling_mode`` (None: off).
+        importance_sampling_cap, importance_sampling_min: its bounds (TRL's
+            ``vllm_importance_sampling_clip_max`` and ``..._clip_min``): ``*_mask`` modes zero a
+            ratio outside them, ``*_truncate`` modes clamp it.
+        reward_weights: one weight per reward function (None: all 1.0).
+        log_completions: write sampled completions (prompt, completion, rewards, advantage) to
+            ``<run>/rollouts.jsonl``; ``num_completions_to_print`` of each step (None: all).
+
+    Example:
+        >>> GrpoConfig(num_generations=4, max_completion_length=64).loss_type
+        'dapo'
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    num_generations: int = Field(8, ge=2)
+    max_completion_length: int = Field(512, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    beta: float = Field(0.0, ge=0)
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    epsilon_high: float | None = Field(None, gt=0)
+    num_iterations: int = Field(1, ge=1)
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = False
+    importance_sampling: (
+        Literal["sequence_mask", "sequence_truncate", "token_mask", "token_truncate"] | None
+    ) = "sequence_mask"
+    importance_sampling_cap: float | None = Field(3.0, gt=0)
+    importance_sampling_min: float | None = Field(None, ge=0)
+    reward_weights: list[float] | None = None
+    log_completions: bool = False
+    num_completions_to_print: int | None = Field(None, gt=0)
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_as_trl(cls, v: Any) -> Any:
+        # TRL's __post_init__ maps the booleans of older versions.
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator(
+        "num_generations", "max_completion_length", "top_k", "num_iterations", mode="before"
+    )
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"got {v!r}: a boolean where a number goes; give a whole number")
+        return v
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> GrpoConfig:
+        low, cap = self.importance_sampling_min, self.importance_sampling_cap
+        if low is not None and cap is not None and low >= cap:
+            raise ValueError(
+                f"importance_sampling_min={low} must be below importance_sampling_cap={cap}; "
+                "lower the min, or raise the cap"
+            )
+        if self.importance_sampling in ("sequence_truncate", "token_truncate") and (
+            low is None and cap is None
+        ):
+            raise ValueError(
+                f"importance_sampling={self.importance_sampling!r} clamps the ratio to "
+                "[importance_sampling_min, importance_sampling_cap], and both are None; set "
+                "importance_sampling_cap (TRL's default is 3.0)"
+            )
+        if self.reward_weights is not None and not self.reward_weights:
+            raise ValueError(
+                "reward_weights is an empty list; give one weight per reward function, or "
+                "None (every function weighs 1.0)"
+            )
+        return self
+
+    @property
+    def epsilon_low(self) -> float:
+        """The lower clipping bound's epsilon (TRL's ``epsilon_low``: ``epsilon``)."""
+        return self.epsilon
+
+    @property
+    def upper_epsilon(self) -> float:
+        """The upper clipping bound's epsilon: ``epsilon_high``, else ``epsilon``."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def coerce(cls, value: Any) -> GrpoConfig:
+        """A :class:`GrpoConfig` from itself or a dict of its fields; raise
+        :class:`TrainingArgsError` naming each bad field as ``grpo.<field>`` with the fix
+        (TRL names that are called otherwise here, or not supported, are told so)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TrainingArgsError(
+                f"grpo: got a {type(value).__name__}; pass a GrpoConfig or a dict of its "
+                "fields, e.g. {'num_generations': 8, 'max_completion_length': 256}"
+            )
+        try:
+            return cls(**value)
+        except ValidationError as e:
+            raise TrainingArgsError(_explain(e)) from None
+
+
+def _explain(e: ValidationError) -> str:
+    lines = [f"invalid grpo settings ({e.error_count()} problem(s)):"]
+    for err in e.errors():
+        name = ".".join(str(p) for p in err["loc"])
+        field = f"grpo.{name}" if name else "grpo"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  - {field}: {_unknown(name)}")
+            continue
+        shown = repr(err.get("input"))
+        shown = shown if len(shown) < 80 else shown[:77] + "..."
+        message = err["msg"].removeprefix("Value error, ")
+        info = GrpoConfig.model_fields.get(name)
+        default = f"; TRL's default is {info.default!r}" if info and err["loc"] else ""
+        lines.append(f"  - {field}: {message} (got {shown}){default}")
+    return "\n".join(lines)
+
+
+def _unknown(name: str) -> str:
+    if name in _RENAMED:
+        return f"TRL's name; here it is grpo.{_RENAMED[name]}"
+    if name in _ELSEWHERE:
+        return f"not a grpo setting: set TrainingArgs.{_ELSEWHERE[name]}"
+    if name in _TRL_UNSUPPORTED:
+        return "a TRL GRPOConfig field that ray-trainer does not support yet; drop it"
+    close = difflib.get_close_matches(name, list(GrpoConfig.model_fields), n=1)
+    return "unknown field" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+def check_args(args: Any) -> None:
+    """What GRPO refuses in the other fields, named with the fix (for the registry's
+    ``check``, once GRPO is registered): a custom loss, and no prompts to train on."""
+    if args.loss_fn is not None:
+        raise ValueError(
+            "loss_fn with objective='grpo': the GRPO loss is computed from the completions' "
+            "per-token log-probabilities and advantages (grpo.loss_type picks TRL's); drop loss_fn"
+        )
+    if args.data is None:
+        raise ValueError(
+            'objective=\'grpo\' needs data: prompt-only records such as {"prompt": "..."} or '
+            '{"prompt": [messages]} (docs/rl.md)'
+        )
+
+
+def _needs_reference(args: Any) -> bool:
+    # The KL's reference log-probs are taken on each step's fresh completions, in the step:
+    # never precomputed into the token cache.
+    return False
+
+
+#: GRPO, as every process would see it. Defined, NOT registered: see the module docstring.
+GRPO = Objective(
+    name="grpo",
+    summary="online RL with group-relative advantages (GRPO)",
+    worker="ray_trainer._worker.objectives.grpo",
+    data_formats=("prompts",),
+    data_noun="prompt-only records",
+    data_example='{"prompt": "..."} or {"prompt": [messages]} (docs/rl.md)',
+    fields=("grpo", "reward_fns"),
+    check=check_args,
+    needs_reference=_needs_reference,
+    # The rollout side's (rewards, completions) then the loss's; each step also logs
+    # rewards/<fn>/mean and rewards/<fn>/std per reward function, named at run time.
+    metrics=(*ROLLOUT_METRICS, *LOSS_METRICS),
+)

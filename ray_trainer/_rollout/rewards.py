@@ -1,0 +1,539 @@
+"""Driver and reward tasks: GRPO's reward functions, their rewards and the advantages.
+
+Runs where a step's completions are scored: the process that drives the rollouts (it resolves
+the functions and combines their rewards) and the Ray tasks that call them, one task per
+function per step, in parallel (:func:`score_on_ray`). In the order a step uses them:
+
+- :func:`resolve_reward_fns`: ``reward_fns`` (callables with TRL 1.16's signature
+  ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``, or
+  ``"module:function"`` strings for YAML configs) checked before Ray starts: each importable,
+  callable, named once, taking the data's columns;
+- :func:`call_reward`: one function on one step's :class:`RewardBatch`, as TRL calls it
+  (keyword arguments; ``None`` becomes NaN). A function that raises fails with a
+  :class:`RewardError` that names it, the row (found by calling it again row by row) and the
+  traceback;
+- :func:`combine_rewards`: the weighted sum over functions, NaN-aware as TRL's (a completion
+  every function returned None for is unscorable: NaN, and advantage 0);
+- :func:`group_advantages`: group-relative advantages (``scale_rewards`` group, batch or none);
+  a group of equal rewards gets 0, never NaN;
+- :func:`reward_metrics`, :func:`completion_metrics`: TRL's names for the step's logs;
+- :func:`score_step`: all of it for one step's ``Completion`` records (the rollout engines'
+  records, ``types.py`` beside this module: ``prompt_index``, ``completion_ids``,
+  ``truncated``... read by attribute), grouped by prompt.
+
+Tensors are torch on the CPU; nothing here needs a GPU, and only :func:`score_on_ray` needs Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ray_trainer._errors import TrainingArgsError
+
+#: The keyword arguments TRL passes besides the data's columns; a column of one of these names
+#: would be shadowed, so it is refused.
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+#: A reward function's Ray task asks for this unless told otherwise.
+DEFAULT_RESOURCES: dict[str, float] = {"CPU": 1.0}
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a step's completions: the message names the function, the
+    row (its completion's index in the step, its prompt's ledger position) and the traceback."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One resolved reward function: ``name`` (its metrics are ``rewards/<name>/...``), the
+    callable, what the user gave (``spec``: the callable or its ``"module:function"`` string)
+    and the resources of its Ray task."""
+
+    name: str
+    fn: Callable[..., Any]
+    spec: Any
+    resources: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_RESOURCES))
+
+
+@dataclass(frozen=True)
+class RewardState:
+    """What TRL passes reward functions as ``trainer_state`` that they use to shape rewards
+    over training: the optimizer step the completions are for, and the run's last step."""
+
+    global_step: int = 0
+    max_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """One step's completions as reward functions see them, one entry per completion (the
+    ``num_generations`` completions of a prompt are consecutive): ``prompts`` (the record's
+    prompt: a string or a list of messages), ``completions`` (decoded: a string, or
+    ``[{"role": "assistant", "content": ...}]`` for a conversational prompt, as TRL),
+    ``completion_ids``, the data's other ``columns`` by name (each a list, repeated per
+    completion) and each completion's ``prompt_index`` (its prompt's ledger position)."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[list[int]]
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    prompt_index: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def row(self, i: int) -> RewardBatch:
+        """The batch of completion ``i`` alone (to find the row a function fails on)."""
+        return RewardBatch(
+            [self.prompts[i]],
+            [self.completions[i]],
+            [self.completion_ids[i]],
+            {k: [v[i]] for k, v in self.columns.items()},
+            None if self.prompt_index is None else [self.prompt_index[i]],
+        )
+
+    def where(self, i: int) -> str:
+        """How an error names completion ``i``."""
+        at = f"row {i} of the step's {len(self)} completions"
+        if self.prompt_index is not None:
+            at += f" (prompt {self.prompt_index[i]} of the data)"
+        return at
+
+
+# -- resolving ------------------------------------------------------------------------------------
+
+
+def resolve_reward_fns(
+    reward_fns: Any,
+    resources: dict[str, dict[str, float]] | None = None,
+    columns: Sequence[str] = (),
+) -> list[RewardFunction]:
+    """The run's reward functions, checked (the driver, before Ray starts).
+
+    ``reward_fns`` is a callable, a ``"module:function"`` string, or a list of them;
+    ``resources`` gives a function's Ray task its own resources, by the function's name
+    (default: :data:`DEFAULT_RESOURCES`); ``columns`` are the data's columns besides
+    ``prompt``, which each function must accept (as parameters, or ``**kwargs`` as TRL's do).
+
+    Raises:
+        TrainingArgsError: no function, a string that does not import or names no callable,
+            two functions of one name, resources for a function that is not there, a column
+            a function cannot take. The message names the function and the fix.
+    """
+    items = reward_fns if isinstance(reward_fns, (list, tuple)) else [reward_fns]
+    if reward_fns is None or not items:
+        raise TrainingArgsError(
+            "reward_fns: GRPO needs at least one reward function, e.g. reward_fns=[my_reward] "
+            "with def my_reward(prompts, completions, completion_ids, **kwargs) -> list[float]"
+        )
+    out: list[RewardFunction] = []
+    resources = dict(resources or {})
+    for i, spec in enumerate(items):
+        fn = _resolve(spec, i)
+        name = getattr(fn, "__name__", None) or type(fn).__name__
+        taken = [f for f in out if f.name == name]
+        if taken:
+            raise TrainingArgsError(
+                f"reward_fns[{i}]: a second reward function named {name!r} (its metrics "
+                f"rewards/{name}/... would mix with reward_fns[{out.index(taken[0])}]'s); give "
+                "each function its own name"
+            )
+        _check_signature(fn, name, i, columns)
+        res = _check_resources(resources.pop(name, DEFAULT_RESOURCES), name)
+        out.append(RewardFunction(name, fn, spec, res))
+    if resources:
+        raise TrainingArgsError(
+            f"reward_resources names {', '.join(map(repr, resources))}, not a reward function "
+            f"(they are {', '.join(repr(f.name) for f in out)}); key it by a function's name"
+        )
+    return out
+
+
+def _resolve(spec: Any, i: int) -> Callable[..., Any]:
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise TrainingArgsError(
+            f"reward_fns[{i}]: got a {type(spec).__name__}; give a function or a "
+            "'module:function' string (e.g. 'my_rewards:exact_match')"
+        )
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TrainingArgsError(
+            f"reward_fns[{i}]={spec!r} is not a 'module:function' string; write the module's "
+            "dotted name, a colon, and the function's name (e.g. 'my_rewards:exact_match')"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TrainingArgsError(
+            f"reward_fns[{i}]={spec!r}: module {module_name!r} does not import ({e}); put it "
+            "on the Python path of the driver and of the Ray workers (e.g. in runtime_env's "
+            "working_dir or py_modules)"
+        ) from None
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise TrainingArgsError(
+                f"reward_fns[{i}]={spec!r}: module {module_name!r} has no {attr!r}; check the "
+                "function's name"
+            )
+    if not callable(fn):
+        raise TrainingArgsError(
+            f"reward_fns[{i}]={spec!r} names a {type(fn).__name__}, not a function; name a "
+            "function that takes (prompts, completions, completion_ids, **kwargs)"
+        )
+    return fn
+
+
+def _check_signature(fn: Any, name: str, i: int, columns: Sequence[str]) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: it is called as it is
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    shadowed = [c for c in columns if c in RESERVED]
+    if shadowed:
+        raise TrainingArgsError(
+            f"data: a column named {shadowed[0]!r} would shadow the reward functions' own "
+            f"argument of that name ({', '.join(RESERVED)}); rename the column"
+        )
+    needed = [n for n in (*RESERVED, *columns) if n not in params]
+    if needed and not var_kw:
+        raise TrainingArgsError(
+            f"reward_fns[{i}] {name!r} cannot take {', '.join(map(repr, needed))}: reward "
+            "functions are called as fn(prompts=..., completions=..., completion_ids=..., "
+            "**columns), the data's other columns by name; add **kwargs to its parameters"
+        )
+
+
+def _check_resources(value: Any, name: str) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value.values()
+    ):
+        raise TrainingArgsError(
+            f"reward_resources[{name!r}]={value!r}: give a dict of Ray resources, e.g. "
+            "{'CPU': 1} or {'GPU': 1} for a reward model"
+        )
+    return {k: float(v) for k, v in value.items()}
+
+
+# -- calling --------------------------------------------------------------------------------------
+
+
+def call_reward(
+    fn: RewardFunction, batch: RewardBatch, state: RewardState | None = None
+) -> list[float]:
+    """``fn``'s reward of each completion of ``batch`` (``None`` -> NaN), called as TRL calls
+    it. Runs in a reward task (or in the process that drives the rollouts).
+
+    Raises:
+        RewardError: the function raised (naming the row it raises on, when one alone does,
+            with its traceback), or returned anything but one number or None per completion.
+    """
+    state = state or RewardState()
+    try:
+        out = _call(fn, batch, state)
+    except Exception:
+        raise RewardError(_failure(fn, batch, state, traceback.format_exc())) from None
+    if not isinstance(out, (list, tuple)) or len(out) != len(batch):
+        got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
+        raise RewardError(
+            f"reward function {fn.name!r} returned {got} for {len(batch)} completions; return "
+            "a list of one reward (a number, or None to abstain) per completion"
+        )
+    rewards = []
+    for i, value in enumerate(out):
+        if value is None:
+            rewards.append(math.nan)
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1
+        ):
+            rewards.append(float(value))
+        else:
+            raise RewardError(
+                f"reward function {fn.name!r} returned {value!r} for {batch.where(i)}; a "
+                "reward is a number, or None to abstain"
+            )
+    return rewards
+
+
+def _call(fn: RewardFunction, batch: RewardBatch, state: RewardState) -> Any:
+    return fn.fn(
+        prompts=batch.prompts,
+        completions=batch.completions,
+        completion_ids=batch.completion_ids,
+        trainer_state=state,
+        **batch.columns,
+    )
+
+
+def _failure(fn: RewardFunction, batch: RewardBatch, state: RewardState, trace: str) -> str:
+    """Why ``fn`` failed on ``batch``: the first row that fails alone, with its traceback."""
+    for i in range(len(batch)) if len(batch) > 1 else ():
+        try:
+            _call(fn, batch.row(i), state)
+        except Exception:
+            completion = batch.completions[i]
+            shown = repr(completion) if len(repr(completion)) < 200 else repr(completion)[:197]
+            return (
+                f"reward function {fn.name!r} raised on {batch.where(i)}, completion "
+                f"{shown}:\n{traceback.format_exc()}"
+            )
+    where = (
+        f"the step's {len(batch)} completions (no row fails alone)"
+        if len(batch) > 1
+        else (batch.where(0))
+    )
+    return f"reward function {fn.name!r} raised on {where}:\n{trace}"
+
+
+def score(
+    fns: Sequence[RewardFunction], batch: RewardBatch, state: RewardState | None = None
+) -> torch.Tensor:
+    """Each function's rewards, in this process: fp32 ``[completions, functions]`` (NaN where a
+    function returned None)."""
+    columns = [call_reward(fn, batch, state) for fn in fns]
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(len(batch), len(fns))
+
+
+def score_on_ray(
+    fns: Sequence[RewardFunction],
+    batch: RewardBatch,
+    state: RewardState | None = None,
+    timeout_s: float | None = None,
+) -> torch.Tensor:
+    """:func:`score`, each function in a Ray task of its own resources, all in parallel (the
+    batch put in the object store once). Runs in the process that drives the rollouts, on a
+    running Ray.
+
+    Raises:
+        RewardError: a function failed (its task's :class:`RewardError`, with the row and the
+            traceback), or ``timeout_s`` passed before every function returned: the tasks are
+            cancelled, and the error names the functions still running.
+    """
+    import ray
+
+    remote = ray.remote(call_reward)
+    batch_ref = ray.put(batch)
+    refs = {
+        remote.options(
+            num_cpus=fn.resources.get("CPU", 0.0),
+            num_gpus=fn.resources.get("GPU", 0.0),
+            resources={k: v for k, v in fn.resources.items() if k not in ("CPU", "GPU")},
+            max_retries=0,
+            name=f"reward:{fn.name}",
+        ).remote(fn, batch_ref, state): fn
+        for fn in fns
+    }
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        late = ", ".join(repr(refs[r].name) for r in pending)
+        raise RewardError(
+            f"reward function(s) {late} did not return within {timeout_s} s on {len(batch)} "
+            "completions; make them faster, or give them more time"
+        )
+    columns = []
+    for ref in refs:
+        try:
+            columns.append(ray.get(ref))
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RewardError):  # its message has the user's traceback
+                raise RewardError(str(cause)) from None
+            raise RewardError(f"reward function {refs[ref].name!r}'s task failed: {e}") from None
+        except ray.exceptions.RayError as e:  # its worker died, the task was cancelled...
+            raise RewardError(f"reward function {refs[ref].name!r}'s task failed: {e}") from None
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(len(batch), len(fns))
+
+
+# -- rewards to advantages ------------------------------------------------------------------------
+
+
+def reward_weights(weights: Sequence[float] | None, fns: Sequence[Any]) -> torch.Tensor:
+    """The functions' weights (None: all 1.0), checked against their number (TRL's rule)."""
+    if weights is None:
+        return torch.ones(len(fns), dtype=torch.float32)
+    if len(weights) != len(fns):
+        raise TrainingArgsError(
+            f"grpo.reward_weights has {len(weights)} weight(s) for {len(fns)} reward "
+            "function(s); give one weight per function, in the order of reward_fns"
+        )
+    return torch.tensor([float(w) for w in weights], dtype=torch.float32)
+
+
+def combine_rewards(per_function: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: the weighted sum over functions, a function's None (NaN)
+    left out; NaN where every function returned None (unscorable), as TRL 1.16."""
+    rewards = (per_function * weights.to(per_function).unsqueeze(0)).nansum(dim=1)
+    unscorable = torch.isnan(per_function).all(dim=1)
+    return rewards.masked_fill(unscorable, math.nan)
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation ignoring NaNs, with Bessel's correction (TRL's ``nanstd``;
+    NaN with fewer than two values)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(var, math.nan))
+    std = torch.sqrt(var * correction)
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages, as TRL 1.16 (``multi_objective_aggregation=
+    "sum_then_normalize"``): each completion's reward minus its group's mean (the
+    ``num_generations`` consecutive completions of one prompt), divided by the group's std
+    (``"group"``), the batch's (``"batch"``) or nothing (``"none"``), plus 1e-4. An unscorable
+    completion (NaN) stays out of its group's mean and std and gets 0. Returns
+    ``(advantages, std_is_zero)``, the second per completion (for ``frac_reward_zero_std``): a
+    group of equal rewards gets advantage 0, never NaN."""
+    if rewards.numel() % num_generations:
+        raise ValueError(
+            f"{rewards.numel()} rewards are not whole groups of num_generations="
+            f"{num_generations}; a step scores every completion of each of its prompts"
+        )
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards in ("group", "none"):
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    elif scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else rewards * 0
+    else:
+        raise ValueError(
+            f"grpo.scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}"
+        )
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0), zero_std
+
+
+def reward_metrics(
+    per_function: torch.Tensor,
+    names: Sequence[str],
+    weights: torch.Tensor,
+    zero_std: torch.Tensor,
+) -> dict[str, float]:
+    """A step's reward metrics, with TRL 1.16's names: ``rewards/<fn>/mean`` and ``/std`` over
+    the completions each function scored, ``reward`` and ``reward_std`` of the weighted sum
+    (unscorable completions left out), ``frac_reward_zero_std``."""
+    out: dict[str, float] = {}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(per_function[:, i]).item()
+        out[f"rewards/{name}/std"] = nanstd(per_function[:, i]).item()
+    rewards = combine_rewards(per_function, weights)
+    out["reward"] = torch.nanmean(rewards).item()
+    out["reward_std"] = nanstd(rewards).item()
+    out["frac_reward_zero_std"] = zero_std.float().mean().item()
+    return out
+
+
+def completion_metrics(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
+    """A step's completion metrics, with TRL 1.16's names: ``completions/mean_length``,
+    ``min_length``, ``max_length`` (tokens) and ``clipped_ratio`` (the share cut at
+    ``max_completion_length``, ending on no EOS)."""
+    n = max(len(lengths), 1)
+    return {
+        "completions/mean_length": sum(lengths) / n,
+        "completions/min_length": float(min(lengths, default=0)),
+        "completions/max_length": float(max(lengths, default=0)),
+        "completions/clipped_ratio": sum(bool(t) for t in truncated) / n,
+    }
+
+
+# -- one step -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoredStep:
+    """One step's completions scored: ``completions`` grouped (each prompt's
+    ``num_generations`` consecutive, prompts in ledger order), and for each of them, in that
+    order, ``per_function`` rewards (``[completions, functions]``, NaN for None), the
+    weighted ``rewards`` and the ``advantages``; ``metrics`` with TRL's names."""
+
+    completions: list[Any]
+    per_function: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    metrics: dict[str, float]
+
+
+def grouped(completions: Sequence[Any], num_generations: int) -> list[Any]:
+    """``completions`` (records with a ``prompt_index``) in groups: by prompt position, each
+    prompt's completions in the order the engines returned them. Raises ``ValueError`` when a
+    prompt has other than ``num_generations`` completions (a rollout lost or repeated one)."""
+    order = sorted(range(len(completions)), key=lambda i: completions[i].prompt_index)
+    out = [completions[i] for i in order]
+    counts: dict[int, int] = {}
+    for c in out:
+        counts[c.prompt_index] = counts.get(c.prompt_index, 0) + 1
+    wrong = {p: n for p, n in counts.items() if n != num_generations}
+    if wrong:
+        p, n = next(iter(wrong.items()))
+        raise ValueError(
+            f"prompt {p} has {n} completions, GRPO groups num_generations={num_generations} "
+            "per prompt: a rollout returned too few or too many"
+        )
+    return out
+
+
+def score_step(
+    completions: Sequence[Any],
+    prompts: Any,
+    fns: Sequence[RewardFunction],
+    *,
+    num_generations: int,
+    decode: Callable[[list[int]], str],
+    scale_rewards: str = "group",
+    weights: Sequence[float] | None = None,
+    state: RewardState | None = None,
+    on_ray: bool = True,
+    timeout_s: float | None = None,
+) -> ScoredStep:
+    """Score one step's ``Completion`` records: group them (:func:`grouped`), build the
+    reward functions' batch (``prompts[c.prompt_index]`` has the record's ``prompt`` and
+    ``columns``, e.g. an ``EncodedPrompt``; ``decode`` turns ids into text, skipping special
+    tokens as TRL does; a conversational prompt's completion becomes an assistant message),
+    call the functions (as Ray tasks with ``on_ray``), and turn their rewards into advantages
+    and metrics. Runs in the process that drives the rollouts."""
+    ordered = grouped(completions, num_generations)
+    texts = [decode(list(c.completion_ids)) for c in ordered]
+    records = [prompts[c.prompt_index] for c in ordered]
+    names = sorted({k for r in records for k in r.columns})
+    batch = RewardBatch(
+        prompts=[r.prompt for r in records],
+        completions=[
+            [{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t
+            for r, t in zip(records, texts, strict=True)
+        ],
+        completion_ids=[list(c.completion_ids) for c in ordered],
+        columns={k: [r.columns.get(k) for r in records] for k in names},
+        prompt_index=[c.prompt_index for c in ordered],
+    )
+    if on_ray:
+        per_function = score_on_ray(fns, batch, state, timeout_s)
+    else:
+        per_function = score(fns, batch, state)
+    w = reward_weights(weights, fns)
+    rewards = combine_rewards(per_function, w)
+    advantages, zero_std = group_advantages(rewards, num_generations, scale_rewards)
+    metrics = reward_metrics(per_function, [f.name for f in fns], w, zero_std)
+    metrics.update(
+        completion_metrics([len(c.completion_ids) for c in ordered], [c.truncated for c in ordered])
+    )
+    return ScoredStep(list(ordered), per_function, rewards, advantages, metrics)

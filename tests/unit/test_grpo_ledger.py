@@ -1,0 +1,93 @@
+"""GRPO's prompt ledger (issue 50, point 4): the order prompts are consumed in is a seeded
+shuffle per epoch, and a run resumed from the ledger's checkpoint state never skips nor repeats
+a prompt, even with completions in flight or trained out of order when it was saved."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from ray_trainer._objectives.grpo_ledger import LedgerError, PromptLedger
+
+
+def test_each_epoch_is_a_seeded_shuffle_of_every_row():
+    ledger = PromptLedger(10, seed=3)
+    epochs = [[ledger.row(p) for p in range(e * 10, e * 10 + 10)] for e in range(3)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert epochs[0] != epochs[1]  # a new order each epoch
+    again = PromptLedger(10, seed=3)
+    assert [again.row(p) for p in range(30)] == [
+        r for e in epochs for r in e
+    ]  # a pure function of the seed
+    assert [PromptLedger(10, seed=4).row(p) for p in range(10)] != epochs[0]
+    assert [PromptLedger(10, shuffle=False).row(p) for p in range(12)] == [*range(10), 0, 1]
+
+
+def test_steps_take_positions_across_an_epochs_end():
+    ledger = PromptLedger(5, seed=0)
+    steps = [ledger.take(3) for _ in range(4)]
+    assert steps == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert ledger.epoch_of(5) == 1
+
+
+def _session(ledger: PromptLedger, rng: random.Random, steps: int, trained: list[int]) -> None:
+    """Steps of an asynchronous session: each takes 3 prompts, then trains on a random share
+    of those in flight, in a random order (what is in flight at the end is lost in a crash)."""
+    in_flight: list[int] = []
+    for _ in range(steps):
+        in_flight += ledger.take(3)
+        rng.shuffle(in_flight)
+        k = rng.randint(0, len(in_flight))
+        done, in_flight = in_flight[:k], in_flight[k:]
+        ledger.commit(done)
+        trained += done
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_resuming_never_skips_nor_repeats_a_prompt(seed):
+    rng = random.Random(seed)
+    trained: list[int] = []
+    ledger = PromptLedger(7, seed=seed)
+    for _crash in range(3):  # save, work on, crash, resume from the save: three times
+        _session(ledger, rng, rng.randint(1, 6), trained)
+        state = ledger.state_dict()
+        _session(ledger, rng, rng.randint(0, 3), [])  # after the save: lost in the crash
+        ledger = PromptLedger.from_state(state, num_prompts=7, seed=seed)
+    epochs = max(5, -(-(max(trained, default=0) + 1) // 7))
+    while ledger.trained < 7 * epochs:  # finish on-policy, at an epoch's end
+        taken = ledger.take(min(3, 7 * epochs - ledger.trained))
+        ledger.commit(taken)
+        trained += taken
+    # Every position once: none skipped or repeated; so each prompt once per epoch.
+    assert sorted(trained) == list(range(7 * epochs))
+    rows = Counter(ledger.row(p) for p in trained)
+    assert set(rows) == set(range(7)) and set(rows.values()) == {epochs}
+
+
+def test_a_resume_hands_out_the_untrained_positions_first_in_order():
+    ledger = PromptLedger(6, seed=0)
+    taken = ledger.take(5)  # 0..4
+    ledger.commit([0, 3])  # 1, 2 and 4 in flight when saved
+    resumed = PromptLedger.from_state(ledger.state_dict())
+    assert resumed.take(2) == [1, 2] and resumed.take(2) == [4, 5]
+    assert taken == [0, 1, 2, 3, 4] and resumed.trained == 2
+
+
+def test_a_ledger_refuses_what_would_repeat_a_prompt_or_misname_one():
+    ledger = PromptLedger(4, seed=1)
+    ledger.commit(ledger.take(2))
+    with pytest.raises(LedgerError, match="position 1 was already trained on"):
+        ledger.commit([1])
+    with pytest.raises(LedgerError, match="position 9 was never handed out"):
+        ledger.commit([9])
+    state = ledger.state_dict()
+    with pytest.raises(LedgerError, match="this run's data has 5; resume with the same data"):
+        PromptLedger.from_state(state, num_prompts=5)
+    with pytest.raises(LedgerError, match="resume with seed=1"):
+        PromptLedger.from_state(state, seed=2)
+    with pytest.raises(LedgerError, match="state version 9"):
+        PromptLedger.from_state({**state, "version": 9})
+    with pytest.raises(LedgerError, match="at least one prompt"):
+        PromptLedger(0)

@@ -1,0 +1,106 @@
+"""GRPO's settings and description (issue 50, point 1): TRL 1.16's names and defaults, refusals
+that name the field and the fix, and an objective that is described but not registered (its
+loop is not wired: a user cannot pick it yet)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from ray_trainer import TrainingArgs
+from ray_trainer._errors import TrainingArgsError
+from ray_trainer._objectives import names, objective_of
+from ray_trainer._objectives.grpo import (
+    GRPO,
+    IMPORTANCE_SAMPLING,
+    LOSS_METRICS,
+    LOSS_TYPES,
+    ROLLOUT_METRICS,
+    SCALE_REWARDS,
+    GrpoConfig,
+)
+
+#: Our names for TRL's, where they differ.
+TRL_NAMES = {
+    "importance_sampling": "vllm_importance_sampling_mode",
+    "importance_sampling_cap": "vllm_importance_sampling_clip_max",
+    "importance_sampling_min": "vllm_importance_sampling_clip_min",
+}
+
+
+def test_every_setting_has_trls_default():
+    pytest.importorskip("trl")
+    from trl import GRPOConfig as TrlConfig
+
+    trl = {f.name: f.default for f in dataclasses.fields(TrlConfig)}
+    ours = GrpoConfig()
+    for name in GrpoConfig.model_fields:
+        assert getattr(ours, name) == trl[TRL_NAMES.get(name, name)], name
+    assert trl["vllm_importance_sampling_correction"] is True  # ours: a mode, None is off
+    assert (ours.epsilon_low, ours.upper_epsilon) == (0.2, 0.2)
+    assert GrpoConfig(epsilon_high=0.28).upper_epsilon == 0.28
+    assert GrpoConfig(scale_rewards=True).scale_rewards == "group"  # TRL's older booleans
+    assert GrpoConfig(scale_rewards=False).scale_rewards == "none"
+
+
+def test_the_config_and_the_loss_know_the_same_choices():
+    fields = GrpoConfig.model_fields
+    assert typing.get_args(fields["loss_type"].annotation) == LOSS_TYPES
+    assert typing.get_args(fields["scale_rewards"].annotation) == SCALE_REWARDS
+    modes = typing.get_args(typing.get_args(fields["importance_sampling"].annotation)[0])
+    assert modes == IMPORTANCE_SAMPLING
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"beta": -0.1}, "grpo.beta: Input should be greater than or equal to 0 (got -0.1); TRL's default is 0.0"),
+        ({"num_generations": 1}, "grpo.num_generations: Input should be greater than or equal to 2"),
+        ({"num_generations": True}, "grpo.num_generations: got True: a boolean where a number goes"),
+        ({"loss_type": "cispo"}, "grpo.loss_type: Input should be 'dapo', 'grpo', 'dr_grpo' or 'bnpo'"),
+        ({"num_generation": 4}, "grpo.num_generation: unknown field; did you mean 'num_generations'?"),
+        ({"vllm_importance_sampling_cap": 2}, "TRL's name; here it is grpo.importance_sampling_cap"),
+        ({"reward_funcs": [len]}, "not a grpo setting: set TrainingArgs.reward_fns"),
+        ({"delta": 1.5}, "grpo.delta: a TRL GRPOConfig field that ray-trainer does not support yet"),
+        ({"importance_sampling": "token_truncate", "importance_sampling_cap": None},
+         "both are None; set importance_sampling_cap (TRL's default is 3.0)"),
+        ({"importance_sampling_min": 3.0}, "must be below importance_sampling_cap=3.0"),
+        ({"reward_weights": []}, "give one weight per reward function"),
+        ({"top_p": 0}, "grpo.top_p: Input should be greater than 0"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_named_with_the_fix(fields, needle):
+    with pytest.raises(TrainingArgsError) as info:
+        GrpoConfig.coerce(fields)
+    assert needle in str(info.value)
+    with pytest.raises(TrainingArgsError, match="pass a GrpoConfig or a dict of its fields"):
+        GrpoConfig.coerce([("beta", 0.1)])
+    config = GrpoConfig(beta=0.04)
+    assert GrpoConfig.coerce(config) is config
+
+
+def test_grpo_is_described_but_not_registered_until_its_loop_is_wired():
+    assert "grpo" not in names()
+    with pytest.raises(
+        ValueError, match="objective='grpo' is not an objective; one of 'sft', 'dpo'"
+    ):
+        objective_of("grpo")
+    with pytest.raises(TrainingArgsError, match="objective='grpo' is not an objective"):
+        TrainingArgs.coerce(objective="grpo")
+    assert GRPO.name == "grpo" and GRPO.takes("prompts") and not GRPO.takes("messages")
+    assert GRPO.fields == ("grpo", "reward_fns") and not GRPO.needs_reference(None)
+    assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS)
+    for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
+                 "clip_ratio/region_mean", "kl", "entropy"):  # fmt: skip
+        assert name in GRPO.metrics, name
+
+
+def test_grpo_refuses_a_custom_loss_and_no_data():
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="drop loss_fn"):
+        GRPO.check(SimpleNamespace(loss_fn=len, data="p.jsonl"))
+    with pytest.raises(ValueError, match=r"needs data: prompt-only records such as"):
+        GRPO.check(SimpleNamespace(loss_fn=None, data=None))
