@@ -22,7 +22,9 @@ of roles, each run kept on its own nodes by custom resources:
 
 Every driver is a process of its own (`node_loss_driver.py`); all of them create Ray's
 autoscaling coordinator with a 0.5 s refresh before their run (whichever comes first makes it;
-Ray Train's default would see a lost node or a node's return up to 20 s late). The cluster is
+Ray Train's default would see a lost node or a node's return up to 20 s late). The two
+scenarios go on side by side, each in a thread of its own as soon as its runs are held (one
+change to the cluster at a time), while the elastic run's reference trains. The cluster is
 stopped before the fixture returns: the tests read outcomes and records only.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +173,51 @@ def _drain(cluster: LocalCluster, ip: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _outcomes(drivers: dict[str, Any], after: str, timeout_s: float = 240) -> dict[str, Any]:
+    """Each driver's outcome, every output read to its end at once (a pipe left unread would
+    fill and stall its driver)."""
+    with concurrent.futures.ThreadPoolExecutor(len(drivers)) as pool:
+        futures = {
+            name: pool.submit(driver_outcome, driver, f"{name}'s {after}", timeout_s)
+            for name, driver in drivers.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _lose_and_drain(cluster, lock, drivers, runs, tmp: Path) -> dict[str, Any]:
+    """The node-loss runs (a thread of the fixture): once all three are held, `NODE`'s raylet
+    killed and `PREEMPTED` drained, then their outcomes."""
+    for name, driver in drivers.items():
+        held = tmp / f"{name}-hold" / "held"
+        wait_for_run(driver, held.exists, f"{name}'s hold", timeout_s=300)
+    with lock:
+        cluster.raylet(NODE).kill()
+    at = max(rank0_steps(runs["preempted"]["_records"], 0))
+    with lock:
+        _drain(cluster, PREEMPTED)
+    (tmp / "preempted-hold" / "release").write_text("go")
+    outcomes = _outcomes(drivers, "node was lost or drained")
+    return {"tmp_path": tmp, "at": at, "outcomes": outcomes}
+
+
+def _shrink_and_grow(cluster, lock, driver, records: Path, hold: Path) -> tuple[dict, str]:
+    """The elastic run (a thread of the fixture, beside the node-loss runs): `NODE_B`'s raylet
+    killed once the run holds step 12 on two workers, the node back once one worker trained
+    step 20; the run's outcome."""
+    wait_for_run(
+        driver,
+        lambda: (hold / "held").exists() and reached(records, 2, 12),
+        "step 12 on two workers",
+        timeout_s=300,
+    )
+    with lock:
+        cluster.raylet(NODE_B).kill()  # one worker's node is gone
+    wait_for_run(driver, lambda: reached(records, 1, 20), "step 20 on the remaining node")
+    with lock:
+        cluster.add_node(NODE_B, num_cpus=1, resources={"elastic": 1})  # back: the group grows
+    return driver_outcome(driver, "the node's return", 300)
+
+
 def _scenario(cluster: LocalCluster, tmp: Path) -> dict[str, Any]:
     loss_tmp, el_tmp = tmp / "node-loss", tmp / "elastic"
     loss_tmp.mkdir()
@@ -181,45 +229,25 @@ def _scenario(cluster: LocalCluster, tmp: Path) -> dict[str, Any]:
     runs["elastic"] = elastic_fields(el_tmp, "elastic", el_records, async_checkpoint=True,
                                      _hold_while_small=[30, 2], _hold_at=[str(el_hold), 12])  # fmt: skip
     drivers = {name: start_driver(cluster, fields) for name, fields in runs.items()}
-    elastic = drivers["elastic"]
-    pool = concurrent.futures.ThreadPoolExecutor(len(drivers))
+    losing = {name: drivers[name] for name in ("spread", "no-room", "preempted")}
+    lock = threading.Lock()  # one change to the cluster at a time
+    pool = concurrent.futures.ThreadPoolExecutor(2)
     try:
+        # Each scenario goes on as soon as its own runs are where it needs them.
+        lost = pool.submit(_lose_and_drain, cluster, lock, losing, runs, loss_tmp)
+        elastic = pool.submit(_shrink_and_grow, cluster, lock, drivers["elastic"], el_records,
+                              el_hold)  # fmt: skip
         ref_records = el_tmp / "ref-records"
         reference = _elastic_reference(el_tmp, ref_records)
-        for name in ("spread", "no-room", "preempted"):
-            held = loss_tmp / f"{name}-hold" / "held"
-            wait_for_run(drivers[name], held.exists, f"{name}'s hold", timeout_s=300)
-        wait_for_run(
-            elastic,
-            lambda: (el_hold / "held").exists() and reached(el_records, 2, 12),
-            "step 12 on two workers",
-            timeout_s=300,
-        )
-        # One worker's node is gone under each of three runs.
-        cluster.raylet(NODE).kill()
-        cluster.raylet(NODE_B).kill()
-        at = max(rank0_steps(runs["preempted"]["_records"], 0))
-        _drain(cluster, PREEMPTED)
-        (loss_tmp / "preempted-hold" / "release").write_text("go")
-        # Each driver's output read to its end at once (a pipe left unread would fill and stall
-        # its driver).
-        futures = {
-            name: pool.submit(driver_outcome, drivers[name], f"{name}'s node was lost or drained")
-            for name in ("spread", "no-room", "preempted")
-        }
-        wait_for_run(elastic, lambda: reached(el_records, 1, 20), "step 20 on the remaining node")
-        cluster.add_node(NODE_B, num_cpus=1, resources={"elastic": 1})  # back: the group grows
-        futures["elastic"] = pool.submit(driver_outcome, elastic, "the node's return", 300)
-        outcomes = {name: future.result() for name, future in futures.items()}
+        node_loss, el_outcome = lost.result(), elastic.result()
     finally:
         for driver in drivers.values():
             if driver.poll() is None:
                 driver.kill()
         pool.shutdown(wait=True)
     return {
-        "node_loss": {"tmp_path": loss_tmp, "at": at,
-                      "outcomes": {k: v for k, v in outcomes.items() if k != "elastic"}},
-        "elastic": {"outcome": outcomes["elastic"], "storage": el_tmp / "storage" / "elastic",
+        "node_loss": node_loss,
+        "elastic": {"outcome": el_outcome, "storage": el_tmp / "storage" / "elastic",
                     "reference": (reference.global_step, reference.attempts),
                     "records": records_of(el_records), "ref_records": records_of(ref_records)},
     }  # fmt: skip
