@@ -408,6 +408,8 @@ SMOKE_RAY_ENV = {
     # Ray's own metrics every 10 s (its default), not every 1 s as the tests' clusters export
     # them: every worker process sends them, the agent receives them
     "RAY_metrics_report_interval_ms": "10000",
+    # no Ray Train metrics of the controller and the workers (the runner's own are unaffected)
+    "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 

@@ -548,6 +548,7 @@ def test_the_smoke_rays_settings_reach_its_head_and_every_benchmark_that_joins_i
         assert env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
         assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"
         assert env["RAY_metrics_report_interval_ms"] == "10000"
+        assert env["RAY_TRAIN_METRICS_ENABLED"] == "0"
     assert shared.env()["RAY_ADDRESS"] == shared.cluster.gcs_address
     assert shared.cluster.num_cpus == 8  # two benchmarks' placement groups at once
     shared.cluster.stop()  # never started: removes its temp dir
