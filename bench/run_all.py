@@ -52,6 +52,7 @@ RESULTS_MD = os.path.join(HERE, "results.md")
 RESULTS_PNG = os.path.join(HERE, "results.png")
 TIMEOUT_S = 3600  # per benchmark: a hung run fails instead of blocking forever
 SMOKE_JOBS = 2  # --smoke: benchmarks at once (their figures are not read)
+RAY_START_TIMEOUT_S = 300.0  # --smoke: a shared Ray's start (over 90 s seen on a loaded machine)
 
 
 @dataclass(frozen=True)
@@ -415,8 +416,9 @@ SMOKE_RAY_ENV = {
 
 
 class SharedRay:
-    """`--smoke`: one Ray for every benchmark that can share it (`Bench.shares_ray`), started
-    once instead of once per benchmark. It is the test suite's `LocalCluster` (a `ray start
+    """`--smoke`: one Ray for the benchmarks that can share it (`Bench.shares_ray`), one after
+    the other, started once instead of once per benchmark (one per benchmark that may run at
+    once: `run_benchmarks`). It is the test suite's `LocalCluster` (a `ray start
     --head` on 127.0.0.2 with ports and a temp dir of its own, its dashboard set as the state
     API's address, stopped by process id: never another Ray on the machine). A benchmark joins
     it through ``RAY_ADDRESS`` (`_support.init_ray` and `run_training` both read it); the
@@ -435,11 +437,9 @@ class SharedRay:
             def env(self) -> dict[str, str]:
                 return {**super().env(), **SMOKE_RAY_ENV}
 
-        # 8 logical CPUs on 2 cores: two benchmarks at once (--jobs 2), each with its 2 workers
-        # and its tasks, never waiting for the other's placement group.
-        self.cluster = SmokeCluster(num_cpus=8)
+        self.cluster = SmokeCluster(num_cpus=4)
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float = RAY_START_TIMEOUT_S) -> None:
         """Start the head (bounded: 10 s on an idle machine, over 90 s on one loaded by other
         Ray clusters); a start that fails or times out leaves none of its processes."""
         saved = os.environ.get("PYTHONPATH")
@@ -467,75 +467,97 @@ class SharedRay:
         self.cluster.stop()
 
 
-_RAY_STARTED = object()  # run_benchmarks' event: the shared Ray's start ended
+_RAY_STARTED = object()  # run_benchmarks' event: a shared Ray's start ended
 
 
 def run_benchmarks(
-    names: list[str], mode: str, workdir: str, jobs: int = 1, shared: SharedRay | None = None
+    names: list[str], mode: str, workdir: str, jobs: int = 1, rays: list[SharedRay] | None = None
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Run the benchmarks `names`, at most `jobs` at once, and yield (name, report) as each one
-    ends. With several at once the longest (`Bench.smoke_s`) start first. `shared` (the smoke
-    run's `SharedRay`, not started) starts here in the background, while benchmarks that do not
-    join it run; those that do join it wait for it (where it fails to start, each is reported
-    failed with its error). It is stopped as soon as no benchmark left joins it (its daemons
-    would take CPU from the others), and at the end whatever happens."""
+    ends. With several at once the longest (`Bench.smoke_s`) start first.
+
+    `rays` (the smoke run's `SharedRay`s, not started; one per benchmark that may run at once):
+    each benchmark with `shares_ray` runs on one of them, alone: two runs on one Ray would take
+    the same callback actor name (`run_training`'s default run name). They start here in the
+    background, while the benchmarks that do not join one run; where none starts, each
+    benchmark that joins one is reported failed with the error. Each is stopped as soon as no
+    benchmark left joins one (its daemons would take CPU from the others), and at the end
+    whatever happens."""
+    rays = list(rays or [])
     pending = sorted(names, key=lambda n: -BENCHES[n].smoke_s) if jobs > 1 else list(names)
     events: queue.Queue = queue.Queue()
-    running: set[str] = set()
-    ray_up = False
-    stopped = shared is None
+    running: dict[str, SharedRay | None] = {}
+    free: list[SharedRay] = []  # started, no benchmark on it
+    starting, live = len(rays), list(rays)  # live: started or starting, not stopped
+    errors: list[str] = []
 
     def joins(name: str) -> bool:
-        return shared is not None and BENCHES[name].shares_ray
+        return bool(rays) and BENCHES[name].shares_ray
 
-    def start_ray() -> None:
+    def start_ray(ray: SharedRay) -> None:
         began = time.perf_counter()
         try:
-            shared.start()
+            ray.start()
         except BaseException as exc:  # reported as each joining benchmark's error
-            events.put((_RAY_STARTED, f"{type(exc).__name__}: {exc}"))
+            events.put((_RAY_STARTED, (ray, f"{type(exc).__name__}: {exc}")))
             return
-        print(f"one Ray for the smoke run at {shared.cluster.gcs_address}, started in "
+        print(f"a Ray for the smoke run at {ray.cluster.gcs_address}, started in "
               f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
-        events.put((_RAY_STARTED, None))
+        events.put((_RAY_STARTED, (ray, None)))
 
-    def one(name: str) -> None:
-        env = shared.env() if joins(name) else None
+    def one(name: str, ray: SharedRay | None) -> None:
         try:
-            report = run_one(name, mode, workdir, env)
+            report = run_one(name, mode, workdir, ray.env() if ray else None)
         except Exception as exc:  # run_one's own failure: this benchmark's
             report = {"error": f"{type(exc).__name__}: {exc}", "seconds": 0.0}
         events.put((name, report))
 
-    if shared is not None:
-        threading.Thread(target=start_ray, name="shared-ray", daemon=True).start()
+    def stop(ray: SharedRay) -> None:
+        ray.stop()
+        live.remove(ray)
+
+    starts = [threading.Thread(target=start_ray, args=(r,), daemon=True) for r in rays]
+    for thread in starts:
+        thread.start()
     try:
         while pending or running:
             while len(running) < jobs:
-                ready = [n for n in pending if ray_up or not joins(n)]
-                if not ready:
+                name = next((n for n in pending if not joins(n) or free), None)
+                if name is None:
                     break
-                pending.remove(ready[0])
-                running.add(ready[0])
-                threading.Thread(target=one, args=(ready[0],), name=ready[0], daemon=True).start()
+                pending.remove(name)
+                running[name] = free.pop() if joins(name) else None
+                threading.Thread(
+                    target=one, args=(name, running[name]), name=name, daemon=True
+                ).start()
             what, value = events.get()
             if what is _RAY_STARTED:
-                if value is None:
-                    ray_up = True
-                    continue
-                stopped = True  # SharedRay.start stops what it started
-                for name in [n for n in pending if joins(n)]:
-                    pending.remove(name)
-                    yield name, {"error": f"the shared Ray did not start: {value}", "seconds": 0.0}
-                continue
-            running.discard(what)
-            if ray_up and not stopped and not any(joins(n) for n in [*pending, *running]):
-                shared.stop()
-                stopped = True
-            yield what, value
+                ray, error = value
+                starting -= 1
+                if error is None:
+                    free.append(ray)
+                else:  # SharedRay.start stops what it started
+                    live.remove(ray)
+                    errors.append(error)
+                    if not starting and not free and not any(running.values()):
+                        for name in [n for n in pending if joins(n)]:  # no Ray will come
+                            pending.remove(name)
+                            error = f"the shared Ray did not start: {'; '.join(errors)}"
+                            yield name, {"error": error, "seconds": 0.0}
+            else:
+                ray = running.pop(what)
+                if ray is not None:
+                    free.append(ray)
+                yield what, value
+            if not any(joins(n) for n in pending):
+                for ray in list(free):  # no benchmark left to join it
+                    free.remove(ray)
+                    stop(ray)
     finally:
-        if not stopped:
-            shared.stop()
+        for thread in starts:  # a start still under way would leave its daemons after a stop
+            thread.join(timeout=RAY_START_TIMEOUT_S + 30)
+        for ray in list(live):
+            stop(ray)
 
 
 def normalise_or_keep(name: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -837,8 +859,9 @@ def main(argv: list[str] | None = None) -> int:
     machine_env = environment()
     fresh: dict[str, dict[str, Any]] = {}
     results: dict[str, Any] = {}
-    shared = SharedRay() if opts.smoke and any(BENCHES[n].shares_ray for n in names) else None
-    for name, report in run_benchmarks(names, run_mode, workdir, jobs, shared):
+    joining = sum(BENCHES[n].shares_ray for n in names) if opts.smoke else 0
+    rays = [SharedRay() for _ in range(min(jobs, joining))]
+    for name, report in run_benchmarks(names, run_mode, workdir, jobs, rays):
         fresh[name] = normalise_or_keep(name, report)
         benchmarks = {}
         for n in BENCHES:  # registry order, whatever ran this time
