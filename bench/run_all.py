@@ -395,8 +395,8 @@ def run_one(
     return report
 
 
-#: The smoke run's Ray settings (its shared head's processes and every benchmark that joins it;
-#: never a full run's): the fewest processes and waits per `TorchTrainer.fit`, whose figures
+#: The smoke run's Ray settings (its shared heads' processes and every benchmark of the smoke
+#: run, also those with a cluster of their own; never a full run's): the fewest processes and waits per `TorchTrainer.fit`, whose figures
 #: nobody reads. Ray Train's controller is started by each benchmark's driver and reads the
 #: RAY_TRAIN_* ones from it and the head.
 SMOKE_RAY_ENV = {
@@ -412,6 +412,10 @@ SMOKE_RAY_ENV = {
     # no Ray Train metrics of the controller and the workers (the runner's own are unaffected)
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    # Ray's workers at the niceness of the other benchmarks' processes (Ray's default is 15):
+    # beside a benchmark's torchrun or TRL side, a fit's workers would wait for the cores
+    # until its worker start timed out
+    "RAY_worker_niceness": "0",
 }
 
 
@@ -505,9 +509,11 @@ def run_benchmarks(
               f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
         events.put((_RAY_STARTED, (ray, None)))
 
+    alone = {**os.environ, **SMOKE_RAY_ENV} if mode == "smoke" else None
+
     def one(name: str, ray: SharedRay | None) -> None:
         try:
-            report = run_one(name, mode, workdir, ray.env() if ray else None)
+            report = run_one(name, mode, workdir, ray.env() if ray else alone)
         except Exception as exc:  # run_one's own failure: this benchmark's
             report = {"error": f"{type(exc).__name__}: {exc}", "seconds": 0.0}
         events.put((name, report))

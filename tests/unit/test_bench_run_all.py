@@ -555,6 +555,7 @@ def test_the_smoke_rays_settings_reach_its_head_and_every_benchmark_that_joins_i
         assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"
         assert env["RAY_metrics_report_interval_ms"] == "10000"
         assert env["RAY_TRAIN_METRICS_ENABLED"] == "0"
+        assert env["RAY_worker_niceness"] == "0"
     assert shared.env()["RAY_ADDRESS"] == shared.cluster.gcs_address
     assert shared.cluster.num_cpus == 4  # one benchmark on it at a time
     shared.cluster.stop()  # never started: removes its temp dir
@@ -605,3 +606,23 @@ def test_two_benchmarks_at_once_each_on_a_ray_of_its_own(tmp_path, monkeypatch):
     assert got["one"]["met"] and got["two"]["met"]  # side by side
     assert {got["one"]["address"], got["two"]["address"]} == {"127.0.0.2:1", "127.0.0.2:2"}
     assert _FakeSharedRay.log.count("start") == _FakeSharedRay.log.count("stop") == 2
+
+
+NICENESS = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |",
+           "niceness": os.environ.get("RAY_worker_niceness")}, open(out, "w"))
+"""
+
+
+def test_a_smoke_runs_settings_reach_the_benchmarks_without_a_shared_ray_too(tmp_path, monkeypatch):
+    """elastic's own cluster: its workers at niceness 0 beside the other benchmark's processes;
+    a full run's benchmarks keep the environment they were started with."""
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    _registry(tmp_path, monkeypatch, {"alone": NICENESS})
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["alone"]["niceness"] == "0"
+    assert run_all.main(["--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["alone"]["niceness"] is None
