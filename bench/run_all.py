@@ -435,37 +435,26 @@ class SharedRay:
         from local_cluster import LocalCluster
 
         paths = [ROOT, *_bench_path.FOLDERS, os.path.join(ROOT, "tests", "support")]
-        self.pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
+        pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
 
         class SmokeCluster(LocalCluster):
-            def env(self) -> dict[str, str]:
-                return {**super().env(), **SMOKE_RAY_ENV}
+            def env(self) -> dict[str, str]:  # the head's, so every worker's, and a joiner's
+                return {**super().env(), **SMOKE_RAY_ENV, "PYTHONPATH": pythonpath}
 
         self.cluster = SmokeCluster(num_cpus=4)
 
     def start(self, timeout_s: float = RAY_START_TIMEOUT_S) -> None:
         """Start the head (bounded: 10 s on an idle machine, over 90 s on one loaded by other
         Ray clusters); a start that fails or times out leaves none of its processes."""
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = self.pythonpath  # the head's, so every worker's
         try:
             self.cluster.start(timeout_s=timeout_s)
         except BaseException:  # `ray start` killed at its timeout leaves its daemons running
             self.cluster.stop()
             raise
-        finally:
-            if saved is None:
-                os.environ.pop("PYTHONPATH")
-            else:
-                os.environ["PYTHONPATH"] = saved
 
     def env(self) -> dict[str, str]:
         """A joining benchmark's environment."""
-        return {
-            **self.cluster.node_env(),
-            "PYTHONPATH": self.pythonpath,
-            "RAY_ADDRESS": self.cluster.gcs_address,
-        }
+        return {**self.cluster.node_env(), "RAY_ADDRESS": self.cluster.gcs_address}
 
     def stop(self) -> None:
         self.cluster.stop()

@@ -556,6 +556,8 @@ def test_the_smoke_rays_settings_reach_its_head_and_every_benchmark_that_joins_i
         assert env["RAY_metrics_report_interval_ms"] == "10000"
         assert env["RAY_TRAIN_METRICS_ENABLED"] == "0"
         assert env["RAY_worker_niceness"] == "0"
+        # the project and every bench folder, for the head's workers too
+        assert env["PYTHONPATH"].split(os.pathsep)[:2] == [run_all.ROOT, run_all.HERE]
     assert shared.env()["RAY_ADDRESS"] == shared.cluster.gcs_address
     assert shared.cluster.num_cpus == 4  # one benchmark on it at a time
     shared.cluster.stop()  # never started: removes its temp dir
