@@ -135,7 +135,7 @@ BENCHES: dict[str, Bench] = {
         "already initialised; for the dashboard rows, the embedded Ray started without its "
         "dashboard in a fresh process, alternating",
         quick=["--rounds", "1"],
-        smoke=["--smoke"],
+        smoke=["--smoke", "--workers", "1"],
         target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
         goals=startup_goals,
         shares_ray=True,
@@ -193,8 +193,11 @@ BENCHES: dict[str, Bench] = {
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
-        # one save (the last step), so one evaluation each way
-        smoke=["--max-steps", "2", "--save-every", "2", "--eval-seconds", "0.1", "--rounds", "1"],
+        # one save (the last step), so one evaluation each way; one worker
+        smoke=[
+            *("--max-steps", "2", "--save-every", "2", "--eval-seconds", "0.1"),
+            *("--rounds", "1", "--workers", "1"),
+        ],
         shares_ray=True,
         smoke_s=37,
     ),
@@ -237,7 +240,7 @@ BENCHES: dict[str, Bench] = {
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
         # 10 steps: bench_packing.py reads the log windows after the first (5 steps each)
-        smoke=["--smoke", "--conversations", "100", "--steps", "10"],
+        smoke=["--smoke", "--conversations", "100", "--steps", "10", "--workers", "1"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
@@ -301,9 +304,11 @@ BENCHES: dict[str, Bench] = {
         "and storage; wall time against the same run without saves; 2 workers, a GPT-2-shaped "
         "HF model (72 MiB of weights), local disk and a filesystem that writes at 100 MiB/s",
         quick=["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "256"],
-        # no run without saves: sync and async once each
+        # no run without saves: sync and async once each, one worker
         smoke=[
             "--smoke",
+            "--workers",
+            "1",
             "--strategies",
             "ddp",
             "--storages",

@@ -16,7 +16,8 @@ last (a publish at a later boundary counts in it). The wall time runs from the f
 begin to ``on_train_end`` (the final save included).
 
 Usage: python bench/runner/bench_save.py [--strategies ddp,fsdp] [--storages local,slow] [--steps 60]
-       [--save-every 20] [--n-layer 6] [--n-embd 512] [--slow-mb-s 0.01] [--smoke] [--json OUT]
+       [--save-every 20] [--n-layer 6] [--n-embd 512] [--slow-mb-s 0.01] [--workers 2] [--smoke]
+       [--json OUT]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): no run without saves (two fits instead of three per
 strategy and storage): the synchronous run's boundaries without a save stand for its step
@@ -104,7 +105,7 @@ def one_run(
             model=model,
             data=data,
             strategy=strategy,
-            num_workers=2,
+            num_workers=opts.workers,
             batch_size=2,
             max_length=64,
             mixed_precision="no",
@@ -132,6 +133,7 @@ def main() -> dict:
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--slow-mb-s", type=float, default=0.01, help="seconds per MiB written")
+    parser.add_argument("--workers", type=int, default=2, help="workers of every run")
     parser.add_argument(
         "--smoke", action="store_true", help="no run without saves (run_all.py --smoke)"
     )
@@ -213,7 +215,8 @@ def report(clocks: dict[tuple, dict], opts: argparse.Namespace) -> dict:
             verdicts.append(f"{strategy}: {ratio:.3f} ({'met' if ratio <= 0.2 else 'NOT met'})")
     head = (
         f"GPT-2-shaped model, {opts.n_layer} blocks of width {opts.n_embd} "
-        f"({size / 2**20:,.0f} MiB of weights), 2 workers, {opts.steps} steps, a save every "
+        f"({size / 2**20:,.0f} MiB of weights), {opts.workers} workers, {opts.steps} steps, a "
+        f"save every "
         f"{opts.save_every} (and the final one); slow storage: {opts.slow_mb_s} s per MiB "
         "written and 0.05 s per file."
     )
