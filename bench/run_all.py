@@ -148,6 +148,7 @@ BENCHES: dict[str, Bench] = {
         "gloo, the same model, data and AdamW); each side a fresh process tree, from its launch "
         "to the first step's begin, alternating",
         quick=["--rounds", "1"],
+        smoke=["--rounds", "1", "--workers", "1"],
         shares_ray=True,
         smoke_s=31,
     ),
