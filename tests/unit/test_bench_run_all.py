@@ -628,3 +628,14 @@ def test_a_smoke_runs_settings_reach_the_benchmarks_without_a_shared_ray_too(tmp
     assert json.loads((out / "results.json").read_text())["benchmarks"]["alone"]["niceness"] == "0"
     assert run_all.main(["--out", str(out)]) == 0
     assert json.loads((out / "results.json").read_text())["benchmarks"]["alone"]["niceness"] is None
+
+
+def test_first_step_smoke_sides_on_one_process_each():
+    import bench_first_step
+
+    torchrun = bench_first_step.command("torchrun", "out.json", "runs", 1)
+    demo = bench_first_step.command("demo", "out.json", "runs", 1)
+    assert torchrun[torchrun.index("--nproc_per_node") + 1] == "1"
+    assert demo[demo.index("--num-workers") + 1] == "1"
+    full = bench_first_step.command("demo", "out.json", "runs")  # make demo's 2 workers
+    assert full[full.index("--num-workers") + 1] == "2"
