@@ -579,7 +579,9 @@ def test_save_smoke_report_without_a_run_without_saves(monkeypatch):
             t += 0.11 + (save_pause if step % 2 == 1 else 0.0)
         return {"begins": begins, "ends": ends, "end": t}
 
-    opts = argparse.Namespace(n_layer=1, n_embd=64, steps=4, save_every=2, slow_mb_s=0.01)
+    opts = argparse.Namespace(
+        n_layer=1, n_embd=64, steps=4, save_every=2, slow_mb_s=0.01, workers=1
+    )
     clocks = {("ddp", "local", "sync"): clock(0.5), ("ddp", "local", "async"): clock(0.05)}
     assert bench_save.unsaved_gap(clocks[("ddp", "local", "sync")], 2) == pytest.approx(0.01)
     monkeypatch.setattr(bench_save, "machine", lambda: "2 cores")  # _support's imports Ray
