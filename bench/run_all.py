@@ -74,6 +74,9 @@ class Bench:
     # --smoke: about how long its smoke run takes alone on the idle 2-core machine (s); a smoke
     # run on several benchmarks at once (`--jobs`) starts the longest first.
     smoke_s: float = 0.0
+    # --smoke: starts a Ray cluster of its own (elastic): not while the smoke run's shared Rays
+    # start (three head starts at once ran past elastic's 90 s on a loaded machine)
+    own_cluster: bool = False
 
 
 def hf_trainer_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
@@ -335,6 +338,7 @@ BENCHES: dict[str, Bench] = {
         quick=["--quick"],
         # the cluster and the uninterrupted run only: a node lost and back takes minutes
         smoke=["--smoke"],
+        own_cluster=True,
         target_note="the loss of every step after a change within 1e-4 relative of the "
         "uninterrupted run's; times and steps trained again are reported, without a target",
         smoke_s=55,
@@ -477,8 +481,9 @@ def run_benchmarks(
 
     `rays` (the smoke run's `SharedRay`s, not started; one per benchmark that may run at once):
     each benchmark with `shares_ray` runs on one of them, alone: two runs on one Ray would take
-    the same callback actor name (`run_training`'s default run name). They start here in the
-    background, while the benchmarks that do not join one run; where none starts, each
+    the same callback actor name (`run_training`'s default run name). They start here one after
+    the other in the background, while the benchmarks that do not join one run (but not one
+    with a cluster of its own, `Bench.own_cluster`); where none starts, each
     benchmark that joins one is reported failed with the error. Each is stopped as soon as no
     benchmark left joins one (its daemons would take CPU from the others), and at the end
     whatever happens."""
@@ -493,16 +498,17 @@ def run_benchmarks(
     def joins(name: str) -> bool:
         return bool(rays) and BENCHES[name].shares_ray
 
-    def start_ray(ray: SharedRay) -> None:
-        began = time.perf_counter()
-        try:
-            ray.start()
-        except BaseException as exc:  # reported as each joining benchmark's error
-            events.put((_RAY_STARTED, (ray, f"{type(exc).__name__}: {exc}")))
-            return
-        print(f"a Ray for the smoke run at {ray.cluster.gcs_address}, started in "
-              f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
-        events.put((_RAY_STARTED, (ray, None)))
+    def start_rays() -> None:  # one after the other: the first is joined sooner
+        for ray in rays:
+            began = time.perf_counter()
+            try:
+                ray.start()
+            except BaseException as exc:  # reported as each joining benchmark's error
+                events.put((_RAY_STARTED, (ray, f"{type(exc).__name__}: {exc}")))
+                continue
+            print(f"a Ray for the smoke run at {ray.cluster.gcs_address}, started in "
+                  f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
+            events.put((_RAY_STARTED, (ray, None)))
 
     alone = {**os.environ, **SMOKE_RAY_ENV} if mode == "smoke" else None
 
@@ -513,17 +519,22 @@ def run_benchmarks(
             report = {"error": f"{type(exc).__name__}: {exc}", "seconds": 0.0}
         events.put((name, report))
 
+    def can_start(name: str) -> bool:
+        if joins(name):
+            return bool(free)
+        return not (starting and BENCHES[name].own_cluster)
+
     def stop(ray: SharedRay) -> None:
         ray.stop()
         live.remove(ray)
 
-    starts = [threading.Thread(target=start_ray, args=(r,), daemon=True) for r in rays]
+    starts = [threading.Thread(target=start_rays, daemon=True)] if rays else []
     for thread in starts:
         thread.start()
     try:
         while pending or running:
             while len(running) < jobs:
-                name = next((n for n in pending if not joins(n) or free), None)
+                name = next((n for n in pending if can_start(n)), None)
                 if name is None:
                     break
                 pending.remove(name)
@@ -556,7 +567,7 @@ def run_benchmarks(
                     stop(ray)
     finally:
         for thread in starts:  # a start still under way would leave its daemons after a stop
-            thread.join(timeout=RAY_START_TIMEOUT_S + 30)
+            thread.join(timeout=len(rays) * (RAY_START_TIMEOUT_S + 30))
         for ray in list(live):
             stop(ray)
 

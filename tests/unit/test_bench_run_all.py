@@ -641,3 +641,34 @@ def test_first_step_smoke_sides_on_one_process_each():
     assert demo[demo.index("--num-workers") + 1] == "1"
     full = bench_first_step.command("demo", "out.json", "runs")  # make demo's 2 workers
     assert full[full.index("--num-workers") + 1] == "2"
+
+
+class _WatchedSharedRay(_FakeSharedRay):
+    """Its start waits (bounded) for the benchmark without Ray, and fails where the one with a
+    cluster of its own has run meanwhile."""
+
+    def start(self) -> None:
+        marks = Path(os.environ["MARKS"])
+        assert _wait_for((marks / "alone.py").exists, 30), "nothing ran while Ray started"
+        assert not (marks / "cluster.py").exists(), "a cluster started beside the shared Ray's"
+        super().start()
+
+
+def test_a_benchmark_with_a_cluster_of_its_own_waits_for_the_shared_rays_start(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    _registry(tmp_path, monkeypatch, {"joins": MARKS_AND_ADDRESS, "alone": MARKS_AND_ADDRESS,
+                                      "cluster": MARKS_AND_ADDRESS})  # fmt: skip
+    _set("joins", monkeypatch, shares_ray=True)
+    _set("cluster", monkeypatch, own_cluster=True, smoke_s=100)  # the longest: first, but waits
+    monkeypatch.setattr(run_all, "SharedRay", _WatchedSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert "error" not in got["joins"] and "error" not in got["cluster"]
+    assert _FakeSharedRay.log == ["made", "start", "stop"]
