@@ -78,8 +78,10 @@ bench: install-dev
 bench-quick: install-dev
 	$(VPY) bench/run_all.py --only loop,hf_trainer,packing
 
-# Every benchmark at its smallest settings into a temporary folder (CI, after `make test`).
+# Every benchmark at its smallest settings into a temporary folder (CI, after `make test`), two
+# at a time; the project's and the benchmarks' bytecode compiled first (see BYTECODE above).
 bench-smoke: install-dev
+	@$(VPY) -m compileall -q $(BYTECODE) bench
 	$(VPY) bench/run_all.py --smoke
 
 lint: install-dev

@@ -1,19 +1,23 @@
 """Run every benchmark in one command and write `bench/results.{md,json,png}` (`make bench`).
 
 Each benchmark runs as its own subprocess with ``--json`` (so each gets a clean Ray), one after
-the other. Their reports are put together with the machine, the versions and the date:
-`results.json` (every report, raw samples included), `results.md` (one section per benchmark:
-what the baseline is, then its table) and `results.png` (one panel of ratios per benchmark, see
-`plot.py`). Every figure is a ratio to a baseline measured side by side in the same run.
+the other (``--smoke``: two at a time). Their reports are put together with the machine, the
+versions and the date: `results.json` (every report, raw samples included), `results.md` (one
+section per benchmark: what the baseline is, then its table) and `results.png` (one panel of
+ratios per benchmark, see `plot.py`). Every figure is a ratio to a baseline measured side by
+side in the same run.
 
-Usage: python bench/run_all.py [--quick | --smoke] [--only NAME[,NAME]] [--out DIR]
+Usage: python bench/run_all.py [--quick | --smoke [--jobs N]] [--only NAME[,NAME]] [--out DIR]
 
 ``--quick`` runs fewer steps and rounds; ``--smoke`` (`make bench-smoke`, in CI) runs every
 registered benchmark at its smallest settings into a temporary folder (never the committed
 results), through the same normalising and writing, and fails unless every one produced a report
-that normalised and `results.md` was written. ``--only`` runs the named benchmarks and replaces
-only their sections of the existing results (`make bench-quick`: loop, hf_trainer, packing).
-The full run took 52 minutes on the 2-core development machine (2026-11-27).
+that normalised and `results.md` was written. It runs `--jobs` benchmarks at once (default 2:
+its figures are not read; a full or quick run times one at a time), the longest first, those
+that use Ray on one shared Ray started while the others run (`SharedRay`). ``--only`` runs the
+named benchmarks and replaces only their sections of the existing results (`make bench-quick`:
+loop, hf_trainer, packing). The full run took 52 minutes on the 2-core development machine
+(2026-11-27).
 
 Nothing a run measured is lost: `results.json` and `results.md` are rewritten as each benchmark
 finishes; a report that cannot be normalised is kept as it is, its error noted beside it; the
@@ -27,14 +31,16 @@ import datetime
 import json
 import os
 import platform
+import queue
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -45,6 +51,8 @@ RESULTS_JSON = os.path.join(HERE, "results.json")
 RESULTS_MD = os.path.join(HERE, "results.md")
 RESULTS_PNG = os.path.join(HERE, "results.png")
 TIMEOUT_S = 3600  # per benchmark: a hung run fails instead of blocking forever
+SMOKE_JOBS = 2  # --smoke: benchmarks at once (their figures are not read)
+RAY_START_TIMEOUT_S = 300.0  # --smoke: a shared Ray's start (over 90 s seen on a loaded machine)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,12 @@ class Bench:
     # --smoke: joins the one Ray the smoke run starts for all (RAY_ADDRESS) instead of starting
     # its own; False for a benchmark without Ray, or with clusters of its own (elastic).
     shares_ray: bool = False
+    # --smoke: about how long its smoke run takes alone on the idle 2-core machine (s); a smoke
+    # run on several benchmarks at once (`--jobs`) starts the longest first.
+    smoke_s: float = 0.0
+    # --smoke: starts a Ray cluster of its own (elastic): not while the smoke run's shared Rays
+    # start (three head starts at once ran past elastic's 90 s on a loaded machine)
+    own_cluster: bool = False
 
 
 def hf_trainer_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
@@ -105,6 +119,7 @@ BENCHES: dict[str, Bench] = {
         "direct method calls on the same 5 callbacks in a plain Python loop (no manager), "
         "same process; median ns per event",
         quick=["--repeat", "3", "--target-s", "0.005"],
+        smoke_s=1,
     ),
     "forward": Bench(
         "runner/bench_event_forwarder.py",
@@ -114,6 +129,7 @@ BENCHES: dict[str, Bench] = {
         quick=["--events", "800", "--rounds", "1"],
         smoke=["--events", "100", "--rounds", "1", "--step-ms", "5"],
         shares_ray=True,
+        smoke_s=5,
     ),
     "startup": Bench(
         "runner/bench_startup.py",
@@ -122,10 +138,11 @@ BENCHES: dict[str, Bench] = {
         "already initialised; for the dashboard rows, the embedded Ray started without its "
         "dashboard in a fresh process, alternating",
         quick=["--rounds", "1"],
-        smoke=["--smoke"],
+        smoke=["--smoke", "--workers", "1"],
         target_note="run_training at most 1.5 s over the bare TorchTrainer.fit",
         goals=startup_goals,
         shares_ray=True,
+        smoke_s=45,
     ),
     "first_step": Bench(
         "baselines/bench_first_step.py",
@@ -134,7 +151,9 @@ BENCHES: dict[str, Bench] = {
         "gloo, the same model, data and AdamW); each side a fresh process tree, from its launch "
         "to the first step's begin, alternating",
         quick=["--rounds", "1"],
+        smoke=["--rounds", "1", "--workers", "1"],
         shares_ray=True,
+        smoke_s=31,
     ),
     "loop": Bench(
         "runner/bench_loop.py",
@@ -154,6 +173,7 @@ BENCHES: dict[str, Bench] = {
         "actor callback against no callbacks) at a step-time ratio of at most 1.02; the noise "
         "floor row shows how far two identical loops land apart",
         shares_ray=True,
+        smoke_s=30,
     ),
     "host_step": Bench(
         "runner/bench_host_step.py",
@@ -169,6 +189,7 @@ BENCHES: dict[str, Bench] = {
         target=1.2,
         target_note="the runner's step at most 1.2x the bare loop's (issue 49)",
         shares_ray=True,
+        smoke_s=18,
     ),
     "eval": Bench(
         "eval/bench_eval.py",
@@ -176,9 +197,13 @@ BENCHES: dict[str, Bench] = {
         "the same evaluation function run synchronously in a rank-0 `on_save` callback (the "
         "loop waits, as with HF Trainer's in-loop evaluation)",
         quick=["--max-steps", "40", "--save-every", "10", "--eval-seconds", "1", "--rounds", "1"],
-        # one save (the last step), so one evaluation each way
-        smoke=["--max-steps", "2", "--save-every", "2", "--eval-seconds", "0.1", "--rounds", "1"],
+        # one save (the last step), so one evaluation each way; one worker
+        smoke=[
+            *("--max-steps", "2", "--save-every", "2", "--eval-seconds", "0.1"),
+            *("--rounds", "1", "--workers", "1"),
+        ],
         shares_ray=True,
+        smoke_s=37,
     ),
     "hf_trainer": Bench(
         "baselines/bench_hf_trainer.py",
@@ -192,6 +217,7 @@ BENCHES: dict[str, Bench] = {
         "least 1.0x HF Trainer's, median of the rounds",
         goals=hf_trainer_goals,
         shares_ray=True,
+        smoke_s=34,
     ),
     "hf_trainer_1rank": Bench(
         "baselines/bench_hf_trainer.py",
@@ -208,6 +234,7 @@ BENCHES: dict[str, Bench] = {
         "least 1.0x HF Trainer's, median of the rounds",
         goals=hf_trainer_goals,
         shares_ray=True,
+        smoke_s=37,
     ),
     "packing": Bench(
         "data/bench_packing.py",
@@ -217,11 +244,12 @@ BENCHES: dict[str, Bench] = {
         "micro-batch padded to its longest sample; non-padding tokens/s, median of rounds",
         quick=["--conversations", "300", "--steps", "10", "--rounds", "1"],
         # 10 steps: bench_packing.py reads the log windows after the first (5 steps each)
-        smoke=["--smoke", "--conversations", "100", "--steps", "10"],
+        smoke=["--smoke", "--conversations", "100", "--steps", "10", "--workers", "1"],
         target=1.5,
         target_note="packed at least 1.5x the padded run's non-padding tokens/s, with a padding "
         "share of at most 0.05",
         shares_ray=True,
+        smoke_s=68,
     ),
     "data_scale": Bench(
         "data/bench_data_scale.py",
@@ -236,6 +264,7 @@ BENCHES: dict[str, Bench] = {
         "target",
         goals=data_scale_goals,
         shares_ray=True,
+        smoke_s=7,
     ),
     "dpo": Bench(
         "baselines/bench_dpo.py",
@@ -252,6 +281,7 @@ BENCHES: dict[str, Bench] = {
         "step are reported, without a target",
         goals=dpo_goals,
         shares_ray=True,
+        smoke_s=58,
     ),
     "memory": Bench(
         "memory/bench_memory.py",
@@ -269,6 +299,7 @@ BENCHES: dict[str, Bench] = {
         "the load phase: the peak anonymous memory a pretrained 254M-parameter Llama adds to a "
         "worker at most (fp32 model / N) x 1.1 + its largest tensor under FSDP, against "
         "from_pretrained's whole load in every worker",
+        smoke_s=19,
     ),
     "save": Bench(
         "runner/bench_save.py",
@@ -277,7 +308,11 @@ BENCHES: dict[str, Bench] = {
         "and storage; wall time against the same run without saves; 2 workers, a GPT-2-shaped "
         "HF model (72 MiB of weights), local disk and a filesystem that writes at 100 MiB/s",
         quick=["--steps", "8", "--save-every", "4", "--n-layer", "2", "--n-embd", "256"],
+        # no run without saves: sync and async once each, one worker
         smoke=[
+            "--smoke",
+            "--workers",
+            "1",
             "--strategies",
             "ddp",
             "--storages",
@@ -294,6 +329,7 @@ BENCHES: dict[str, Bench] = {
         target_note="on slow storage, the pause of an asynchronous save at most 0.2x the "
         "synchronous one",
         shares_ray=True,
+        smoke_s=77,
     ),
     "elastic": Bench(
         "faults/bench_elastic.py",
@@ -302,8 +338,10 @@ BENCHES: dict[str, Bench] = {
         quick=["--quick"],
         # the cluster and the uninterrupted run only: a node lost and back takes minutes
         smoke=["--smoke"],
+        own_cluster=True,
         target_note="the loss of every step after a change within 1e-4 relative of the "
         "uninterrupted run's; times and steps trained again are reported, without a target",
+        smoke_s=55,
     ),
 }
 
@@ -367,13 +405,39 @@ def run_one(
     return report
 
 
+#: The smoke run's Ray settings (its shared heads' processes and every benchmark of the smoke
+#: run, also those with a cluster of their own; never a full run's): the fewest processes and waits per `TorchTrainer.fit`, whose figures
+#: nobody reads. Ray Train's controller is started by each benchmark's driver and reads the
+#: RAY_TRAIN_* ones from it and the head.
+SMOKE_RAY_ENV = {
+    # one local node is never drained: no preemption watcher actor per fit (one process fewer,
+    # as `run_training`'s own embedded Ray does)
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # the controller polls its workers every 0.25 s, not 2 s: a run's end, and a checkpoint
+    # reported within 2 s of the one before, are not held up to 2 s each
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+    # Ray's own metrics every 10 s (its default), not every 1 s as the tests' clusters export
+    # them: every worker process sends them, the agent receives them
+    "RAY_metrics_report_interval_ms": "10000",
+    # no Ray Train metrics of the controller and the workers (the runner's own are unaffected)
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    # Ray's workers at the niceness of the other benchmarks' processes (Ray's default is 15):
+    # beside a benchmark's torchrun or TRL side, a fit's workers would wait for the cores
+    # until its worker start timed out
+    "RAY_worker_niceness": "0",
+}
+
+
 class SharedRay:
-    """`--smoke`: one Ray for every benchmark that can share it (`Bench.shares_ray`), started
-    once instead of once per benchmark. It is the test suite's `LocalCluster` (a `ray start
+    """`--smoke`: one Ray for the benchmarks that can share it (`Bench.shares_ray`), one after
+    the other, started once instead of once per benchmark (one per benchmark that may run at
+    once: `run_benchmarks`). It is the test suite's `LocalCluster` (a `ray start
     --head` on 127.0.0.2 with ports and a temp dir of its own, its dashboard set as the state
     API's address, stopped by process id: never another Ray on the machine). A benchmark joins
     it through ``RAY_ADDRESS`` (`_support.init_ray` and `run_training` both read it); the
-    cluster's workers get every bench folder and tests/support on their ``PYTHONPATH``."""
+    cluster's workers get every bench folder and tests/support on their ``PYTHONPATH``, and it
+    and every benchmark that joins it run with `SMOKE_RAY_ENV`."""
 
     def __init__(self) -> None:
         sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
@@ -381,35 +445,131 @@ class SharedRay:
         from local_cluster import LocalCluster
 
         paths = [ROOT, *_bench_path.FOLDERS, os.path.join(ROOT, "tests", "support")]
-        self.pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
-        self.cluster = LocalCluster(num_cpus=4)
+        pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
 
-    def start(self, timeout_s: float = 300.0) -> None:
+        class SmokeCluster(LocalCluster):
+            def env(self) -> dict[str, str]:  # the head's, so every worker's, and a joiner's
+                return {**super().env(), **SMOKE_RAY_ENV, "PYTHONPATH": pythonpath}
+
+        self.cluster = SmokeCluster(num_cpus=4)
+
+    def start(self, timeout_s: float = RAY_START_TIMEOUT_S) -> None:
         """Start the head (bounded: 10 s on an idle machine, over 90 s on one loaded by other
         Ray clusters); a start that fails or times out leaves none of its processes."""
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = self.pythonpath  # the head's, so every worker's
         try:
             self.cluster.start(timeout_s=timeout_s)
         except BaseException:  # `ray start` killed at its timeout leaves its daemons running
             self.cluster.stop()
             raise
-        finally:
-            if saved is None:
-                os.environ.pop("PYTHONPATH")
-            else:
-                os.environ["PYTHONPATH"] = saved
 
     def env(self) -> dict[str, str]:
         """A joining benchmark's environment."""
-        return {
-            **self.cluster.node_env(),
-            "PYTHONPATH": self.pythonpath,
-            "RAY_ADDRESS": self.cluster.gcs_address,
-        }
+        return {**self.cluster.node_env(), "RAY_ADDRESS": self.cluster.gcs_address}
 
     def stop(self) -> None:
         self.cluster.stop()
+
+
+_RAY_STARTED = object()  # run_benchmarks' event: a shared Ray's start ended
+
+
+def run_benchmarks(
+    names: list[str], mode: str, workdir: str, jobs: int = 1, rays: list[SharedRay] | None = None
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Run the benchmarks `names`, at most `jobs` at once, and yield (name, report) as each one
+    ends. With several at once the longest (`Bench.smoke_s`) start first.
+
+    `rays` (the smoke run's `SharedRay`s, not started; one per benchmark that may run at once):
+    each benchmark with `shares_ray` runs on one of them, alone: two runs on one Ray would take
+    the same callback actor name (`run_training`'s default run name). They start here one after
+    the other in the background, while the benchmarks that do not join one run (but not one
+    with a cluster of its own, `Bench.own_cluster`); where none starts, each
+    benchmark that joins one is reported failed with the error. Each is stopped as soon as no
+    benchmark left joins one (its daemons would take CPU from the others), and at the end
+    whatever happens."""
+    rays = list(rays or [])
+    pending = sorted(names, key=lambda n: -BENCHES[n].smoke_s) if jobs > 1 else list(names)
+    events: queue.Queue = queue.Queue()
+    running: dict[str, SharedRay | None] = {}
+    free: list[SharedRay] = []  # started, no benchmark on it
+    starting, live = len(rays), list(rays)  # live: started or starting, not stopped
+    errors: list[str] = []
+
+    def joins(name: str) -> bool:
+        return bool(rays) and BENCHES[name].shares_ray
+
+    def start_rays() -> None:  # one after the other: the first is joined sooner
+        for ray in rays:
+            began = time.perf_counter()
+            try:
+                ray.start()
+            except BaseException as exc:  # reported as each joining benchmark's error
+                events.put((_RAY_STARTED, (ray, f"{type(exc).__name__}: {exc}")))
+                continue
+            print(f"a Ray for the smoke run at {ray.cluster.gcs_address}, started in "
+                  f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
+            events.put((_RAY_STARTED, (ray, None)))
+
+    alone = {**os.environ, **SMOKE_RAY_ENV} if mode == "smoke" else None
+
+    def one(name: str, ray: SharedRay | None) -> None:
+        try:
+            report = run_one(name, mode, workdir, ray.env() if ray else alone)
+        except Exception as exc:  # run_one's own failure: this benchmark's
+            report = {"error": f"{type(exc).__name__}: {exc}", "seconds": 0.0}
+        events.put((name, report))
+
+    def can_start(name: str) -> bool:
+        if joins(name):
+            return bool(free)
+        return not (starting and BENCHES[name].own_cluster)
+
+    def stop(ray: SharedRay) -> None:
+        ray.stop()
+        live.remove(ray)
+
+    starts = [threading.Thread(target=start_rays, daemon=True)] if rays else []
+    for thread in starts:
+        thread.start()
+    try:
+        while pending or running:
+            while len(running) < jobs:
+                name = next((n for n in pending if can_start(n)), None)
+                if name is None:
+                    break
+                pending.remove(name)
+                running[name] = free.pop() if joins(name) else None
+                threading.Thread(
+                    target=one, args=(name, running[name]), name=name, daemon=True
+                ).start()
+            what, value = events.get()
+            if what is _RAY_STARTED:
+                ray, error = value
+                starting -= 1
+                if error is None:
+                    free.append(ray)
+                else:  # SharedRay.start stops what it started
+                    live.remove(ray)
+                    errors.append(error)
+                    if not starting and not free and not any(running.values()):
+                        for name in [n for n in pending if joins(n)]:  # no Ray will come
+                            pending.remove(name)
+                            error = f"the shared Ray did not start: {'; '.join(errors)}"
+                            yield name, {"error": error, "seconds": 0.0}
+            else:
+                ray = running.pop(what)
+                if ray is not None:
+                    free.append(ray)
+                yield what, value
+            if not any(joins(n) for n in pending):
+                for ray in list(free):  # no benchmark left to join it
+                    free.remove(ray)
+                    stop(ray)
+    finally:
+        for thread in starts:  # a start still under way would leave its daemons after a stop
+            thread.join(timeout=len(rays) * (RAY_START_TIMEOUT_S + 30))
+        for ray in list(live):
+            stop(ray)
 
 
 def normalise_or_keep(name: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -588,7 +748,9 @@ def write_markdown(results: dict[str, Any], path: str) -> None:
 
 def _run_kind(results: dict[str, Any]) -> str:
     mode = results.get("mode") or ("quick" if results.get("quick") else "full")
-    return {"full": "full run", "quick": "quick run", "smoke": "smoke run"}.get(mode, mode)
+    kind = {"full": "full run", "quick": "quick run", "smoke": "smoke run"}.get(mode, mode)
+    jobs = results.get("jobs", 1)
+    return kind if jobs == 1 else f"{kind} ({jobs} benchmarks at a time)"
 
 
 def _section(name: str, b: dict[str, Any], results: dict[str, Any]) -> list[str]:
@@ -669,8 +831,19 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for results.{json,md,png} (default: bench/, or a new temporary folder "
         "with --smoke)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        help="--smoke: benchmarks run at once (default 2); a full or quick run times its "
+        "benchmarks one at a time",
+    )
     opts = parser.parse_args(argv)
     run_mode = "smoke" if opts.smoke else "quick" if opts.quick else "full"
+    if opts.jobs is not None and opts.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    if opts.jobs not in (None, 1) and not opts.smoke:
+        parser.error("--jobs > 1 is for --smoke only: side by side, the figures would be wrong")
+    jobs = opts.jobs or (SMOKE_JOBS if opts.smoke else 1)
     names = list(BENCHES)
     if opts.only:
         names = [n.strip() for n in opts.only.split(",") if n.strip()]
@@ -698,39 +871,27 @@ def main(argv: list[str] | None = None) -> int:
     machine_env = environment()
     fresh: dict[str, dict[str, Any]] = {}
     results: dict[str, Any] = {}
-    shared = None
-    if opts.smoke and any(BENCHES[n].shares_ray for n in names):
-        shared = SharedRay()
-        began = time.perf_counter()
-        shared.start()
-        print(f"one Ray for the smoke run at {shared.cluster.gcs_address}, started in "
-              f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
-    try:
-        for i, name in enumerate(names):
-            env = shared.env() if shared and BENCHES[name].shares_ray else None
-            fresh[name] = normalise_or_keep(name, run_one(name, run_mode, workdir, env))
-            if shared and not any(BENCHES[n].shares_ray for n in names[i + 1 :]):
-                shared.stop()  # its daemons would take CPU from the benchmarks left
-                shared = None
-            benchmarks = {}
-            for n in BENCHES:  # registry order, whatever ran this time
-                if n in fresh:
-                    benchmarks[n] = fresh[n]
-                elif n in previous:
-                    benchmarks[n] = previous[n]
-            results = {
-                **machine_env,
-                "quick": run_mode != "full",
-                "mode": run_mode,
-                "total_seconds": time.perf_counter() - started,
-                "load": [load_start, os.getloadavg()[0]],
-                "ran": names,
-                "benchmarks": benchmarks,
-            }
-            write_results(results, out_dir)  # so far: a later crash or kill loses nothing
-    finally:
-        if shared is not None:
-            shared.stop()
+    joining = sum(BENCHES[n].shares_ray for n in names) if opts.smoke else 0
+    rays = [SharedRay() for _ in range(min(jobs, joining))]
+    for name, report in run_benchmarks(names, run_mode, workdir, jobs, rays):
+        fresh[name] = normalise_or_keep(name, report)
+        benchmarks = {}
+        for n in BENCHES:  # registry order, whatever ran this time
+            if n in fresh:
+                benchmarks[n] = fresh[n]
+            elif n in previous:
+                benchmarks[n] = previous[n]
+        results = {
+            **machine_env,
+            "quick": run_mode != "full",
+            "mode": run_mode,
+            "jobs": jobs,
+            "total_seconds": time.perf_counter() - started,
+            "load": [load_start, os.getloadavg()[0]],
+            "ran": names,
+            "benchmarks": benchmarks,
+        }
+        write_results(results, out_dir)  # so far: a later crash or kill loses nothing
     total = time.perf_counter() - started
     results_md = os.path.join(out_dir, "results.md")
     results_png = os.path.join(out_dir, "results.png")

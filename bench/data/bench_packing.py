@@ -17,7 +17,7 @@ first step) on a cache miss (the first run) and on a cache hit. Rounds alternate
 configurations; medians. Target: packed >= 1.5x the padded tokens/s, padding share <= 0.05.
 
 Usage: python bench/data/bench_packing.py [--conversations 2000] [--steps 30] [--rounds 2]
-       [--smoke] [--json OUT]
+       [--workers 2] [--smoke] [--json OUT]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): a 2-layer model of width 64, one round, and the
 cache-miss run's figures as the packed run's (two runs instead of three).
@@ -139,6 +139,7 @@ def main() -> dict:
     parser.add_argument("--conversations", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=WORKERS, help="workers of every run")
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--smoke",
@@ -162,7 +163,7 @@ def main() -> dict:
         AutoTokenizer.from_pretrained(model), opts.conversations, work
     )
     common = dict(
-        model=model, data=data, max_length=MAX_LENGTH, batch_size=BATCH, num_workers=WORKERS,
+        model=model, data=data, max_length=MAX_LENGTH, batch_size=BATCH, num_workers=opts.workers,
         max_steps=opts.steps, log_every_steps=5, save_at_end=False, warmup_steps=0,
         storage_path=os.path.join(work, "storage"),
     )  # fmt: skip

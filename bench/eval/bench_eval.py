@@ -23,7 +23,7 @@ the vLLM environment, ``bash bench/eval/vllm_env.sh`` prints it). Target: warm a
 than cold.
 
 Usage: python bench/eval/bench_eval.py [--max-steps 80] [--save-every 20] [--eval-seconds 2]
-       [--rounds 2] [--json OUT]
+       [--rounds 2] [--workers 2] [--json OUT]
        python bench/eval/bench_eval.py --generation --python "$(bash bench/eval/vllm_env.sh)" [--json OUT]
 """
 
@@ -111,7 +111,7 @@ def _timed_run(mode: str, opts: argparse.Namespace, evaluate, storage: str) -> t
         max_steps=opts.max_steps,
         batch_size=64,
         learning_rate=2e-3,
-        num_workers=2,
+        num_workers=opts.workers,
         log_every_steps=50,
         save_every_steps=opts.save_every,
         storage_path=storage,
@@ -135,6 +135,7 @@ def main() -> dict:
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--eval-seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="training workers of each run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--generation", action="store_true", help="GenerationEval: hf, vLLM")
     parser.add_argument("--python", default=None, help="the vLLM environment's interpreter")

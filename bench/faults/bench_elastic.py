@@ -123,8 +123,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     # grown (so a slow resize cannot let the run end first; the times measured end earlier).
     hold = {"_hold_while_small": [opts.hold_at, 2], "_step_s": opts.step_s}
     cluster = LocalCluster(num_cpus=0, fast_failure_detection=True)
-    cluster.start()
-    try:
+    try:  # a start that times out leaves its daemons running: stopped below too
+        cluster.start()
         cluster.add_node(NODE_A, num_cpus=1)
         cluster.add_node(NODE_B, num_cpus=1)
         base_dir = os.path.join(work, "baseline")

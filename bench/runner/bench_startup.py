@@ -18,7 +18,7 @@ machine without a cluster: `start_embedded_ray`, then `ray.shutdown`), alternati
 * embedded Ray, no dashboard (``TrainingArgs.dashboard=False``): the baseline of this pair;
 * embedded Ray with its dashboard on 127.0.0.1 (the default).
 
-Usage: python bench/runner/bench_startup.py [--rounds 3] [--smoke] [--json OUT]
+Usage: python bench/runner/bench_startup.py [--rounds 3] [--smoke] [--workers 2] [--json OUT]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): one round of the bare fit and `run_training` only, no
 embedded-Ray pair (two fits instead of four, and two fresh Ray starts fewer): the same report,
@@ -96,7 +96,7 @@ def bare_fn(config):
     opt.step()
 
 
-def time_bare(lean: bool = False) -> float:
+def time_bare(workers: int, lean: bool = False) -> float:
     """A bare fit; `lean`: through run_training's trainer class (Ray Train's `TorchTrainer`
     without its Ray Data callback, so no `DatasetManager` actor at the worker group's start)."""
     from ray.train import RunConfig, ScalingConfig
@@ -107,13 +107,13 @@ def time_bare(lean: bool = False) -> float:
     start = time.perf_counter()
     (torch_trainer_class() if lean else TorchTrainer)(
         bare_fn,
-        scaling_config=ScalingConfig(num_workers=2),
+        scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(storage_path=tempfile.mkdtemp(), name="bare"),
     ).fit()
     return time.perf_counter() - start
 
 
-def time_runner(with_actor: bool) -> float:
+def time_runner(with_actor: bool, workers: int) -> float:
     from ray_trainer import run_training
 
     start = time.perf_counter()
@@ -122,7 +122,7 @@ def time_runner(with_actor: bool) -> float:
         data=_TinyData,
         max_steps=1,
         batch_size=8,
-        num_workers=2,
+        num_workers=workers,
         save_at_end=False,
         storage_path=tempfile.mkdtemp(),
         callbacks=[ActorSide()] if with_actor else [],
@@ -163,6 +163,7 @@ def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="1 round: bare and run_training only")
+    parser.add_argument("--workers", type=int, default=2, help="workers of every fit")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     import ray
@@ -179,10 +180,10 @@ def main() -> dict:
               f"{samples['ray_dashboard'][-1]:.2f} s")  # fmt: skip
     init_ray(num_cpus=4)
     timed = {
-        "bare": time_bare,
-        "bare_lean": lambda: time_bare(lean=True),
-        "runner": lambda: time_runner(False),
-        "runner_actor": lambda: time_runner(True),
+        "bare": lambda: time_bare(opts.workers),
+        "bare_lean": lambda: time_bare(opts.workers, lean=True),
+        "runner": lambda: time_runner(False, opts.workers),
+        "runner_actor": lambda: time_runner(True, opts.workers),
     }
     if opts.smoke:
         timed = {key: timed[key] for key in ("bare", "runner")}

@@ -270,7 +270,7 @@ def test_smoke_runs_every_registered_benchmark_into_a_temporary_folder(
     assert "smoke run ok: 2 benchmarks" in printed
     out = Path(printed.split("results into ", 1)[1].split("\n", 1)[0])
     assert out != BENCH and "ray_trainer_bench_smoke_" in out.name
-    assert "smoke run of" in (out / "results.md").read_text()
+    assert "smoke run (2 benchmarks at a time) of" in (out / "results.md").read_text()
     assert json.loads((out / "results.json").read_text())["benchmarks"]["good"]["args"] == ["--s"]
     assert (BENCH / "results.md").read_bytes() == committed
 
@@ -325,12 +325,15 @@ def test_smoke_arguments_name_the_runs_own_work_folder(tmp_path, monkeypatch, ca
 
 
 class _FakeSharedRay:
-    """Stands in for `run_all.SharedRay` (a real `ray start`): records its start and stop."""
+    """Stands in for `run_all.SharedRay` (a real `ray start`): records its start and stop; the
+    first one made has the address 127.0.0.2:1, the next 127.0.0.2:2, ..."""
 
     log: list[str] = []
 
     def __init__(self) -> None:
-        self.cluster = type("C", (), {"gcs_address": "127.0.0.2:1"})()
+        port = 1 + sum(1 for _ in self.log if _ == "made")
+        self.log.append("made")
+        self.cluster = type("C", (), {"gcs_address": f"127.0.0.2:{port}"})()
 
     def start(self) -> None:
         self.log.append("start")
@@ -369,7 +372,10 @@ def test_smoke_shares_one_ray_with_the_benchmarks_that_join_it_and_stops_it(
     results = json.loads((out / "results.json").read_text())["benchmarks"]
     assert results["joins"]["address"] == "127.0.0.2:1"
     assert results["alone"]["address"] is None  # elastic, memory: Ray of their own or none
-    assert _FakeSharedRay.log == ["start", "stop"]  # stopped also after a failed benchmark
+    # one Ray per benchmark that may run at once (2 here where two join), each stopped, also
+    # after a failed benchmark
+    rays = 2 if crash else 1
+    assert _FakeSharedRay.log.count("start") == _FakeSharedRay.log.count("stop") == rays
 
 
 def test_a_full_run_and_a_smoke_run_without_ray_start_no_shared_ray(tmp_path, monkeypatch):
@@ -383,3 +389,286 @@ def test_a_full_run_and_a_smoke_run_without_ray_start_no_shared_ray(tmp_path, mo
     assert run_all.main(["--only", "joins", "--out", str(out)]) == 0
     assert run_all.main(["--smoke", "--only", "alone", "--out", str(out)]) == 0
     assert _FakeSharedRay.log == []
+
+
+# ---- several benchmarks at once (--smoke --jobs) -----------------------------------------------
+
+# Writes its marker, then waits (bounded) for the marker of `OTHER` to appear: it passes only when
+# the other benchmark ran at the same time.
+MEETS = """
+import json, os, sys, time
+started = time.monotonic()
+out = sys.argv[sys.argv.index("--json") + 1]
+here, other = os.environ["MARKS"], os.environ["OTHER_" + os.path.basename(sys.argv[0])[:-3]]
+open(os.path.join(here, os.path.basename(sys.argv[0])), "w").close()
+deadline = time.monotonic() + 30
+while not os.path.exists(os.path.join(here, other + ".py")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |",
+           "met": os.path.exists(os.path.join(here, other + ".py")),
+           "started": started}, open(out, "w"))
+"""
+STARTED = """
+import json, sys, time
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |", "started": time.monotonic()},
+          open(out, "w"))
+"""
+
+
+def _set(name: str, monkeypatch, **fields) -> None:
+    b = run_all.BENCHES[name]
+    monkeypatch.setitem(run_all.BENCHES, name, run_all.Bench(
+        b.script, name, "b", smoke=["--s"], **fields))  # fmt: skip
+
+
+def test_smoke_runs_two_benchmarks_at_once_the_longest_first(tmp_path, monkeypatch, capsys):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    monkeypatch.setenv("OTHER_long", "longer")
+    monkeypatch.setenv("OTHER_longer", "long")
+    _registry(tmp_path, monkeypatch, {"short": STARTED, "long": MEETS, "longer": MEETS})
+    for name, seconds in (("short", 1), ("long", 30), ("longer", 60)):
+        _set(name, monkeypatch, smoke_s=seconds)
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    got = results["benchmarks"]
+    assert got["long"]["met"] and got["longer"]["met"]  # side by side
+    assert got["short"]["started"] > max(got["long"]["started"], got["longer"]["started"])
+    assert list(got) == ["short", "long", "longer"] and results["jobs"] == 2  # registry order
+    assert "smoke run ok: 3 benchmarks" in capsys.readouterr().out
+
+
+def test_one_at_a_time_outside_smoke(tmp_path, monkeypatch):
+    _registry(tmp_path, monkeypatch, {"good": GOOD})
+    with pytest.raises(SystemExit):  # side by side, the figures of a real run would be wrong
+        run_all.main(["--jobs", "2", "--out", str(tmp_path / "out")])
+    assert run_all.main(["--jobs", "1", "--out", str(tmp_path / "out")]) == 0
+
+
+class _SlowSharedRay(_FakeSharedRay):
+    """Its start waits (bounded) until the benchmark that does not join it has run."""
+
+    def start(self) -> None:
+        marker = Path(os.environ["MARKS"]) / "alone.py"
+        assert _wait_for(marker.exists, 30), "the benchmark without Ray did not run meanwhile"
+        super().start()
+
+
+class _BrokenSharedRay(_FakeSharedRay):
+    def start(self) -> None:
+        self.log.append("start")
+        raise RuntimeError("`ray start --head` failed: no ports")
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+MARKS_AND_ADDRESS = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+open(os.path.join(os.environ["MARKS"], os.path.basename(sys.argv[0])), "w").close()
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |",
+           "address": os.environ.get("RAY_ADDRESS")}, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_benchmarks_without_ray_run_while_the_shared_ray_starts(
+    jobs, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    _registry(tmp_path, monkeypatch, {"joins": MARKS_AND_ADDRESS, "alone": MARKS_AND_ADDRESS})
+    _set("joins", monkeypatch, shares_ray=True)
+    monkeypatch.setattr(run_all, "SharedRay", _SlowSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--jobs", jobs, "--out", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert got["joins"]["address"] == "127.0.0.2:1" and got["alone"]["address"] is None
+    assert _FakeSharedRay.log == ["made", "start", "stop"]
+
+
+def test_a_shared_ray_that_does_not_start_fails_each_benchmark_that_joins_it(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _registry(tmp_path, monkeypatch, {"joins": SEES_ADDRESS, "also": SEES_ADDRESS,
+                                      "alone": SEES_ADDRESS})  # fmt: skip
+    for name in ("joins", "also"):
+        _set(name, monkeypatch, shares_ray=True)
+    monkeypatch.setattr(run_all, "SharedRay", _BrokenSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--out", str(out)]) == 1
+    failed = capsys.readouterr().out.split("SMOKE RUN FAILED")[1]
+    assert "[joins] failed: the shared Ray did not start: RuntimeError: `ray start" in failed
+    assert "[also] failed" in failed and "[alone]" not in failed
+    got = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert got["alone"]["address"] is None and "error" not in got["alone"]
+    assert _FakeSharedRay.log == ["made", "made", "start", "start"]  # start stops its own
+
+
+def test_the_shared_ray_stops_while_benchmarks_that_do_not_join_it_still_run(tmp_path, monkeypatch):
+    """Its daemons would take CPU from them: stopped as soon as no benchmark left joins it.
+    "after" runs from the start (no Ray) and waits (bounded) for the stop."""
+
+    class Recorded(_FakeSharedRay):
+        def stop(self) -> None:
+            super().stop()
+            (tmp_path / "marks" / "stopped.py").touch()
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    monkeypatch.setenv("OTHER_after", "stopped")
+    _registry(tmp_path, monkeypatch, {"joins": STARTED, "after": MEETS})
+    _set("joins", monkeypatch, shares_ray=True)
+    monkeypatch.setattr(run_all, "SharedRay", Recorded)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert got["after"]["met"]  # it saw the stop while it ran
+    assert _FakeSharedRay.log == ["made", "start", "stop"]
+
+
+def test_the_smoke_rays_settings_reach_its_head_and_every_benchmark_that_joins_it(monkeypatch):
+    """No preemption watcher per fit, the controller's 0.25 s poll, Ray's default metrics
+    interval (the tests' clusters export every 1 s); never a full run's settings."""
+    shared = run_all.SharedRay()
+    for env in (shared.cluster.node_env(), shared.env()):
+        assert env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+        assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "0.25"
+        assert env["RAY_metrics_report_interval_ms"] == "10000"
+        assert env["RAY_TRAIN_METRICS_ENABLED"] == "0"
+        assert env["RAY_worker_niceness"] == "0"
+        # the project and every bench folder, for the head's workers too
+        assert env["PYTHONPATH"].split(os.pathsep)[:2] == [run_all.ROOT, run_all.HERE]
+    assert shared.env()["RAY_ADDRESS"] == shared.cluster.gcs_address
+    assert shared.cluster.num_cpus == 4  # one benchmark on it at a time
+    shared.cluster.stop()  # never started: removes its temp dir
+    assert not os.path.exists(shared.cluster.temp_dir)
+
+
+def test_save_smoke_report_without_a_run_without_saves(monkeypatch):
+    """bench_save.py --smoke: the synchronous run's boundaries without a save stand for the
+    no-save run's; the ratios the target reads, normalised."""
+    import argparse
+
+    import bench_save
+
+    def clock(save_pause: float) -> dict:  # 4 steps of 0.1 s, 0.01 s boundaries, a save every 2
+        begins, ends, t = [], [], 0.0
+        for step in range(4):
+            begins.append(t)
+            ends.append(t + 0.1)
+            t += 0.11 + (save_pause if step % 2 == 1 else 0.0)
+        return {"begins": begins, "ends": ends, "end": t}
+
+    opts = argparse.Namespace(
+        n_layer=1, n_embd=64, steps=4, save_every=2, slow_mb_s=0.01, workers=1
+    )
+    clocks = {("ddp", "local", "sync"): clock(0.5), ("ddp", "local", "async"): clock(0.05)}
+    assert bench_save.unsaved_gap(clocks[("ddp", "local", "sync")], 2) == pytest.approx(0.01)
+    monkeypatch.setattr(bench_save, "machine", lambda: "2 cores")  # _support's imports Ray
+    report = run_all.normalise("save", bench_save.report(clocks, opts))
+    assert report["ratios"]["ddp local: pause async / sync"] == pytest.approx(0.1)
+    assert "| DDP, local storage, synchronous | 0.50 |" in report["table"]
+
+
+def test_two_benchmarks_at_once_each_on_a_ray_of_its_own(tmp_path, monkeypatch):
+    """Two runs on one Ray would take the same callback actor name (the default run name)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    monkeypatch.setenv("OTHER_one", "two")
+    monkeypatch.setenv("OTHER_two", "one")
+    sees_address = MEETS.replace('"met":', '"address": os.environ.get("RAY_ADDRESS"), "met":')
+    _registry(tmp_path, monkeypatch, {"one": sees_address, "two": sees_address, "alone": STARTED})
+    for name in ("one", "two"):
+        _set(name, monkeypatch, shares_ray=True)
+    monkeypatch.setattr(run_all, "SharedRay", _FakeSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert got["one"]["met"] and got["two"]["met"]  # side by side
+    assert {got["one"]["address"], got["two"]["address"]} == {"127.0.0.2:1", "127.0.0.2:2"}
+    assert _FakeSharedRay.log.count("start") == _FakeSharedRay.log.count("stop") == 2
+
+
+NICENESS = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| b | 1.0 |",
+           "niceness": os.environ.get("RAY_worker_niceness")}, open(out, "w"))
+"""
+
+
+def test_a_smoke_runs_settings_reach_the_benchmarks_without_a_shared_ray_too(tmp_path, monkeypatch):
+    """elastic's own cluster: its workers at niceness 0 beside the other benchmark's processes;
+    a full run's benchmarks keep the environment they were started with."""
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    _registry(tmp_path, monkeypatch, {"alone": NICENESS})
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["alone"]["niceness"] == "0"
+    assert run_all.main(["--out", str(out)]) == 0
+    assert json.loads((out / "results.json").read_text())["benchmarks"]["alone"]["niceness"] is None
+
+
+def test_first_step_smoke_sides_on_one_process_each():
+    import bench_first_step
+
+    torchrun = bench_first_step.command("torchrun", "out.json", "runs", 1)
+    demo = bench_first_step.command("demo", "out.json", "runs", 1)
+    assert torchrun[torchrun.index("--nproc_per_node") + 1] == "1"
+    assert demo[demo.index("--num-workers") + 1] == "1"
+    full = bench_first_step.command("demo", "out.json", "runs")  # make demo's 2 workers
+    assert full[full.index("--num-workers") + 1] == "2"
+
+
+class _WatchedSharedRay(_FakeSharedRay):
+    """Its start waits (bounded) for the benchmark without Ray, and fails where the one with a
+    cluster of its own has run meanwhile."""
+
+    def start(self) -> None:
+        marks = Path(os.environ["MARKS"])
+        assert _wait_for((marks / "alone.py").exists, 30), "nothing ran while Ray started"
+        assert not (marks / "cluster.py").exists(), "a cluster started beside the shared Ray's"
+        super().start()
+
+
+def test_a_benchmark_with_a_cluster_of_its_own_waits_for_the_shared_rays_start(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("MARKS", str(marks))
+    _registry(tmp_path, monkeypatch, {"joins": MARKS_AND_ADDRESS, "alone": MARKS_AND_ADDRESS,
+                                      "cluster": MARKS_AND_ADDRESS})  # fmt: skip
+    _set("joins", monkeypatch, shares_ray=True)
+    _set("cluster", monkeypatch, own_cluster=True, smoke_s=100)  # the longest: first, but waits
+    monkeypatch.setattr(run_all, "SharedRay", _WatchedSharedRay)
+    monkeypatch.setattr(_FakeSharedRay, "log", [])
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--jobs", "2", "--out", str(out)]) == 0
+    got = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert "error" not in got["joins"] and "error" not in got["cluster"]
+    assert _FakeSharedRay.log == ["made", "start", "stop"]
