@@ -70,7 +70,7 @@ test-vllm: install-dev
 demo: install
 	$(VPY) -m ray_trainer.cli demo --num-workers 2
 
-# Every benchmark, full settings, into bench/results.{md,json,png}: 52 minutes on 2 cores.
+# Every benchmark, full settings, into bench/results.{md,json,png}: 52-73 minutes on 2 cores.
 bench: install-dev
 	$(VPY) bench/run_all.py
 
