@@ -13,7 +13,9 @@ shape on the CPU, to check the script (those figures mean nothing).
 
 `--compiled-only` times only the three compiled variants (about a minute on an H100).
 
-Usage: python bench/gpu/gpu_probe.py [--compiled | --compiled-only] [--runner [--compiled]]
+Usage: python bench/gpu/gpu_probe.py [--compiled | --compiled-only]
+                                     [--runner [--compiled] [--fsdp] [--checkpointing]]
+(`--runner --compiled --fsdp --checkpointing`: table 2's FSDP row, profiled.)
 """
 
 from __future__ import annotations
@@ -135,11 +137,14 @@ def run(
     return ms
 
 
-def profile_runner(compiled: bool, steps: int = 40, first: int = 30, count: int = 3) -> None:
+def profile_runner(
+    compiled: bool, extra: dict | None = None, steps: int = 40, first: int = 30, count: int = 3
+) -> None:
     """Prints where the host waits for the device in one step of `run_training` (step
     `first` - 1: each synchronizing CUDA call's stack, from `torch.cuda.set_sync_debug_mode`),
     then the profile of `count` steps from step `first` (eager, or with `compiled` the model
-    compiled as ``compile=True`` does)."""
+    compiled as ``compile=True`` does); `extra`: more `run_training` fields (table 2's
+    ``strategy="fsdp"``, ``activation_checkpointing=True``)."""
     import tempfile
 
     from _support import init_ray
@@ -182,8 +187,11 @@ def profile_runner(compiled: bool, steps: int = 40, first: int = 30, count: int 
     init_ray(num_cpus=os.cpu_count() or 2)
     with tempfile.TemporaryDirectory(prefix="gpu_probe_runs_") as storage:
         fields = runner_fields(SHAPE, steps, not GPU, storage)
-        run_training(**fields, compile=compiled, log_every_steps=10, callbacks=[StepProfile()])
-    label = "compiled" if compiled else "eager"
+        run_training(**{**fields, **(extra or {})}, compile=compiled, log_every_steps=10,
+                     callbacks=[StepProfile()])  # fmt: skip
+    label = ("compiled" if compiled else "eager") + "".join(
+        f", {k}={v}" for k, v in (extra or {}).items()
+    )
     for name in ("syncs.txt", "profile.txt"):
         if os.path.exists(os.path.join(out, name)):
             with open(os.path.join(out, name)) as f:
@@ -195,10 +203,17 @@ def main():
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--compiled-only", action="store_true", help="only the compiled variants")
     parser.add_argument("--runner", action="store_true", help="only profile run_training's step")
+    parser.add_argument("--fsdp", action="store_true", help="--runner: strategy='fsdp' (table 2)")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="--runner: activation_checkpointing=True"
+    )
     opts = parser.parse_args()
     print(torch.cuda.get_device_name(0) if GPU else "CPU", torch.__version__, flush=True)
     if opts.runner:
-        return profile_runner(opts.compiled)
+        extra = {"strategy": "fsdp"} if opts.fsdp else {}
+        if opts.checkpointing:
+            extra["activation_checkpointing"] = True
+        return profile_runner(opts.compiled, extra)
     if not opts.compiled_only:
         for label, chunk in [("model's own loss", None), ("chunked, default", 0),
                              ("chunked 256", 256), ("chunked 2048", 2048)]:  # fmt: skip
