@@ -11,7 +11,7 @@ fix, and how many other records are bad.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ray_trainer._data.chat import RecordError, check_record
@@ -54,22 +54,17 @@ def scan(
         return _scan_prompts(source, prompt_encoder)
     errors: list[str] = []
     pieces: list[Piece] = []
-    total = 0
     some_text = False
+
+    def check(record: dict[str, Any]) -> str:
+        fmt = record_format(record, source.fmt, text_field)
+        check_record(record, fmt, train_on=train_on, text_field=text_field)
+        return fmt
+
     for rows in _units(source):
-        for piece, records in rows:
-            for where, record in records:
-                try:
-                    if isinstance(record, _Bad):
-                        raise RecordError(record.why)
-                    fmt = record_format(record, source.fmt, text_field)
-                    check_record(record, fmt, train_on=train_on, text_field=text_field)
-                except RecordError as e:
-                    errors.append(f"{where}: {e}")
-                    continue
-                some_text = some_text or _has_text(record, fmt, text_field)
-            pieces.append(piece)
-            total += piece.records
+        for _, record, fmt in _checked(rows, check, errors, pieces):
+            some_text = some_text or _has_text(record, fmt, text_field)
+    total = sum(piece.records for piece in pieces)
     if errors:
         raise DataFileError(_first_bad(errors))
     if total == 0:
@@ -92,22 +87,16 @@ def _scan_pairs(source: Source) -> Source:
     (TRL reads one format per dataset); sets ``pair_format`` to it."""
     errors: list[str] = []
     pieces: list[Piece] = []
-    total = 0
     source_first: tuple[str, str] | None = None  # the source's format, and where it was set
+    first: tuple[str, str] | None = None  # the file's first good pair: (format, where)
+
+    def check(record: dict[str, Any]) -> str:
+        return check_in_file(record, first)
+
     for rows in _units(source):
-        first: tuple[str, str] | None = None  # this file's first good pair: (format, where)
-        for piece, records in rows:
-            for where, record in records:
-                try:
-                    if isinstance(record, _Bad):
-                        raise RecordError(record.why)
-                    fmt = check_in_file(record, first)
-                except RecordError as e:
-                    errors.append(f"{where}: {e}")
-                    continue
-                first = first or (fmt, where)
-            pieces.append(piece)
-            total += piece.records
+        first = None
+        for where, _, fmt in _checked(rows, check, errors, pieces):
+            first = first or (fmt, where)
         if first is None or source_first is None or first[0] == source_first[0]:
             source_first = source_first or first
             continue
@@ -123,7 +112,8 @@ def _scan_pairs(source: Source) -> Source:
             f"{source.field}: {source.name} holds no preference pairs; write one JSON object per "
             f"line, e.g. {_EXAMPLE}"
         )
-    source.records, source.pieces, source.pair_format = total, pieces, source_first[0]
+    source.records, source.pieces = sum(piece.records for piece in pieces), pieces
+    source.pair_format = source_first[0]
     return source
 
 
@@ -132,23 +122,17 @@ def _scan_prompts(source: Source, encoder: PromptEncoder | None) -> Source:
     one format (strings, or lists of messages) per source; sets ``pair_format`` to it."""
     errors: list[str] = []
     pieces: list[Piece] = []
-    total = 0
     first: tuple[str, str] | None = None  # the source's format, and where it was set
+
+    def check(record: dict[str, Any]) -> str:
+        fmt = check_prompt(record, first)
+        if encoder is not None:
+            encoder.encode(record)
+        return fmt
+
     for rows in _units(source):
-        for piece, records in rows:
-            for where, record in records:
-                try:
-                    if isinstance(record, _Bad):
-                        raise RecordError(record.why)
-                    fmt = check_prompt(record, first)
-                    if encoder is not None:
-                        encoder.encode(record)
-                except RecordError as e:
-                    errors.append(f"{where}: {e}")
-                    continue
-                first = first or (fmt, where)
-            pieces.append(piece)
-            total += piece.records
+        for where, _, fmt in _checked(rows, check, errors, pieces):
+            first = first or (fmt, where)
     if errors:
         raise DataFileError(f"{source.field}: {_first_bad(errors)}")
     if first is None:
@@ -156,8 +140,32 @@ def _scan_prompts(source: Source, encoder: PromptEncoder | None) -> Source:
             f"{source.field}: {source.name} holds no prompts; write one JSON object per line, "
             'e.g. {"prompt": "What is 2 + 2?", "answer": "4"}'
         )
-    source.records, source.pieces, source.pair_format = total, pieces, first[0]
+    source.records, source.pieces = sum(piece.records for piece in pieces), pieces
+    source.pair_format = first[0]
     return source
+
+
+def _checked(
+    rows: Iterator[tuple[Piece, list]],
+    check: Callable[[Any], str],
+    errors: list[str],
+    pieces: list[Piece],
+) -> Iterator[tuple[str, Any, str]]:
+    """Each record of one file's `rows`, checked: ``(where, record, format)`` of each record
+    `check` takes (it returns the record's format or raises :class:`RecordError`); each bad
+    record's error, naming where it is, goes into `errors`, and each piece, once read, into
+    `pieces`."""
+    for piece, records in rows:
+        for where, record in records:
+            try:
+                if isinstance(record, _Bad):
+                    raise RecordError(record.why)
+                fmt = check(record)
+            except RecordError as e:
+                errors.append(f"{where}: {e}")
+                continue
+            yield where, record, fmt
+        pieces.append(piece)
 
 
 def _first_bad(errors: list[str]) -> str:
