@@ -178,6 +178,11 @@ def _resolve(spec: Any, i: int) -> Callable[..., Any]:
             "on the Python path of the driver and of the Ray workers (e.g. in runtime_env's "
             "working_dir or py_modules)"
         ) from None
+    except Exception as e:  # the user's module raised while being imported
+        raise TrainingArgsError(
+            f"reward_fns[{i}]={spec!r}: importing module {module_name!r} raised "
+            f"{type(e).__name__}: {e}; fix the module"
+        ) from None
     fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)

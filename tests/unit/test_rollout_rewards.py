@@ -77,6 +77,16 @@ def test_callables_and_module_function_strings_resolve(module_of_rewards):
     assert by_name.resources == {"GPU": 1.0} and fns[0].resources == {"CPU": 1.0}
 
 
+def test_a_reward_module_that_raises_on_import_is_refused_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "raising_rewards_for_test.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TrainingArgsError) as info:
+        resolve_reward_fns(["raising_rewards_for_test:f"])
+    assert "importing module 'raising_rewards_for_test' raised RuntimeError: no GPU here" in str(
+        info.value
+    )
+
+
 @pytest.mark.parametrize(
     ("fns", "kwargs", "needle"),
     [
