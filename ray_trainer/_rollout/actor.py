@@ -37,7 +37,7 @@ class RolloutActor:
     def __init__(
         self, backend: str, spec: EngineSpec, state_dict: dict[str, Any] | None = None
     ) -> None:
-        self.backend = resolve_backend(backend)
+        self.backend = resolve_backend(backend, spec)
         self.engine = build_engine(self.backend, spec, state_dict)
 
     def generate(
@@ -97,7 +97,7 @@ class RemoteEngine:
     """A rollout engine in its Ray actor, as the trainer side drives it.
 
     Args:
-        backend: ``"hf"`` or ``"auto"``.
+        backend: ``"hf"``, ``"vllm"`` or ``"auto"``.
         spec: how the engine builds its model (`EngineSpec`).
         resources: the actor's ``rollout_resources`` (default ``{"CPU": 1}``).
         state_dict: weights to start from instead of the spec's.

@@ -54,6 +54,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
 
 
+#: The vLLM engine settings `EngineSpec.vllm` takes (the child's ``rollout_start``).
+VLLM_SETTINGS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "enforce_eager")
+
+
 @dataclass
 class EngineSpec:
     """How to build a rollout engine: plain data, so it travels to the rollout actor.
@@ -71,6 +75,13 @@ class EngineSpec:
         eos_token_ids: the tokens that end a completion (default: every id the model's
             generation config declares, as TRL takes them).
         pad_token_id: the padding id (default: the model's, else the first end id).
+        python: ``"vllm"``: the interpreter of the vLLM environment its child runs under
+            (default: ``RAY_TRAINER_VLLM_PYTHON``, else this one where vLLM is importable).
+        vllm: ``"vllm"``: vLLM's engine settings: ``gpu_memory_utilization`` (its share of the
+            GPU's memory: on a shared GPU, the rollout actor's fraction, e.g. 0.3),
+            ``kv_cache_memory_bytes`` (on CPU: 1 GiB unless given), ``max_model_len``,
+            ``enforce_eager`` (default True).
+        timeout_s: ``"vllm"``: the longest one request to its child may take (its start too).
     """
 
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -81,12 +92,27 @@ class EngineSpec:
     logits_bytes: int = 2**30
     eos_token_ids: list[int] | None = None
     pad_token_id: int | None = None
+    python: str | None = None
+    vllm: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "logits_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        unknown = sorted(set(self.vllm) - set(VLLM_SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"vllm: unknown settings {unknown}; vLLM's engine settings here are "
+                f"{', '.join(VLLM_SETTINGS)}"
+            )
+        share = self.vllm.get("gpu_memory_utilization")
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(
+                f"vllm['gpu_memory_utilization'] must be in (0, 1] (vLLM's share of the GPU's "
+                f"memory, e.g. 0.3 beside rollout_resources={{'GPU': 0.3}}), got {share!r}"
+            )
 
 
 class RolloutEngine(abc.ABC):

@@ -160,9 +160,6 @@ class Receiver:
 
     def load(self, bucket: Bucket) -> int:
         """Copy `bucket`'s slices into the tensors; returns its payload's bytes."""
-        import numpy as np
-        import torch
-
         if self.pending is None:
             raise WeightSyncError("a bucket arrived outside a sync: call begin_sync first")
         for e in bucket.entries:
@@ -178,16 +175,24 @@ class Receiver:
             if done > e.total:
                 raise WeightSyncError(f"{e.name}: sent more than once in sync {self.pending}")
             if e.numel:  # an empty tensor is covered by its entry alone
-                kind = getattr(torch, e.dtype)
-                nbytes = e.numel * torch.empty(0, dtype=kind).element_size()
-                raw = np.array(bucket.data[e.offset : e.offset + nbytes])  # own, writable memory
-                with torch.no_grad():
-                    target.view(-1)[e.start : e.start + e.numel].copy_(
-                        torch.from_numpy(raw).view(kind)
-                    )
+                self._copy(e, target, bucket)
             self._covered[canonical(e.name)] = done
         self._bytes += bucket.nbytes
         return bucket.nbytes
+
+    def _copy(self, entry: Entry, target: Any, bucket: Bucket) -> None:
+        """Copy one checked slice of `bucket` into `target` (in place; a backend whose weights
+        live in another process overrides it)."""
+        import numpy as np
+        import torch
+
+        kind = getattr(torch, entry.dtype)
+        nbytes = entry.numel * torch.empty(0, dtype=kind).element_size()
+        raw = np.array(bucket.data[entry.offset : entry.offset + nbytes])  # own, writable memory
+        with torch.no_grad():
+            target.view(-1)[entry.start : entry.start + entry.numel].copy_(
+                torch.from_numpy(raw).view(kind)
+            )
 
     def finish(self, version: int) -> dict[str, Any]:
         """End the sync of `version`: every tensor covered exactly, else `WeightSyncError`

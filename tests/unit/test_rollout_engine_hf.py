@@ -52,7 +52,7 @@ def _sampled(engine, seed: int = 3, **params):
 
 
 def test_sampling_is_reproducible_with_a_seed_and_grouped_by_prompt(spec):
-    engine = build_engine("auto", spec)
+    engine = build_engine("hf", spec)
     first = _sampled(engine, num_generations=3)
     assert [c.prompt_index for c in first] == [20, 20, 20, 21, 21, 21, 22, 22, 22]
     assert [c.prompt_ids for c in first] == [p for p in PROMPTS for _ in range(3)]
@@ -182,9 +182,8 @@ def test_the_engine_refuses_what_it_cannot_do(spec):
         HfEngine.build(spec).generate([[4], []], SamplingParams(num_generations=1))
     with pytest.raises(ValueError, match="has none: use a Hugging Face causal LM"):
         HfEngine(torch.nn.Linear(2, 2))
-    assert resolve_backend("auto") == "hf"
-    with pytest.raises(ValueError, match=r"'vllm'.*not built yet"):
-        resolve_backend("vllm")
+    with pytest.raises(ValueError, match=r"unknown rollout backend 'vlm'.*auto, hf, vllm"):
+        resolve_backend("vlm")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         SamplingParams(temperature=0.0)
     with pytest.raises(ValueError, match="num_generations must be an integer >= 1"):

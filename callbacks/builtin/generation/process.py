@@ -1,4 +1,4 @@
-"""Runs in the eval task (or the evaluator actor): the generation child as a subprocess.
+"""Runs in the eval task (or the evaluator actor, or the rollout actor): the generation child as a subprocess.
 
 `ChildProcess` starts the generation child (``child/run_generation_child.py``) under a given
 interpreter (``python=``, a vLLM
@@ -40,14 +40,15 @@ class ChildDied(RuntimeError):
 class ChildProcess:
     """The generation child as a subprocess of `python`, spoken to in JSON lines.
 
-    Runs in the evaluation task. Each request waits at most `timeout_s` for its answer; then
+    Runs in the evaluation task (or the rollout actor: the ``"vllm"`` rollout engine). Each request waits at most `timeout_s` for its answer; then
     the subprocess is killed and the error holds the last lines of its stderr. ``close`` (always
     called, also after an error) asks it to exit and kills it when it does not.
     """
 
-    def __init__(self, python: str, timeout_s: float) -> None:
+    def __init__(self, python: str, timeout_s: float, who: str = "GenerationEval") -> None:
         self.python = python
         self.timeout_s = timeout_s
+        self.who = who  # whose child it is, for the errors
         self.stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
         self._answers: queue.Queue[str | None] = queue.Queue()
         try:
@@ -63,8 +64,8 @@ class ChildProcess:
             )
         except OSError as e:
             raise RuntimeError(
-                f"GenerationEval: cannot start {python} on this node ({e}); python= must be an "
-                "interpreter on every evaluating node"
+                f"{who}: cannot start {python} on this node ({e}); python= must be an "
+                "interpreter on every node that runs the child"
             ) from e
         readers = [(self.process.stdout, self._answers.put), (self.process.stderr, None)]
         self._readers = [
@@ -136,6 +137,6 @@ class ChildProcess:
             self._readers[1].join(timeout=5)
         tail = "\n".join(self.stderr) or "(nothing)"
         raise kind(
-            f"GenerationEval: the generation subprocess ({self.python} {CHILD}) {what}; its "
+            f"{self.who}: the generation subprocess ({self.python} {CHILD}) {what}; its "
             f"stderr ends:\n{tail}"
         )

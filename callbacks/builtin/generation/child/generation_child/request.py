@@ -93,7 +93,7 @@ def pick_backend(req: dict[str, Any]) -> tuple[str, str | None]:
     if req["backend"] == "hf":
         _refuse_unless_hf_folder(req["model"])
         return "hf", None
-    missing = _vllm_import_error()
+    missing = vllm_missing()
     reason = None if missing else vllm_unsupported(req)
     if req["backend"] == "vllm":
         if missing:
@@ -116,7 +116,7 @@ def _refuse_unless_hf_folder(model: str) -> None:
         )
 
 
-def _vllm_import_error() -> str | None:
+def vllm_missing() -> str | None:
     """None when vLLM imports here, else the missing_backend message (never its traceback)."""
     try:
         import vllm  # noqa: F401

@@ -13,7 +13,9 @@ from typing import Any
 
 from .files import versions
 from .hf import hf_generate, load_hf_model
-from .request import Refusal, check_request, pick_backend, refuse_long_rows
+from .request import Refusal, check_request, pick_backend, refuse_long_rows, vllm_missing
+from .rollout import OPS as ROLLOUT_OPS
+from .rollout import RolloutLLM
 from .tokens import encode, finish, load_tokenizer, stop_token_ids
 from .vllm_engine import VllmEngine
 
@@ -30,6 +32,7 @@ class Session:
 
     def __init__(self) -> None:
         self._engine: VllmEngine | None = None
+        self._rollout: RolloutLLM | None = None  # the rollout engine's (its ops: rollout.py)
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         """One request's response; never raises (errors are ``ok: false`` responses)."""
@@ -41,7 +44,10 @@ class Session:
                 return self._generate(request)
             if op == "exit":
                 return {"ok": True}
-            raise Refusal("error", f"unknown op {op!r}: send 'hello', 'generate' or 'exit'")
+            if op in ROLLOUT_OPS:
+                return self._rollout_op(request)
+            ops = ", ".join(repr(o) for o in ("hello", "generate", "exit", *ROLLOUT_OPS))
+            raise Refusal("error", f"unknown op {op!r}: send one of {ops}")
         except Refusal as refusal:
             return refusal.response()
         except Exception as exc:  # the response says it; the traceback: stderr
@@ -49,10 +55,27 @@ class Session:
             return {"ok": False, "kind": "error", "error": f"{type(exc).__name__}: {exc}"}
 
     def close(self) -> None:
-        """Stop the vLLM engine (its engine process with it), if one is running."""
+        """Stop the vLLM engines (their engine processes with them), if any is running."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._rollout is not None:
+            self._rollout.close()
+            self._rollout = None
+
+    def _rollout_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A rollout engine's op: ``rollout_start`` starts its engine (once), the others use it."""
+        if request["op"] == "rollout_start":
+            if self._rollout is not None:
+                raise Refusal("error", "rollout_start: this child's rollout engine is running")
+            missing = vllm_missing()
+            if missing:
+                raise Refusal("missing_backend", missing)
+            self._rollout = RolloutLLM(request)
+            return {"ok": True, "seconds": self._rollout.seconds, "versions": versions()}
+        if self._rollout is None:
+            raise Refusal("error", f"{request['op']}: send rollout_start first")
+        return self._rollout.handle(request)
 
     def _vllm_outputs(
         self, req: dict[str, Any], tokenizer: Any, rows: list[list[int]], stop_ids: list[int]

@@ -1,0 +1,258 @@
+"""The ``"vllm"`` rollout engine's own logic, without vLLM (`_rollout/shm.py`, `engine_vllm.py`,
+`engines.py`, the child's rollout ops): the shared-memory files are safetensors files that
+safetensors reads back exactly (bf16 too), a sync cut into small buckets reaches the child as
+whole tensors equal to the trainer's, one file per bucket, each removed once loaded, and a LoRA
+sync as one adapter folder that peft loads; the request lines; the `Completion` of a sample;
+which backend ``"auto"`` picks; the child's refusals. The engine on real vLLM: tests/vllm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from callbacks.builtin.generation.child.generation_child.rollout import llm_kwargs
+from callbacks.builtin.generation.child.generation_child.session import Session
+from ray_trainer._model.spec import ModelSpec
+from ray_trainer._rollout.engine import EngineSpec, SamplingParams
+from ray_trainer._rollout.engine_vllm import (
+    PYTHON_ENV,
+    VllmEngine,
+    completion_of,
+    sample_request,
+    start_request,
+    vllm_lora_rank,
+    vllm_python,
+)
+from ray_trainer._rollout.engines import resolve_backend
+from ray_trainer._rollout.shm import (
+    ADAPTER_FILE,
+    ShmReceiver,
+    adapter_file_name,
+    safetensors_header,
+    write_safetensors,
+)
+from ray_trainer._rollout.transport import LocalTransport, sync_weights
+from ray_trainer._rollout.weights import WeightSyncError, buckets
+
+
+def _flat(tensor: torch.Tensor):
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def test_shm_files_are_safetensors_files_read_back_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {
+        "a.weight": torch.randn(3, 5),
+        "b.bias": torch.randn(7).to(torch.bfloat16),
+        "c.steps": torch.arange(4, dtype=torch.int64).view(2, 2),
+    }
+    rows = [(n, str(t.dtype).removeprefix("torch."), list(t.shape), _flat(t))
+            for n, t in tensors.items()]  # fmt: skip
+    written = write_safetensors(tmp_path / "x.safetensors", rows)
+    assert written == sum(t.numel() * t.element_size() for t in tensors.values())
+    back = load_file(tmp_path / "x.safetensors")
+    assert set(back) == set(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    header = safetensors_header([("w", "float32", [2], 8)])
+    assert len(header) % 8 == 0 and int.from_bytes(header[:8], "little") == len(header) - 8
+    with pytest.raises(ValueError, match=r"w: 4 bytes for a float32 tensor of shape \(2,\)"):
+        safetensors_header([("w", "float32", [2], 4)])
+    with pytest.raises(ValueError, match="w: twice"):
+        safetensors_header([("w", "float32", [1], 4), ("w", "float32", [1], 4)])
+    with pytest.raises(ValueError, match="complex64 has no safetensors code"):
+        safetensors_header([("w", "complex64", [1], 8)])
+
+
+def test_the_receiver_joins_slices_into_whole_tensors_and_checks_the_sync():
+    weights = {"embed.weight": torch.randn(10, 6), "norm.weight": torch.randn(6),
+               "head.weight": torch.randn(4, 6)}  # fmt: skip
+    meta = {n: torch.empty(t.shape, device="meta") for n, t in weights.items()}
+    receiver = ShmReceiver(meta)
+    receiver.begin(1)
+    got = {}
+    sent = list(buckets(((f"module.{n}", t) for n, t in weights.items()), max_bytes=64))
+    assert len(sent) > 5  # embed's 240 bytes span several buckets
+    for bucket in sent:
+        receiver.load(bucket)
+        for name, dtype, shape, data in receiver.take():
+            assert name not in got and dtype == "float32"
+            got[name] = torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+    assert set(got) == set(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor), name
+    assert receiver.finish(1)["tensors"] == 3
+    # A sync that misses a tensor is refused at its end, naming it.
+    receiver.begin(2)
+    for bucket in buckets([("embed.weight", weights["embed.weight"])], max_bytes=64):
+        receiver.load(bucket)
+    with pytest.raises(WeightSyncError, match="did not send every weight: norm.weight"):
+        receiver.finish(2)
+    with pytest.raises(WeightSyncError, match="other: no such weight"):
+        receiver.load(next(buckets([("other", torch.zeros(1))])))
+
+
+def test_adapter_names_lose_the_adapter_name_as_peft_saves_them():
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert adapter_file_name(name) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert adapter_file_name("model.norm.weight") == "model.norm.weight"
+
+
+class _FakeChild:
+    """Stands for the generation child (pure logic: what reaches it): reads each file when it
+    is asked to load it, as the child's engine process does."""
+
+    def __init__(self):
+        self.requests, self.loaded, self.adapters = [], {}, []
+
+    def handle(self, request):
+        from safetensors.torch import load_file
+
+        self.requests.append(request)
+        if request["op"] == "load_weights":
+            self.loaded.update(load_file(request["path"]))
+        if request["op"] == "load_adapter":
+            folder = Path(request["path"])
+            self.adapters.append((json.loads((folder / "adapter_config.json").read_text()),
+                                  load_file(folder / ADAPTER_FILE)))  # fmt: skip
+            return {"ok": True, "lora_id": len(self.adapters)}
+        return {"ok": True}
+
+    def close(self):
+        self.requests.append({"op": "exit"})
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("vllm_unit") / "chat")
+
+
+def _engine(model, lora=None):
+    named = {n: p for n, p in model.named_parameters() if lora is None or ".lora_" in n}
+    shapes = {n: torch.empty(p.shape, device="meta") for n, p in named.items()}
+    config = model.peft_config["default"] if lora else None
+    return VllmEngine(_FakeChild(), EngineSpec(), shapes, [2], config)
+
+
+def test_a_full_sync_reaches_the_child_whole_one_shm_file_per_bucket(chat):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(chat)
+    engine = _engine(model)
+    try:
+        stats = sync_weights(LocalTransport(engine), model.named_parameters(), 3,
+                             bucket_bytes=1 << 14)  # fmt: skip
+        child = engine.child
+        loads = [r for r in child.requests if r["op"] == "load_weights"]
+        assert stats.buckets > 10 and 0 < len(loads) <= stats.buckets
+        assert child.requests[-1] == {"op": "weights_loaded"}
+        assert all(r["path"].startswith(str(engine.shm)) for r in loads)
+        assert str(engine.shm).startswith("/dev/shm/") and not any(engine.shm.iterdir())
+        named = dict(model.named_parameters())
+        assert set(child.loaded) == set(named)
+        for name, value in child.loaded.items():
+            assert torch.equal(value, named[name].detach()), name
+        assert engine.version == 3 and stats.metrics()["sync/bytes"] == stats.bytes > 0
+    finally:
+        engine.close()
+    assert not engine.shm.exists()
+
+
+def test_a_lora_sync_is_one_adapter_folder_under_a_new_id(chat):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from ray_trainer._lora.config import wrap
+
+    model = wrap(AutoModelForCausalLM.from_pretrained(chat), {"r": 4, "lora_alpha": 8})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    engine = _engine(model, lora=True)
+    adapter = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    try:
+        for version in (1, 2):
+            sync_weights(LocalTransport(engine), adapter, version, bucket_bytes=4096)
+        child = engine.child
+        assert [r["op"] for r in child.requests] == ["load_adapter", "load_adapter"]
+        assert engine.lora_id == 2 and engine.version == 2
+        config, tensors = child.adapters[-1]
+        assert config["r"] == 4 and config["peft_type"] == "LORA"
+        expected = peft.get_peft_model_state_dict(model)
+        assert set(tensors) == set(expected)
+        for name, value in tensors.items():
+            assert torch.equal(value, expected[name]), name
+        assert not any(engine.shm.iterdir())  # each folder removed once loaded
+        with pytest.raises(WeightSyncError, match="not a LoRA adapter weight"):
+            engine.begin_sync(3)
+            engine.load_bucket(next(buckets([("model.norm.weight", torch.zeros(64))])))
+    finally:
+        engine.close()
+
+
+def test_the_request_lines():
+    spec = EngineSpec(ModelSpec(model="m"), device="cpu", vllm={"max_model_len": 128})
+    start = start_request(spec, Path("/models/m"), 16)
+    assert start == {"op": "rollout_start", "model": "/models/m", "max_lora_rank": 16, "seed": 0,
+                     "engine": {"dtype": "float32", "device": "cpu", "max_model_len": 128}}  # fmt: skip
+    kwargs = llm_kwargs(start)  # the child's side of it
+    assert kwargs["skip_tokenizer_init"] and kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 30 and kwargs["max_lora_rank"] == 16
+    gpu = llm_kwargs({**start, "engine": {"device": "cuda", "gpu_memory_utilization": 0.3}})
+    assert gpu["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in gpu
+    params = SamplingParams(num_generations=2, max_completion_length=5, temperature=0.7, seed=9)
+    line = sample_request([[1, 2], [1, 2], [3], [3]], params, [2, 7])
+    assert line["seeds"] == [9, 10, 11, 12] and line["stop_token_ids"] == [2, 7]
+    assert (line["max_tokens"], line["temperature"], line["top_k"]) == (5, 0.7, 0)
+    assert json.loads(json.dumps(line)) == line  # one JSON line
+    assert vllm_lora_rank(4) == 8 and vllm_lora_rank(8, {"q_proj": 24}) == 32
+    with pytest.raises(ValueError, match=r"unknown settings \['gpus'\]"):
+        EngineSpec(vllm={"gpus": 1})
+    with pytest.raises(ValueError, match="gpu_memory_utilization'] must be in"):
+        EngineSpec(vllm={"gpu_memory_utilization": 30})
+
+
+def test_a_sample_becomes_a_completion_up_to_its_first_end_token():
+    stop = completion_of(4, [1], {"ids": [5, 2, 6], "logprobs": [-1.0, -2.0, -3.0],
+                                  "finish_reason": "stop"}, [2, 7], 3)  # fmt: skip
+    assert (stop.completion_ids, stop.logprobs, stop.truncated, stop.version) == (
+        [5, 2], [-1.0, -2.0], False, 3)  # fmt: skip
+    cut = completion_of(4, [1], {"ids": [5, 6], "logprobs": [-1.0, -2.0],
+                                 "finish_reason": "length"}, [2], 0)  # fmt: skip
+    assert cut.truncated and cut.completion_ids == [5, 6]
+    # The last token may be an end token at the length limit: it ended, it is not truncated.
+    ended = completion_of(0, [1], {"ids": [5, 2], "logprobs": [-1.0, -2.0],
+                                   "finish_reason": "length"}, [2], 0)  # fmt: skip
+    assert not ended.truncated
+
+
+def test_auto_picks_vllm_where_its_environment_is_configured(monkeypatch):
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    assert vllm_python(EngineSpec()) is None  # the project's env has no vLLM
+    assert resolve_backend("auto") == "hf"
+    assert resolve_backend("auto", EngineSpec(python="/venv-vllm/bin/python")) == "vllm"
+    monkeypatch.setenv(PYTHON_ENV, "/env/bin/python")
+    assert resolve_backend("auto") == "vllm" and vllm_python(EngineSpec()) == "/env/bin/python"
+    assert vllm_python(EngineSpec(python="/mine")) == "/mine"
+    assert resolve_backend("vllm") == "vllm" and resolve_backend("hf") == "hf"
+    monkeypatch.delenv(PYTHON_ENV)
+    with pytest.raises(RuntimeError, match="no vLLM environment: build it with"):
+        VllmEngine.build(EngineSpec(ModelSpec(model="m")))
+
+
+def test_the_child_refuses_rollout_ops_before_its_engine_and_without_vllm():
+    session = Session()
+    answer = session.handle({"op": "sample", "prompts": [[1]]})
+    assert answer["ok"] is False and "send rollout_start first" in answer["error"]
+    answer = session.handle({"op": "rollout_start", "model": "m"})
+    assert answer["ok"] is False and answer["kind"] == "missing_backend"
+    assert "vllm_env.sh" in answer["error"]
+    answer = session.handle({"op": "train"})
+    assert "'rollout_start'" in answer["error"] and "'load_weights'" in answer["error"]
