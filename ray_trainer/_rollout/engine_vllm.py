@@ -34,6 +34,8 @@ from ray_trainer._rollout.engine import EngineSpec, RolloutEngine, SamplingParam
 from ray_trainer._rollout.engine_hf import _eos_ids, _token_ids
 from ray_trainer._rollout.shm import (
     ADAPTER_FILE,
+    BEGIN_REQUEST,
+    END_REQUEST,
     ShmReceiver,
     adapter_file_name,
     adapter_request,
@@ -200,9 +202,13 @@ class VllmEngine(RolloutEngine):
         return self._receiver
 
     def begin_sync(self, version: int) -> None:
+        """Open a sync; full weights: the child sets its layers aside for vLLM's reload (from
+        here until the sync ends the engine does not sample)."""
         self._receiver.begin(version)
         self._adapter = []
         self._written = 0
+        if not self.lora:
+            _ask(self.child, dict(BEGIN_REQUEST))
 
     def load_bucket(self, bucket: Bucket) -> int:
         """Check `bucket`; full weights: the tensors it completed written to a file of shared
@@ -241,7 +247,7 @@ class VllmEngine(RolloutEngine):
                 shutil.rmtree(folder, ignore_errors=True)
             self._adapter = []
         else:
-            _ask(self.child, {"op": "weights_loaded"})
+            _ask(self.child, dict(END_REQUEST))
         self.version = version
         return {**summary, "load_seconds": time.perf_counter() - started, "lora_id": self.lora_id}
 

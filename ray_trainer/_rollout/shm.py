@@ -88,6 +88,11 @@ def write_safetensors(path: Path, tensors: list[tuple[str, str, list[int], Any]]
     return sum(size for *_, size in sizes)
 
 
+#: The child's request lines that open and close a full-weight sync (vLLM's in-place reload).
+BEGIN_REQUEST = {"op": "begin_weights"}
+END_REQUEST = {"op": "weights_loaded"}
+
+
 def load_request(path: Path) -> dict[str, Any]:
     """The child's request line that loads the full-weight tensors in the file at `path`."""
     return {"op": "load_weights", "path": str(path)}

@@ -151,6 +151,7 @@ def test_a_full_sync_reaches_the_child_whole_one_shm_file_per_bucket(chat):
         child = engine.child
         loads = [r for r in child.requests if r["op"] == "load_weights"]
         assert stats.buckets > 10 and 0 < len(loads) <= stats.buckets
+        assert child.requests[0] == {"op": "begin_weights"}
         assert child.requests[-1] == {"op": "weights_loaded"}
         assert all(r["path"].startswith(str(engine.shm)) for r in loads)
         assert str(engine.shm).startswith("/dev/shm/") and not any(engine.shm.iterdir())

@@ -13,10 +13,13 @@ loaded into it in place, never by starting another.
   temperature (``logprobs_mode="processed_logprobs"``, as TRL starts vLLM).
 - ``{"op": "score", "prompt", "completion", "temperature"}``: the completion's teacher-forced
   log-probs, from vLLM's ``prompt_logprobs`` -> ``{"logprobs"}``.
-- ``{"op": "load_weights", "path"}``: the tensors of a safetensors file in ``/dev/shm`` copied
-  into the model's weights, in vLLM's engine process (the model's own ``load_weights``, which
-  knows its fused layers); ``{"op": "weights_loaded"}`` ends a full sync: the layers' post-load
-  processing redone, the prefix cache (keys and values of the old weights) reset.
+- ``{"op": "begin_weights"}``, then ``{"op": "load_weights", "path"}`` per file, then
+  ``{"op": "weights_loaded"}``: a full sync, in vLLM's engine process, with vLLM's own in-place
+  reload (``model_executor/model_loader/reload``): the layers set aside, each file's tensors (a
+  safetensors file in ``/dev/shm``, by their Hugging Face names) given to the model's
+  ``load_weights`` (which knows its fused layers), a layer processed for its kernels once all
+  its weights have come, the rest at the end; then the prefix cache (keys and values of the old
+  weights) reset. Between the first and the last the engine must not sample.
 - ``{"op": "load_adapter", "path"}``: the LoRA adapter folder loaded under a new LoRA id (the
   previous one removed); later samples and scores use it -> ``{"lora_id"}``.
 """
@@ -30,7 +33,8 @@ from typing import Any
 
 from .request import Refusal
 
-OPS = ("rollout_start", "sample", "score", "load_weights", "weights_loaded", "load_adapter")
+OPS = ("rollout_start", "sample", "score", "begin_weights", "load_weights", "weights_loaded",
+       "load_adapter")  # fmt: skip
 #: The engine settings ``rollout_start`` takes, with their defaults.
 ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
@@ -64,12 +68,15 @@ class RolloutLLM:
             return {"ok": True, "completions": self.sample(request)}
         if op == "score":
             return {"ok": True, "logprobs": self.score(request)}
+        if op == "begin_weights":
+            self.llm.collective_rpc(begin_reload)
+            return {"ok": True}
         if op == "load_weights":
             started = time.perf_counter()
             count = self.llm.collective_rpc(load_file, args=(str(request["path"]),))[0]
             return {"ok": True, "tensors": count, "seconds": time.perf_counter() - started}
         if op == "weights_loaded":
-            self.llm.collective_rpc(after_loading)
+            self.llm.collective_rpc(finish_reload)
             return {"ok": True, "prefix_cache_reset": bool(self.llm.reset_prefix_cache())}
         if op == "load_adapter":
             return {"ok": True, "lora_id": self.load_adapter(str(request["path"]))}
@@ -147,17 +154,13 @@ class RolloutLLM:
 
     def load_adapter(self, path: str) -> int:
         """Load the adapter folder under a new LoRA id now (not at the first sample), so the
-        folder may go once this returns; the previous id is removed."""
-        from vllm.lora.request import LoRARequest
-
+        folder may go once this returns; the previous id is removed (vLLM caches by id)."""
         old = self.lora_id
-        self.lora_id += 1
-        self.adapter = path
+        self.lora_id, self.adapter = old + 1, path
         if not self.llm.llm_engine.add_lora(self._lora()):
             raise RuntimeError(f"vLLM did not load the LoRA adapter in {path}")
         if old:
             self.llm.llm_engine.remove_lora(old)
-        del LoRARequest
         return self.lora_id
 
     def _lora(self) -> Any:
@@ -213,22 +216,41 @@ def _picked(step: Any, token: int) -> float:
 # -- in vLLM's engine process (sent by collective_rpc: the worker is the first argument) ----------
 
 
-def load_file(worker: Any, path: str) -> int:
-    """Copy the tensors of the safetensors file at `path` into the model's weights, by their
-    Hugging Face names (the model's ``load_weights`` maps them onto its fused layers)."""
-    from safetensors import safe_open
+def begin_reload(worker: Any) -> None:
+    """A full sync starts: vLLM's in-place reload set up (each layer's loaders deferred until
+    all of its weights have come)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    model = worker.model_runner.model
-    with safe_open(path, framework="pt", device="cpu") as f:
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def load_file(worker: Any, path: str) -> int:
+    """Give the tensors of the safetensors file at `path` to the model's ``load_weights``,
+    by their Hugging Face names (it maps them onto its fused layers)."""
+    from safetensors import safe_open
+    from vllm.config import set_current_vllm_config
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config), safe_open(path, "pt", device="cpu") as f:
         names = list(f.keys())
         model.load_weights((name, f.get_tensor(name)) for name in names)
     return len(names)
 
 
-def after_loading(worker: Any) -> None:
-    """After a full sync: each layer's post-load processing again, as vLLM's own reload does
-    (its CPU build keeps prepacked copies of weights for its matmuls, made there)."""
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+def finish_reload(worker: Any) -> None:
+    """A full sync ends: the layers not processed yet processed, as vLLM's reload ends. A
+    head tied to the input embedding gets no weight of its own (the trainer sends it once, as
+    the embedding), so its prepacked CPU copy is remade from the new embedding."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    from .vllm_engine import refresh_tied_head
 
     runner = worker.model_runner
-    process_weights_after_loading(runner.model, runner.model_config, runner.device)
+    model = runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, runner.model_config)
+        if getattr(runner.model_config.hf_config, "tie_word_embeddings", False):
+            refresh_tied_head(model)
