@@ -55,7 +55,12 @@ class SamplingParams:
 
 
 #: The vLLM engine settings `EngineSpec.vllm` takes (the child's ``rollout_start``).
-VLLM_SETTINGS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "enforce_eager")
+VLLM_SETTINGS = (
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "max_model_len",
+    "enforce_eager",
+)
 
 
 @dataclass

@@ -177,7 +177,9 @@ class VllmEngine(RolloutEngine):
             for index, prompt in zip(indices, prompts, strict=True)
             for _ in range(params.num_generations)
         ]
-        answer = _ask(self.child, sample_request([ids for _, ids in rows], params, self.eos_token_ids))
+        answer = _ask(
+            self.child, sample_request([ids for _, ids in rows], params, self.eos_token_ids)
+        )
         out = answer["completions"]
         if len(out) != len(rows):
             raise VllmError(f"{len(rows)} completions asked, {len(out)} came back")

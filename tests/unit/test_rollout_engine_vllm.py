@@ -90,7 +90,7 @@ def test_the_receiver_joins_slices_into_whole_tensors_and_checks_the_sync():
     receiver.begin(2)
     for bucket in buckets([("embed.weight", weights["embed.weight"])], max_bytes=64):
         receiver.load(bucket)
-    with pytest.raises(WeightSyncError, match="did not send every weight: norm.weight"):
+    with pytest.raises(WeightSyncError, match=r"did not send every weight: norm\.weight"):
         receiver.finish(2)
     with pytest.raises(WeightSyncError, match="other: no such weight"):
         receiver.load(next(buckets([("other", torch.zeros(1))])))
@@ -98,7 +98,9 @@ def test_the_receiver_joins_slices_into_whole_tensors_and_checks_the_sync():
 
 def test_adapter_names_lose_the_adapter_name_as_peft_saves_them():
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
-    assert adapter_file_name(name) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert (
+        adapter_file_name(name) == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    )
     assert adapter_file_name("model.norm.weight") == "model.norm.weight"
 
 
@@ -126,11 +128,16 @@ class _FakeChild:
         self.requests.append({"op": "exit"})
 
 
-@pytest.fixture(scope="module")
-def chat(tmp_path_factory):
-    from ray_trainer._demo.chat import make_tiny_chat_model
+def _tiny_llama():
+    """A tiny Llama in memory (no folder, no tokenizer: the sync needs its weights only)."""
+    import transformers
 
-    return make_tiny_chat_model(tmp_path_factory.mktemp("vllm_unit") / "chat")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).eval()
 
 
 def _engine(model, lora=None):
@@ -140,14 +147,12 @@ def _engine(model, lora=None):
     return VllmEngine(_FakeChild(), EngineSpec(), shapes, [2], config)
 
 
-def test_a_full_sync_reaches_the_child_whole_one_shm_file_per_bucket(chat):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(chat)
+def test_a_full_sync_reaches_the_child_whole_one_shm_file_per_bucket():
+    model = _tiny_llama()
     engine = _engine(model)
     try:
         stats = sync_weights(LocalTransport(engine), model.named_parameters(), 3,
-                             bucket_bytes=1 << 14)  # fmt: skip
+                             bucket_bytes=1 << 12)  # fmt: skip
         child = engine.child
         loads = [r for r in child.requests if r["op"] == "load_weights"]
         assert stats.buckets > 10 and 0 < len(loads) <= stats.buckets
@@ -165,13 +170,12 @@ def test_a_full_sync_reaches_the_child_whole_one_shm_file_per_bucket(chat):
     assert not engine.shm.exists()
 
 
-def test_a_lora_sync_is_one_adapter_folder_under_a_new_id(chat):
+def test_a_lora_sync_is_one_adapter_folder_under_a_new_id():
     import peft
-    from transformers import AutoModelForCausalLM
 
     from ray_trainer._lora.config import wrap
 
-    model = wrap(AutoModelForCausalLM.from_pretrained(chat), {"r": 4, "lora_alpha": 8})
+    model = wrap(_tiny_llama(), {"r": 4, "lora_alpha": 8})
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -193,7 +197,7 @@ def test_a_lora_sync_is_one_adapter_folder_under_a_new_id(chat):
         assert not any(engine.shm.iterdir())  # each folder removed once loaded
         with pytest.raises(WeightSyncError, match="not a LoRA adapter weight"):
             engine.begin_sync(3)
-            engine.load_bucket(next(buckets([("model.norm.weight", torch.zeros(64))])))
+            engine.load_bucket(next(buckets([("model.norm.weight", torch.zeros(32))])))
     finally:
         engine.close()
 

@@ -114,7 +114,9 @@ class RolloutLLM:
         for out in outs:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
-            logprobs = [_picked(step, token) for step, token in zip(sample.logprobs, ids)]
+            logprobs = [
+                _picked(step, token) for step, token in zip(sample.logprobs, ids, strict=True)
+            ]
             completions.append(
                 {"ids": ids, "logprobs": logprobs, "finish_reason": sample.finish_reason}
             )
@@ -143,9 +145,9 @@ class RolloutLLM:
         )[0]
         steps = out.prompt_logprobs[len(prompt) :]
         if not every:
-            return [_picked(step, token) for step, token in zip(steps, completion)]
+            return [_picked(step, token) for step, token in zip(steps, completion, strict=True)]
         scored = []
-        for step, token in zip(steps, completion):
+        for step, token in zip(steps, completion, strict=True):
             values = {t: lp.logprob / temperature for t, lp in step.items()}
             top = max(values.values())
             norm = top + math.log(sum(math.exp(v - top) for v in values.values()))
@@ -183,7 +185,9 @@ def llm_kwargs(request: dict[str, Any]) -> dict[str, Any]:
     engine = request.get("engine") or {}
     unknown = sorted(set(engine) - set(ENGINE_DEFAULTS))
     if unknown:
-        raise Refusal("error", f"engine: unknown settings {unknown}; known: {list(ENGINE_DEFAULTS)}")
+        raise Refusal(
+            "error", f"engine: unknown settings {unknown}; known: {list(ENGINE_DEFAULTS)}"
+        )
     engine = {**ENGINE_DEFAULTS, **engine}
     kwargs: dict[str, Any] = {
         "model": str(request["model"]),
@@ -197,7 +201,9 @@ def llm_kwargs(request: dict[str, Any]) -> dict[str, Any]:
     if engine["max_model_len"]:
         kwargs["max_model_len"] = int(engine["max_model_len"])
     if engine["device"] == "cpu":
-        kwargs["kv_cache_memory_bytes"] = int(engine["kv_cache_memory_bytes"] or _CPU_KV_CACHE_BYTES)
+        kwargs["kv_cache_memory_bytes"] = int(
+            engine["kv_cache_memory_bytes"] or _CPU_KV_CACHE_BYTES
+        )
     else:
         if engine["gpu_memory_utilization"]:
             kwargs["gpu_memory_utilization"] = float(engine["gpu_memory_utilization"])
