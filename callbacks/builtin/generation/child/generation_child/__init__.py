@@ -22,11 +22,16 @@ at stderr, so what libraries print never lands in it. Requests:
   answers, with ``{"ok": false, "kind": "missing_backend" | "unsupported" | "bad_rows" |
   "error", "error": ...}`` when it cannot.
 
+- the rollout engine's ops (``rollout_start``, ``sample``, ``score``, ``begin_weights``,
+  ``load_weights``, ``weights_loaded``, ``load_adapter``; ray-trainer's ``"vllm"`` rollout
+  engine sends them, prompts as token ids, weights through ``/dev/shm``): see ``rollout``.
+
 One Session keeps its vLLM engine warm: a model of the same shape reloads its weights in place
 (and resets the prefix cache), an adapter gets a new LoRA id whenever it changes.
 
 The modules, in the order they stand on each other: ``files`` (JSON files, folder signatures,
 versions), ``request`` (a request checked, the backend picked, what vLLM cannot load),
 ``tokens`` (tokenizer, prompts, stops, the answer's end), ``hf`` and ``vllm_engine`` (the two
-backends), ``session`` (answers requests, keeps the engine) and ``main`` (the subprocess loop).
+backends), ``rollout`` (the rollout engine's vLLM: sampling, scoring, weights loaded in place),
+``session`` (answers requests, keeps the engine) and ``main`` (the subprocess loop).
 """
