@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from callbacks.builtin.generation.child.generation_child.vllm_engine import (
+    vllm_lora_rank as child_lora_rank,
+)
 from callbacks.builtin.generation.process import ChildProcess
 from ray_trainer._rollout.engine import EngineSpec, RolloutEngine, SamplingParams
 from ray_trainer._rollout.engine_hf import _eos_ids, _token_ids
@@ -48,8 +51,6 @@ from ray_trainer._rollout.weights import Bucket, WeightSyncError
 
 #: The environment variable naming the vLLM env's interpreter (as ``make test-vllm`` sets it).
 PYTHON_ENV = "RAY_TRAINER_VLLM_PYTHON"
-#: vLLM accepts these LoRA ranks only; an adapter's r is rounded up to the next one.
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VllmError(RuntimeError):
@@ -313,9 +314,9 @@ def completion_of(
 
 
 def vllm_lora_rank(rank: int, pattern: dict[str, int] | None = None) -> int:
-    """vLLM's ``max_lora_rank`` for an adapter: its largest rank, rounded up to one vLLM takes."""
-    rank = max([int(rank), *[int(r) for r in (pattern or {}).values()]])
-    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+    """vLLM's ``max_lora_rank`` for an adapter: its largest rank (``rank_pattern`` included),
+    rounded up to one vLLM takes, as the generation child rounds it."""
+    return child_lora_rank(max([int(rank), *[int(r) for r in (pattern or {}).values()]]))
 
 
 def _local_folder(spec: EngineSpec) -> Path | None:

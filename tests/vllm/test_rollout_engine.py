@@ -51,9 +51,9 @@ def _engine_probe(engine, probe: Probe) -> list[float]:
     return engine.logprobs(list(probe.prompt_ids), list(probe.completion_ids), probe.temperature)
 
 
-def _certain(model):
-    """`model` (a copy's weights changed in place) made to say CERTAIN whatever came before:
-    attention and MLP add nothing, every token embeds alike, and the head sees only CERTAIN."""
+def _certain(model, token: int = CERTAIN):
+    """`model` (a copy's weights changed in place) made to say `token` whatever came before:
+    attention and MLP add nothing, every token embeds alike, and the head sees only `token`."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -61,7 +61,7 @@ def _certain(model):
         model.model.embed_tokens.weight.fill_(1.0)
         model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.zero_()
-        model.lm_head.weight[CERTAIN] = 1.0
+        model.lm_head.weight[token] = 1.0
     return model
 
 
@@ -101,11 +101,17 @@ def test_completions_logprobs_and_a_full_sync_in_place(models):
         assert all(c.version == 1 and c.truncated for c in said)
         assert all(c.completion_ids == [CERTAIN] * 8 for c in said)
         assert max(abs(v) for c in said for v in c.logprobs) < 1e-4
+        # Weights certain of the end token: each completion is that token alone, ended.
+        eos = trainer.generation_config.eos_token_id
+        ending = _certain(AutoModelForCausalLM.from_pretrained(models["c0"]), eos)
+        sync_weights(LocalTransport(engine), ending.named_parameters(), 2)
+        ended = _sample(engine)
+        assert all(c.completion_ids == [eos] and not c.truncated for c in ended)
         # Back to the first weights, in place: exactly the first completions again.
-        sync_weights(LocalTransport(engine), trainer.named_parameters(), 2)
+        sync_weights(LocalTransport(engine), trainer.named_parameters(), 3)
         again = _sample(engine)
         assert [c.completion_ids for c in again] == [c.completion_ids for c in first]
-        assert all(c.version == 2 for c in again) and _worst(trainer, again) < LOGPROB_BOUND
+        assert all(c.version == 3 for c in again) and _worst(trainer, again) < LOGPROB_BOUND
     finally:
         engine.close()
     assert not engine.shm.exists()

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from .request import Refusal
+from .vllm_engine import CPU_KV_CACHE_BYTES, refresh_tied_head
 
 OPS = ("rollout_start", "sample", "score", "begin_weights", "load_weights", "weights_loaded",
        "load_adapter")  # fmt: skip
@@ -44,7 +45,6 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": None,  # on a shared GPU: the engine's share of its memory
     "device": "cpu",
 }
-_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class RolloutLLM:
@@ -201,9 +201,7 @@ def llm_kwargs(request: dict[str, Any]) -> dict[str, Any]:
     if engine["max_model_len"]:
         kwargs["max_model_len"] = int(engine["max_model_len"])
     if engine["device"] == "cpu":
-        kwargs["kv_cache_memory_bytes"] = int(
-            engine["kv_cache_memory_bytes"] or _CPU_KV_CACHE_BYTES
-        )
+        kwargs["kv_cache_memory_bytes"] = int(engine["kv_cache_memory_bytes"] or CPU_KV_CACHE_BYTES)
     else:
         if engine["gpu_memory_utilization"]:
             kwargs["gpu_memory_utilization"] = float(engine["gpu_memory_utilization"])
@@ -251,8 +249,6 @@ def finish_reload(worker: Any) -> None:
     the embedding), so its prepacked CPU copy is remade from the new embedding."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    from .vllm_engine import refresh_tied_head
 
     runner = worker.model_runner
     model = runner.get_model()
