@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from callbacks.builtin.generation.child.generation_child.rollout import llm_kwargs
+from callbacks.builtin.generation.child.generation_child.rollout import at_temperature, llm_kwargs
 from callbacks.builtin.generation.child.generation_child.session import Session
 from ray_trainer._model.spec import ModelSpec
 from ray_trainer._rollout.engine import EngineSpec, SamplingParams
@@ -261,3 +261,12 @@ def test_the_child_refuses_rollout_ops_before_its_engine_and_without_vllm():
     assert "vllm_env.sh" in answer["error"]
     answer = session.handle({"op": "train"})
     assert "'rollout_start'" in answer["error"] and "'load_weights'" in answer["error"]
+
+
+def test_the_probe_at_a_temperature_from_every_tokens_log_probs():
+    logits = torch.randn(50, dtype=torch.float64) * 3
+    raw = torch.log_softmax(logits, -1)  # what vLLM's prompt_logprobs give
+    for temperature in (0.3, 0.7, 1.5):
+        expected = torch.log_softmax(logits / temperature, -1)
+        got = [at_temperature(dict(enumerate(raw.tolist())), t, temperature) for t in (0, 17, 49)]
+        assert got == pytest.approx(expected[[0, 17, 49]].tolist(), abs=1e-12)

@@ -146,13 +146,10 @@ class RolloutLLM:
         steps = out.prompt_logprobs[len(prompt) :]
         if not every:
             return [_picked(step, token) for step, token in zip(steps, completion, strict=True)]
-        scored = []
-        for step, token in zip(steps, completion, strict=True):
-            values = {t: lp.logprob / temperature for t, lp in step.items()}
-            top = max(values.values())
-            norm = top + math.log(sum(math.exp(v - top) for v in values.values()))
-            scored.append(values[token] - norm)
-        return scored
+        return [
+            at_temperature({t: lp.logprob for t, lp in step.items()}, token, temperature)
+            for step, token in zip(steps, completion, strict=True)
+        ]
 
     def load_adapter(self, path: str) -> int:
         """Load the adapter folder under a new LoRA id now (not at the first sample), so the
@@ -210,6 +207,14 @@ def llm_kwargs(request: dict[str, Any]) -> dict[str, Any]:
     if request.get("max_lora_rank"):
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=int(request["max_lora_rank"]))
     return kwargs
+
+
+def at_temperature(logprobs: dict[int, float], token: int, temperature: float) -> float:
+    """``log_softmax(logits / temperature)`` at `token`, from one position's log-probs of every
+    token (``log_softmax(logits)``: the logits less one constant, which the softmax ignores)."""
+    scaled = {t: v / temperature for t, v in logprobs.items()}
+    top = max(scaled.values())
+    return scaled[token] - top - math.log(sum(math.exp(v - top) for v in scaled.values()))
 
 
 def _picked(step: Any, token: int) -> float:
