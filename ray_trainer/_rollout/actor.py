@@ -11,6 +11,7 @@ training loop's policy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -170,6 +171,16 @@ class RemoteEngine:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
         return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Let the engine free what it holds (the ``"vllm"`` engine: its child, vLLM's
+        processes, its files in ``/dev/shm``), then end the actor; a dead one is only ended."""
+        import ray
+
+        gone = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError)
+        with contextlib.suppress(*gone):
+            ray.get(self.actor.close.remote(), timeout=timeout_s)
+        self.kill()
 
     def kill(self) -> None:
         """End the actor (and its engine) now."""

@@ -1,9 +1,9 @@
 """The ``"vllm"`` rollout engine (`_rollout/engine_vllm.py`) on real vLLM (`make test-vllm`).
 
-The engine runs in this process and drives the generation child under the vLLM env's python
-(RAY_TRAINER_VLLM_PYTHON); the trainer's side is transformers in this process. Two engines start
-(about a minute each on 2 cores): one for full weights, one with LoRA. Shown: vLLM's completions
-and log-probs against the trainer's teacher-forced forward (``rollout/logprob_diff``, reported
+The engine drives the generation child under the vLLM env's python (RAY_TRAINER_VLLM_PYTHON);
+the trainer's side is transformers in this process. Two engines start (about a minute each on 2
+cores): one for full weights in this process, one with LoRA in a Ray actor as a run holds it.
+Shown: vLLM's completions and log-probs against the trainer's teacher-forced forward (``rollout/logprob_diff``, reported
 and bounded), a full-weight sync through shared memory that makes the engine sample the new
 weights' completions and, synced back, exactly its first ones again (never restarted), and LoRA
 syncs of the adapter only, each a new LoRA id, the base untouched.
@@ -12,7 +12,9 @@ syncs of the adapter only, each a new LoRA id, the base untouched.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 from ray_trainer._model.spec import ModelSpec
@@ -117,17 +119,30 @@ def test_completions_logprobs_and_a_full_sync_in_place(models):
     assert not engine.shm.exists()
 
 
-def test_lora_syncs_the_adapter_only_under_new_ids_the_base_untouched(models):
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_lora_syncs_the_adapter_only_under_new_ids_the_base_untouched(models, ray_session):
+    """In a Ray actor, as a run holds it: the adapter's buckets through Ray's object store,
+    then shared memory into the child."""
     from transformers import AutoModelForCausalLM
 
     from ray_trainer._lora.config import wrap
+    from ray_trainer._rollout.actor import RemoteEngine
 
     trainer = wrap(AutoModelForCausalLM.from_pretrained(models["c0"]), LORA).eval()
     adapter = [(n, p) for n, p in trainer.named_parameters() if ".lora_" in n]
-    engine = VllmEngine.build(_spec(models["c0"], lora=LORA))
+    engine = RemoteEngine("auto", _spec(models["c0"], lora=LORA), {"CPU": 1})
     try:
+        assert engine.info()["backend"] == "vllm"  # auto: the spec names a vLLM env
         base = _sample(engine)  # no adapter yet: the base (a fresh adapter adds zero)
-        assert engine.lora_id is None and _worst(trainer, base) < LOGPROB_BOUND
+        assert _worst(trainer, base) < LOGPROB_BOUND
         outputs, ids = [], []
         for version, seed in ((1, 1), (2, 2)):
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -135,14 +150,14 @@ def test_lora_syncs_the_adapter_only_under_new_ids_the_base_untouched(models):
                 for name, param in adapter:
                     if "lora_B" in name:
                         param.normal_(0, 0.5)
-            stats = sync_weights(LocalTransport(engine), adapter, version)
+            stats = engine.sync(adapter, version)
             full = sum(p.numel() * 4 for p in trainer.get_base_model().parameters())
             assert stats.bytes == sum(p.numel() * 4 for _, p in adapter) < full / 5
-            ids.append(engine.lora_id)
+            ids.append(stats.receiver["lora_id"])
             tuned = _sample(engine)
             assert all(c.version == version for c in tuned)
             diff = _worst(trainer, tuned)
-            print(f"\nLoRA sync v{version}: {stats.metrics()}, lora_id {engine.lora_id}, "
+            print(f"\nLoRA sync v{version}: {stats.metrics()}, lora_id {ids[-1]}, "
                   f"logprob_diff {diff:.2e}")  # fmt: skip
             assert diff < LOGPROB_BOUND  # the engine samples the trainer's adapter
             outputs.append([c.completion_ids for c in tuned])
@@ -154,7 +169,8 @@ def test_lora_syncs_the_adapter_only_under_new_ids_the_base_untouched(models):
             for name, param in adapter:
                 if "lora_B" in name:
                     param.zero_()
-        sync_weights(LocalTransport(engine), adapter, 3)
-        assert engine.lora_id == 3 and [c.completion_ids for c in _sample(engine)] == base_ids
+        assert engine.sync(adapter, 3).receiver["lora_id"] == 3
+        assert [c.completion_ids for c in _sample(engine)] == base_ids
     finally:
         engine.close()
+    assert not list(Path("/dev/shm").glob("ray-trainer-rollout-*"))  # the engine's files went
