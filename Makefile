@@ -45,6 +45,10 @@ install-dev: $(VENV)/.installed-dev
 # project from source: its bytecode is compiled once here, as `pip install` does for a wheel,
 # so that none of them compiles it again where PYTHONDONTWRITEBYTECODE is set (~0.2-0.6 s each).
 BYTECODE := ray_trainer callbacks tests/support
+# CI's measure of each tier (.ci/run sets CPU_TIME=.ci/cpu_seconds): the CPU-seconds of its whole
+# process tree against its wall time, printed after it. Empty: the commands run as they are.
+CPU_TIME ?=
+cpu_time = $(if $(CPU_TIME),$(CPU_TIME) $(1))
 # The unit tests' processes: one per core, at most 4 (`make test UNIT_PROCESSES=1` runs them in one).
 UNIT_PROCESSES ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
 
@@ -53,8 +57,8 @@ test: install-dev
 	@# The unit tests first, on one process per core (pytest-xdist: each unit test keeps one core
 	@# busy, and they share nothing), then the integration tests in one process (real Ray and
 	@# local clusters, which already fill every core, and share one Ray session).
-	$(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit
-	$(VPY) -m pytest tests/integration
+	$(call cpu_time,unit-tier) $(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit
+	$(call cpu_time,integration-tier) $(VPY) -m pytest tests/integration
 
 test-unit: install-dev
 	$(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit -m "not integration"
@@ -83,7 +87,7 @@ bench-quick: install-dev
 # at a time; the project's and the benchmarks' bytecode compiled first (see BYTECODE above).
 bench-smoke: install-dev
 	@$(VPY) -m compileall -q $(BYTECODE) bench
-	$(VPY) bench/run_all.py --smoke
+	$(call cpu_time,bench-smoke) $(VPY) bench/run_all.py --smoke
 
 lint: install-dev
 	$(VPY) -m ruff check . && $(VPY) -m ruff format --check .

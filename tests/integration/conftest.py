@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from local_cluster import SESSION_MARK, session_ray_servers
 from lost_nodes import lost_nodes  # noqa: F401  (a session fixture: test_elastic, test_node_loss)
 from shared_runs import (  # noqa: F401  (session fixtures that several modules read)
     crash_then_resume,
@@ -23,6 +24,9 @@ from support_paths import pythonpath
 from waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
+#: This session's mark on every process it starts (`local_cluster.SESSION_MARK`): the check after
+#: each module counts this session's Rays only.
+SESSION = os.environ.setdefault(SESSION_MARK, f"pytest-{os.getpid()}")
 
 
 def pytest_collection_modifyitems(items):
@@ -87,15 +91,15 @@ def mlflow_server(tmp_path_factory):
 def _no_resources_left_behind(request):
     """After each module: no Ray cluster it started is still up, and every logical CPU of the
     shared session is free again, within 30 s each (a cluster, task, actor or placement group a
-    test left behind takes the cores or the resources of the tests after it)."""
-    import psutil
-
-    before = {p.pid for p in psutil.process_iter() if _is_gcs(p)}
+    test left behind takes the cores or the resources of the tests after it). Only this
+    session's Rays count: one that another process on the machine starts meanwhile (CI's smoke
+    run beside this tier) is none of this module's."""
+    before = {p.pid for p in session_ray_servers(SESSION)}
     yield
     import ray
 
     def extra_clusters() -> list:  # another cluster (`ray start`, an embedded Ray) still up
-        return [p for p in psutil.process_iter() if _is_gcs(p) and p.pid not in before]
+        return [p for p in session_ray_servers(SESSION) if p.pid not in before]
 
     try:
         wait_until(lambda: not extra_clusters(), 30, "its Ray clusters to stop", interval=0.2)
@@ -125,15 +129,6 @@ def _no_resources_left_behind(request):
             f"{ray.cluster_resources().get('CPU')} CPUs free: actors {alive}, "
             f"placement groups {groups}"
         )
-
-
-def _is_gcs(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.name() == "gcs_server"
-    except psutil.Error:
-        return False
 
 
 def _cmdlines(procs) -> list[str]:

@@ -410,3 +410,23 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except psutil.Error:
         return []
+
+
+#: Set by a test session (`tests/integration/conftest.py`) to an id of its own, in its process's
+#: environment: every process it starts inherits it, down to the daemons of the Rays it starts
+#: (`ray.init`'s, a `LocalCluster`'s head and nodes, a driver's embedded Ray).
+SESSION_MARK = "RAY_TRAINER_TEST_SESSION"
+
+
+def session_ray_servers(session: str) -> list[psutil.Process]:
+    """The GCS servers (one per Ray instance) running with ``SESSION_MARK=session`` in their
+    environment: the Rays that test session started, never another's on the machine (CI's smoke
+    run of the benchmarks beside the integration tests, another checkout's tests)."""
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if proc.info["name"] == "gcs_server" and proc.environ().get(SESSION_MARK) == session:
+                found.append(proc)
+        except psutil.Error:  # ended, or another user's
+            continue
+    return found

@@ -337,3 +337,69 @@ def test_the_reference_pass_gives_each_sample_its_own_value_whatever_the_batchin
     one_by_one = sequence_logps(base, samples, pad, "cpu", rows_per_batch=1)
     np.testing.assert_allclose(reference, one_by_one, atol=1e-5, rtol=1e-5)
     assert len(set(np.round(reference, 3))) == len(reference)  # not a constant: each its own
+
+
+def workers_batch_logps(objective):
+    """The training workers' reference pass's `batch_logps` (`dpo_reference._compute`): each
+    sequence's sums through the policy's own forward."""
+
+    def batch_logps(model, ids, labels, mask):
+        rows = ids.shape[0]
+        sequence = torch.arange(rows)[:, None].expand_as(ids)
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        return objective.logps(model, inputs, sequence, rows)
+
+    return batch_logps
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_compiled_policy_gives_the_eager_reference_pass_loss_and_gradients(
+    pairs, strategy, monkeypatch
+):
+    """`compile=True` as the runner applies it (`parallel._compile`: the body under DDP with the
+    chunked loss, each block under FSDP), with "aot_eager" (dynamo's and AOTAutograd's graphs,
+    without inductor's code generation: inductor runs in `tests/integration/test_compile.py`):
+    the workers' forward-only reference pass, then padded DPO steps of changing lengths, give
+    eager's values, loss, metrics and gradients, with no graph break."""
+    from torch._dynamo.utils import counters
+
+    from ray_trainer._config.args import TrainingArgs
+    from ray_trainer._worker.model.parallel import _compile
+
+    path, pad, sequences, reference = pairs
+    shifted = reference + np.linspace(-3, 3, len(reference)).astype(np.float32)
+    dataset = PairDataset(sequences, shifted)
+    samples = sequences.cache.samples(list(range(len(sequences))))
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile",
+        lambda m, *a, **k: compile_module(m, *a, **{**k, "backend": "aot_eager"}),
+    )  # fmt: skip
+    found = {}
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for name in ("eager", "compiled"):
+            model = policy(path)
+            if name == "compiled":
+                _compile(model, TrainingArgs(model=path, strategy=strategy, compile=True))
+            objective = DpoObjective(BETA, "sigmoid", chunked=True)
+            model.eval()
+            values = sequence_logps(model, samples, pad, "cpu", batch_logps=workers_batch_logps(objective))  # fmt: skip
+            model.train()
+            micro = loader(dataset).micro_batches(list(range(8)))
+            assert len({m.batch["input_ids"].shape[1] for m in micro}) > 1  # lengths change
+            found[name] = (values, *step(model, dataset, objective, micro))
+        breaks = dict(counters["graph_break"])
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs >= 1 and breaks == {}
+    (values, loss, grads, metrics), eager = found["compiled"], found["eager"]
+    np.testing.assert_allclose(values, eager[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(values, reference, atol=1e-5, rtol=1e-5)
+    assert loss == pytest.approx(eager[1], abs=1e-5) and loss > 0
+    assert metrics == pytest.approx(eager[3], abs=1e-5)
+    assert set(grads) == set(eager[2])
+    for key, grad in eager[2].items():
+        torch.testing.assert_close(grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)

@@ -1,7 +1,9 @@
 """LoRA under FSDP2 on two real gloo ranks (no Ray): every rank's part of every adapter is saved
 and found back, the adapters start identical on every rank from a base built on the meta
 device, and the merged and adapter exports (gathered tensor by tensor) compute what the
-sharded model computes."""
+sharded model computes. The three checks run in one pair of spawned ranks (`ranks`: the
+processes' start and imports paid once, not three times), each read by its own test.
+"""
 
 from __future__ import annotations
 
@@ -76,8 +78,29 @@ def save_zero_load(rank: int, world: int, model_path: str, folder: str) -> dict:
     return {"found": found, "keys": keys, "rows": local_rows, "frozen": len(state["model"])}
 
 
-def test_every_ranks_part_of_every_adapter_is_saved_and_found_back(base, tmp_path):
-    results = run_ranks(save_zero_load, 2, base, str(tmp_path / "shards"))
+def every_check(rank: int, world: int, model_path: str, folder: str) -> dict:
+    """Each check of this module on this rank, in turn (a check that raises fails the spawn,
+    as it failed its own before: a rank left in a collective would hang the next check)."""
+    return {
+        "saved": save_zero_load(rank, world, model_path, os.path.join(folder, "shards")),
+        "exported": export_and_compare(rank, world, model_path, os.path.join(folder, "ckpt")),
+        "chunked": chunked_against_own(rank, world, model_path),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks(base, tmp_path_factory):
+    """(the checks' folder, each rank's results)"""
+    folder = str(tmp_path_factory.mktemp("lora_fsdp_ranks"))
+    return folder, run_ranks(every_check, 2, base, folder)
+
+
+def _results(ranks, check: str) -> list:
+    return [r[check] for r in ranks[1]]
+
+
+def test_every_ranks_part_of_every_adapter_is_saved_and_found_back(ranks):
+    results = _results(ranks, "saved")
     for rank, r in enumerate(results):
         assert r["found"] and all(r["found"].values()), (rank, r["found"])
     # Both ranks hold rows of the adapters (their values differ by rank: each one came back).
@@ -106,12 +129,12 @@ def export_and_compare(rank: int, world: int, model_path: str, folder: str) -> d
     return {"logits": logits, "a": a_full}
 
 
-def test_merged_and_adapter_exports_of_a_sharded_model_compute_what_it_computes(base, tmp_path):
+def test_merged_and_adapter_exports_of_a_sharded_model_compute_what_it_computes(base, ranks):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    folder = str(tmp_path / "ckpt")
-    r0, r1 = run_ranks(export_and_compare, 2, base, folder)
+    folder = os.path.join(ranks[0], "ckpt")
+    r0, r1 = _results(ranks, "exported")
     assert torch.equal(r0["logits"], r1["logits"])
     for name in r0["a"]:  # the adapters started identical on both ranks (seeded, whole)
         assert torch.equal(r0["a"][name], r1["a"][name]), name
@@ -153,10 +176,10 @@ def chunked_against_own(rank: int, world: int, model_path: str) -> dict:
     return out
 
 
-def test_the_chunked_loss_under_fsdp2_equals_the_models_own(base):
+def test_the_chunked_loss_under_fsdp2_equals_the_models_own(ranks):
     """FSDP2's root unit holds the head: the chunked loss runs inside the model's forward and
     recomputes the head's chunks in backward with the root's parameters still gathered."""
-    for rank in run_ranks(chunked_against_own, 2, base):
+    for rank in _results(ranks, "chunked"):
         own, chunked = rank["own"], rank["chunked"]
         assert chunked["loss"] == pytest.approx(own["loss"], rel=1e-6)
         assert set(chunked["grads"]) == set(own["grads"]) and own["grads"]
