@@ -9,17 +9,23 @@ from __future__ import annotations
 from ray_trainer._checkpoint import check_complete
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import TrainingArgsError
-from ray_trainer._lora.config import LORA_STATE, wrap
+from ray_trainer._lora.config import LORA_STATE, quantize_base, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint
 from ray_trainer._storage import Location
 
 
 def check_lora_model(args: TrainingArgs) -> None:
     """peft wraps the run's model with its ``lora`` config (target modules found, layers it
-    can adapt), tried on the model built on the meta device. Raises `LoraSetupError`."""
+    can adapt), tried on the model built on the meta device; under ``quantize_base`` its
+    blocks' linear layers are quantized first, as every worker will (sharded over the most
+    workers under FSDP). Raises `LoraSetupError` or `QuantizeError`."""
     from ray_trainer._model.spec import ModelSpec
 
-    wrap(ModelSpec.of(args).build_meta_model(), args.lora, args.fsdp_shard_modules, on_meta=True)
+    model = ModelSpec.of(args).build_meta_model()
+    workers = args.num_workers if isinstance(args.num_workers, int) else args.num_workers[1]
+    world = workers if args.strategy == "fsdp" else 1
+    quantize_base(model, args.lora, args.fsdp_shard_modules, world)
+    wrap(model, args.lora, args.fsdp_shard_modules, on_meta=True)
 
 
 def check_lora_resume(args: TrainingArgs, location: Location | None) -> None:

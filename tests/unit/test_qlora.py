@@ -1,0 +1,235 @@
+"""QLoRA (issue 52) without Ray: the 4-bit base's layers and their error bounds, the refusals
+before training, a base built on the meta device and quantized as it is read (no full-precision
+copy kept), FSDP2 sharding and gathering the NF4 codes on two real gloo ranks, the checkpoint
+(adapters alone) and both exports."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gloo_support import run_ranks
+from torch import nn
+
+from ray_trainer import TrainingArgs, TrainingArgsError
+
+pytest.importorskip("torchao")
+transformers = pytest.importorskip("transformers")
+
+QLORA = {"r": 4, "lora_alpha": 8, "quantize_base": "nf4"}
+IDS = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama(path: str) -> str:
+    """A tiny Llama (untied head) saved in bf16 over several safetensors files."""
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(
+        path, max_shard_size="40KB"
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return tiny_llama(str(tmp_path_factory.mktemp("qlora") / "base"))
+
+
+def _built(model_path: str, strategy: str = "ddp", export: str = "both", lora=None):
+    """The run's model as a worker builds it: on meta, quantized, wrapped, (sharded,) filled."""
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._worker.model.adaptation import apply_lora
+    from ray_trainer._worker.model.build import build_model
+    from ray_trainer._worker.model.parallel import _shard
+
+    args = TrainingArgs(model=model_path, lora=lora or QLORA, strategy=strategy, lora_export=export)
+    spec = ModelSpec.of(args)
+    model, fill = build_model(spec)
+    model, fill, record = apply_lora(model, fill, spec, args)
+    assert fill is not None  # the meta-device path
+    if strategy == "fsdp":
+        _shard(model, args, torch.device("cpu"), "no")
+    fill(model, torch.device("cpu"))
+    return args, model, record
+
+
+def _nonzero_b(model, seed: int = 1) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_blocks_linear_layers_are_nf4_within_their_error_bound_and_the_rest_is_not(base):
+    from ray_trainer._model.nf4 import is_nf4, resident_bytes
+
+    _, model, _ = _built(base)
+    original = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    weights = dict(original.named_parameters())
+    quantized = bf16_bytes = nf4_bytes = 0
+    for name, param in model.get_base_model().named_parameters():
+        source = name.replace(".base_layer.", ".")
+        if ".lora_" in name:
+            assert param.requires_grad
+            continue
+        assert not param.requires_grad  # the whole base is frozen
+        leaf = source.split(".")[-2]  # the layer's name: q_proj, lm_head, norm...
+        if not is_nf4(param):  # embeddings, head, norms: exact, in fp32
+            assert leaf not in QUANTIZED, name
+            assert param.dtype == torch.float32 and torch.equal(param, weights[source]), name
+            continue
+        assert leaf in QUANTIZED and name.endswith(".weight"), name
+        quantized += 1
+        whole = weights[source]
+        error = (param.get_original_weight() - whole).abs()
+        # NF4's 16 levels are at most 0.3038 apart on [-1, 1]: half that times each block's
+        # absmax, plus the int8 double quantization of the absmax (at most ~1% of the scales').
+        absmax = whole.flatten().view(-1, 64).abs().amax(dim=1, keepdim=True)
+        assert (error.flatten().view(-1, 64) <= absmax * 0.16 + 1e-3).all(), name
+        assert error.norm() / whole.norm() < 0.12, name
+        bf16_bytes += whole.numel() * 2
+        nf4_bytes += resident_bytes(param)
+    assert quantized == 2 * len(QUANTIZED)
+    assert nf4_bytes <= 0.3 * bf16_bytes, (nf4_bytes, bf16_bytes)
+
+
+def test_a_qlora_step_trains_the_adapters_and_its_loss_is_close_to_the_full_precision_base(base):
+    _, model, _ = _built(base)
+    lora = {k: v for k, v in QLORA.items() if k != "quantize_base"}
+    _, plain, _ = _built(base, lora=lora)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    reference = plain(input_ids=IDS, labels=IDS).loss
+    assert abs(loss.item() - reference.item()) < 0.05 * reference.item()
+    loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(".lora_" in n for n in grads)
+    # B starts at zero, so B is what the first step moves.
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
+
+
+def test_quantize_base_is_refused_before_training_naming_the_fix(base, tmp_path, monkeypatch):
+    import sys
+
+    from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
+    from ray_trainer._driver.lora_checks import check_lora_model
+
+    with pytest.raises(TrainingArgsError, match="not a quantization ray-trainer knows"):
+        TrainingArgs.coerce(lora={"r": 4, "quantize_base": "int4"})
+    # A full fine-tune of 4-bit weights has no field: quantize_base lives inside lora.
+    with pytest.raises(TrainingArgsError, match="quantize_base"):
+        TrainingArgs.coerce(quantize_base="nf4")
+    # GPT-2's Conv1D (a transposed weight) is named, in the driver, on the meta-device model.
+    gpt2 = str(make_tiny_causal_lm(tmp_path / "gpt2", n_layer=1))
+    with pytest.raises(TrainingArgsError, match=r"h\.0\.attn\.c_attn is a Conv1D"):
+        check_lora_model(TrainingArgs(model=gpt2, lora=QLORA))
+    check_lora_model(TrainingArgs(model=base, lora=QLORA))  # a Llama is fine
+    # Rows that do not split over the ranks: named with the fix.
+    with pytest.raises(
+        TrainingArgsError, match=r"q_proj's weight \(64, 64\) cannot be quantized to NF4 on 3 rank"
+    ):
+        check_lora_model(TrainingArgs(model=base, lora=QLORA, strategy="fsdp", num_workers=3))
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.delitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4", False)
+    monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4", None)
+    with pytest.raises(TrainingArgsError, match=r'pip install "ray-trainer\[qlora\]"'):
+        TrainingArgs.coerce(lora=QLORA)
+
+
+def test_exports_merge_the_dequantized_base_and_the_adapter_loads_on_the_original(base, tmp_path):
+    from peft import PeftModel
+
+    from ray_trainer._worker.model.adaptation import lora_export
+
+    args, model, _ = _built(base)
+    _nonzero_b(model)
+    folder = str(tmp_path / "ckpt")
+    lora_export(model, "both", args.model).write(folder, lambda t: t, True)
+    model.config.save_pretrained(os.path.join(folder, "hf"))
+    with torch.no_grad():
+        qlora = model(input_ids=IDS).logits
+        with model.disable_adapter():
+            quantized_base = model(input_ids=IDS).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "hf"))
+        assert merged.dtype == torch.float32
+        torch.testing.assert_close(merged(input_ids=IDS).logits, qlora, atol=1e-4, rtol=0)
+        original = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        on_original = PeftModel.from_pretrained(original, os.path.join(folder, "hf_adapter"))
+        logits = on_original(input_ids=IDS).logits
+        with on_original.disable_adapter():
+            original_base = on_original(input_ids=IDS).logits
+    # On the original base the adapter changes the logits by what it changed on the 4-bit one
+    # (not exactly: the base differs by NF4's rounding); merged into the dequantized base, the
+    # export is the QLoRA model itself.
+    change, trained = logits - original_base, qlora - quantized_base
+    assert trained.abs().max() > 1e-2
+    assert (change - trained).abs().max() < 0.25 * trained.abs().max()
+
+
+def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
+    from ray_trainer._model.nf4 import is_nf4, resident_bytes
+    from ray_trainer._worker.checkpoints.export import full_tensor
+    from ray_trainer._worker.checkpoints.saving import sharded_state
+    from ray_trainer._worker.model.adaptation import LoraAdapters, lora_export
+
+    args, model, record = _built(model_path, strategy="fsdp")
+    weight = model.get_submodule("base_model.model.model.layers.0.mlp.down_proj.base_layer").weight
+    local = weight._local_tensor
+    out = {
+        "local_nf4": is_nf4(local),
+        "local_rows": local.shape[0],
+        "local_codes": local.quantized_data.numel(),
+        "local_bytes": sum(resident_bytes(p) for p in model.parameters() if is_nf4(p)),
+        "gathered": full_tensor(weight).get_original_weight(),
+    }
+    _nonzero_b(model)  # the same seed on both ranks: the same adapters
+    from ray_trainer._worker.assemble import _optimizer
+
+    optimizer = _optimizer(model, args, torch.device("cpu"))
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    optimizer.step()
+    out["loss"] = loss.item()
+    state = sharded_state(model, optimizer, LoraAdapters(record, "both", args.model))
+    out["saved"] = sorted(state["model"])
+    lora_export(model, "both", args.model).write(folder, full_tensor, rank == 0)
+    if rank == 0:  # what write_hf_files adds: the config
+        model.config.save_pretrained(os.path.join(folder, "hf"))
+    with torch.no_grad():
+        out["logits"] = model(input_ids=IDS).logits
+    return out
+
+
+def test_fsdp2_shards_and_gathers_the_nf4_codes_on_two_ranks(base, tmp_path):
+    from ray_trainer._model.nf4 import is_nf4, quantize, resident_bytes
+
+    folder = str(tmp_path / "ckpt")
+    r0, r1 = run_ranks(sharded_qlora, 2, base, folder)
+    original = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    whole = original.model.layers[0].mlp.down_proj.weight
+    quantized = quantize(whole, 1)
+    for r in (r0, r1):
+        assert r["local_nf4"] and r["local_rows"] == whole.shape[0] // 2
+        assert r["local_codes"] == whole.numel() // 4  # half the rows, two codes a byte
+        # Gathered: the whole weight's own quantization, exactly (quantized whole, then split).
+        assert torch.equal(r["gathered"], quantize(whole, 2).get_original_weight())
+        assert all(".lora_" in k for k in r["saved"]) and r["saved"]  # the adapters alone
+    assert r0["loss"] == r1["loss"]
+    assert torch.equal(r0["logits"], r1["logits"])
+    assert (r0["gathered"] - quantized.get_original_weight()).abs().max() < 0.02
+    # Each rank holds half of the NF4 codes and scales: under a third of its half in bf16.
+    quantized = [p for p in _built(base)[1].parameters() if is_nf4(p)]
+    bf16 = sum(p.numel() * 2 for p in quantized)
+    assert r0["local_bytes"] == r1["local_bytes"]
+    assert abs(r0["local_bytes"] - sum(map(resident_bytes, quantized)) / 2) < 0.01 * bf16
+    assert r0["local_bytes"] <= 0.3 * bf16 / 2
+    merged = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(folder, "hf"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=IDS).logits, r0["logits"], atol=1e-4, rtol=0)
+    assert isinstance(original.model.layers[0].mlp.down_proj, nn.Linear)
