@@ -174,6 +174,7 @@ def test_exports_merge_the_dequantized_base_and_the_adapter_loads_on_the_origina
 
 def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
     from ray_trainer._model.nf4 import is_nf4, resident_bytes
+    from ray_trainer._worker.checkpoints.async_save import _Gather
     from ray_trainer._worker.checkpoints.export import full_tensor
     from ray_trainer._worker.checkpoints.saving import sharded_state
     from ray_trainer._worker.model.adaptation import LoraAdapters, lora_export
@@ -187,6 +188,8 @@ def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
         "local_codes": local.quantized_data.numel(),
         "local_bytes": sum(resident_bytes(p) for p in model.parameters() if is_nf4(p)),
         "gathered": full_tensor(weight).get_original_weight(),
+        # An asynchronous checkpoint's export gathers the staged rows to rank 0 (its own group).
+        "async_gathered": _Gather(None, rank, world)(weight),
     }
     _nonzero_b(model)  # the same seed on both ranks: the same adapters
     from ray_trainer._worker.assemble import _optimizer
@@ -220,6 +223,7 @@ def test_fsdp2_shards_and_gathers_the_nf4_codes_on_two_ranks(base, tmp_path):
         # Gathered: the whole weight's own quantization, exactly (quantized whole, then split).
         assert torch.equal(r["gathered"], quantize(whole, 2).get_original_weight())
         assert all(".lora_" in k for k in r["saved"]) and r["saved"]  # the adapters alone
+    assert torch.equal(r0["async_gathered"], r0["gathered"]) and r1["async_gathered"] is None
     assert r0["loss"] == r1["loss"]
     assert torch.equal(r0["logits"], r1["logits"])
     assert (r0["gathered"] - quantized.get_original_weight()).abs().max() < 0.02
@@ -233,3 +237,36 @@ def test_fsdp2_shards_and_gathers_the_nf4_codes_on_two_ranks(base, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=IDS).logits, r0["logits"], atol=1e-4, rtol=0)
     assert isinstance(original.model.layers[0].mlp.down_proj, nn.Linear)
+
+
+def _trained_loss(model_path: str, lora: dict, steps: int) -> float:
+    """`steps` AdamW steps of the runner's model and optimizer on fixed batches; the loss after."""
+    from ray_trainer._worker.assemble import _optimizer
+
+    torch.manual_seed(0)
+    args, model, _ = _built(model_path, lora=lora)
+    optimizer = _optimizer(
+        model, args.model_copy(update={"learning_rate": 1e-2}), torch.device("cpu")
+    )
+    # Counting sequences (3, 4, 5, ... from varied starts): a pattern the adapters can learn.
+    starts = torch.arange(8).view(4, 2, 1) * 7 + 3
+    batches = (starts + torch.arange(16)) % 200 + 3
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        return sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+
+
+def test_on_the_tiny_chat_model_qlora_learns_within_5_percent_of_lora(tmp_path):
+    from ray_trainer.demo import make_tiny_chat_model
+
+    path = str(make_tiny_chat_model(tmp_path / "chat", style="llama3", vocab_size=256))
+    lora = {k: v for k, v in QLORA.items() if k != "quantize_base"}
+    before = _trained_loss(path, lora, 0)
+    lora_loss, qlora_loss = _trained_loss(path, lora, 20), _trained_loss(path, QLORA, 20)
+    print(f"loss before {before:.4f}, LoRA {lora_loss:.4f}, QLoRA {qlora_loss:.4f}")
+    assert max(lora_loss, qlora_loss) < 0.95 * before  # both learn
+    assert abs(qlora_loss - lora_loss) <= 0.05 * lora_loss
