@@ -270,3 +270,23 @@ def test_on_the_tiny_chat_model_qlora_learns_within_5_percent_of_lora(tmp_path):
     print(f"loss before {before:.4f}, LoRA {lora_loss:.4f}, QLoRA {qlora_loss:.4f}")
     assert max(lora_loss, qlora_loss) < 0.95 * before  # both learn
     assert abs(qlora_loss - lora_loss) <= 0.05 * lora_loss
+
+
+def test_dpos_precomputed_reference_is_the_4_bit_base_with_its_adapters_off(base):
+    from ray_trainer._driver.reference import reference_quantize
+    from ray_trainer._model.spec import ModelSpec
+    from ray_trainer._reference import reference_key, reference_model
+
+    args, model, _ = _built(base)
+    _nonzero_b(model)
+    quantize = reference_quantize(args)
+    assert quantize == ("nf4", None)
+    assert reference_quantize(args.model_copy(update={"lora": {"r": 4}})) is None
+    spec = ModelSpec.of(args)
+    reference = reference_model(spec, torch.device("cpu"), 0, quantize)
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(reference(input_ids=IDS).logits, model(input_ids=IDS).logits)
+    # A cached full-precision reference is not reused for a 4-bit base, nor the reverse.
+    assert reference_key("data", spec, "float32", 0) != reference_key(
+        "data", spec, "float32", 0, quantize
+    )
