@@ -17,14 +17,21 @@ from ray_trainer._storage import Location
 def check_lora_model(args: TrainingArgs) -> None:
     """peft wraps the run's model with its ``lora`` config (target modules found, layers it
     can adapt), tried on the model built on the meta device; under ``quantize_base`` its
-    blocks' linear layers are quantized first, as every worker will (sharded over the most
-    workers under FSDP). Raises `LoraSetupError` or `QuantizeError`."""
+    blocks' linear layers are quantized first, as every worker will (under FSDP, checked for
+    every number of workers an elastic run may take). Raises `LoraSetupError` or
+    `QuantizeError`."""
     from ray_trainer._model.spec import ModelSpec
 
     model = ModelSpec.of(args).build_meta_model()
-    workers = args.num_workers if isinstance(args.num_workers, int) else args.num_workers[1]
-    world = workers if args.strategy == "fsdp" else 1
-    quantize_base(model, args.lora, args.fsdp_shard_modules, world)
+    low, high = (args.num_workers,) * 2 if isinstance(args.num_workers, int) else args.num_workers
+    worlds = range(low, high + 1) if args.strategy == "fsdp" else [1]
+    if args.lora.get("quantize_base") is not None:  # every size an elastic run may take
+        from ray_trainer._model.nf4 import check_quantizable, quantized_layers
+
+        layers = quantized_layers(model, args.fsdp_shard_modules)
+        for world in worlds:
+            check_quantizable(model, layers, world)
+    quantize_base(model, args.lora, args.fsdp_shard_modules, max(worlds))
     wrap(model, args.lora, args.fsdp_shard_modules, on_meta=True)
 
 

@@ -135,6 +135,9 @@ def test_quantize_base_is_refused_before_training_naming_the_fix(base, tmp_path,
         TrainingArgsError, match=r"q_proj's weight \(64, 64\) cannot be quantized to NF4 on 3 rank"
     ):
         check_lora_model(TrainingArgs(model=base, lora=QLORA, strategy="fsdp", num_workers=3))
+    with pytest.raises(TrainingArgsError, match="on 3 rank"):  # elastic: 3 is one of its sizes
+        check_lora_model(TrainingArgs(model=base, lora=QLORA, strategy="fsdp", num_workers=(2, 4)))
+    check_lora_model(TrainingArgs(model=base, lora=QLORA, strategy="fsdp", num_workers=4))
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.delitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4", False)
     monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4", None)
