@@ -41,7 +41,7 @@ def base(tmp_path_factory):
     return tiny_llama(str(tmp_path_factory.mktemp("qlora") / "base"))
 
 
-def _built(model_path: str, strategy: str = "ddp", export: str = "both", lora=None):
+def _built(model_path: str, strategy: str = "ddp", export: str = "both", lora=None, precision="no"):
     """The run's model as a worker builds it: on meta, quantized, wrapped, (sharded,) filled."""
     from ray_trainer._model.spec import ModelSpec
     from ray_trainer._worker.model.adaptation import apply_lora
@@ -54,7 +54,7 @@ def _built(model_path: str, strategy: str = "ddp", export: str = "both", lora=No
     model, fill, record = apply_lora(model, fill, spec, args)
     assert fill is not None  # the meta-device path
     if strategy == "fsdp":
-        _shard(model, args, torch.device("cpu"), "no")
+        _shard(model, args, torch.device("cpu"), precision)
     fill(model, torch.device("cpu"))
     return args, model, record
 
@@ -209,6 +209,17 @@ def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
         model.config.save_pretrained(os.path.join(folder, "hf"))
     with torch.no_grad():
         out["logits"] = model(input_ids=IDS).logits
+    # FSDP's bf16 policy: the NF4 codes are gathered as they are, dequantized to bf16 to compute.
+    _, bf16, _ = _built(model_path, strategy="fsdp", precision="bf16")
+    _nonzero_b(bf16)
+    loss = bf16(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    out["bf16_loss"] = loss.item()
+    out["bf16_grads"] = all(
+        p.grad is not None and p.grad.to_local().abs().sum() > 0
+        for n, p in bf16.named_parameters()
+        if ".lora_B." in n
+    )
     return out
 
 
@@ -228,6 +239,7 @@ def test_fsdp2_shards_and_gathers_the_nf4_codes_on_two_ranks(base, tmp_path):
         assert all(".lora_" in k for k in r["saved"]) and r["saved"]  # the adapters alone
     assert torch.equal(r0["async_gathered"], r0["gathered"]) and r1["async_gathered"] is None
     assert r0["loss"] == r1["loss"]
+    assert r0["bf16_grads"] and abs(r0["bf16_loss"] - r0["loss"]) < 0.02 * r0["loss"]
     assert torch.equal(r0["logits"], r1["logits"])
     assert (r0["gathered"] - quantized.get_original_weight()).abs().max() < 0.02
     # Each rank holds half of the NF4 codes and scales: under a third of its half in bf16.
