@@ -195,6 +195,30 @@ def _quantize_in(
     owner, _, leaf = name.rpartition(".")
     setattr(module.get_submodule(owner), leaf, shard_of(whole, tensor))
     del whole
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand the heap that one weight's quantization freed back to the system (glibc's
+    ``malloc_trim``). torchao's NF4 quantization makes ~150 MiB of short-lived tensors per
+    weight, mostly under glibc's (raised) mmap threshold: without this a worker's memory grew
+    by the largest of them and then by fragmentation, to several times the 4-bit base it
+    kept (measured: ``bench/memory`` ``--phases qlora``). Nothing where it is not glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (glibc only)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 def _first_row(name: str, tensor: torch.Tensor) -> int:
