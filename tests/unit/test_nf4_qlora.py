@@ -220,10 +220,24 @@ def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
         for n, p in bf16.named_parameters()
         if ".lora_B." in n
     )
+    # DDP (accelerate) on the same ranks: the 4-bit base left out of DDP, the adapters'
+    # gradients averaged over ranks that saw different tokens.
+    from accelerate import Accelerator
+
+    from ray_trainer._worker.model.parallel import prepare
+
+    args, ddp, _ = _built(model_path)
+    parallel = prepare(
+        ddp, args, Accelerator(cpu=True), lambda m: _optimizer(m, args, torch.device("cpu")), "no"
+    )
+    ids = IDS + rank
+    parallel.model(input_ids=ids, labels=ids).loss.backward()
+    out["ddp_ignored"] = sorted(ddp._ddp_params_and_buffers_to_ignore)
+    out["ddp_grads"] = {n: p.grad for n, p in ddp.named_parameters() if p.grad is not None}
     return out
 
 
-def test_fsdp2_shards_and_gathers_the_nf4_codes_on_two_ranks(base, tmp_path):
+def test_fsdp2_shards_and_gathers_the_nf4_codes_and_ddp_leaves_them_out_on_two_ranks(base, tmp_path):
     from ray_trainer._model.nf4 import is_nf4, quantize, resident_bytes
 
     folder = str(tmp_path / "ckpt")
@@ -239,6 +253,11 @@ def test_fsdp2_shards_and_gathers_the_nf4_codes_on_two_ranks(base, tmp_path):
         assert all(".lora_" in k for k in r["saved"]) and r["saved"]  # the adapters alone
     assert torch.equal(r0["async_gathered"], r0["gathered"]) and r1["async_gathered"] is None
     assert r0["loss"] == r1["loss"]
+    assert r0["ddp_ignored"] and all(".base_layer.weight" in n for n in r0["ddp_ignored"])
+    assert len(r0["ddp_ignored"]) == 2 * len(QUANTIZED)
+    assert r0["ddp_grads"].keys() == r1["ddp_grads"].keys() and r0["ddp_grads"]
+    for name, grad in r0["ddp_grads"].items():  # all-reduced: the same on both ranks
+        assert ".lora_" in name and torch.equal(grad, r1["ddp_grads"][name]), name
     assert r0["bf16_grads"] and abs(r0["bf16_loss"] - r0["loss"]) < 0.02 * r0["loss"]
     assert torch.equal(r0["logits"], r1["logits"])
     assert (r0["gathered"] - quantized.get_original_weight()).abs().max() < 0.02
