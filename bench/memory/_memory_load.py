@@ -314,7 +314,7 @@ def run_qlora_phase(run_configuration: Any, workers: list[int], quick: bool) -> 
             "met": "yes" if r["added"] <= target else "NO",
             "base resident (MiB)": f"{r['base_bytes'] / MiB:,.0f}",
             "base vs bf16 / N": f"{r['base_bytes'] / share:.2f}",
-            "rest of the base vs bf16": f"{(r['base_bytes'] - kept) / (share - 2 * embed / world):.2f}",
+            "quantized layers (+ norms) vs bf16": f"{(r['base_bytes'] - kept) / (share - 2 * embed / world):.2f}",
             "load (s)": f"{r['load_s']:.1f}",
         })  # fmt: skip
         ratios[f"qlora {strategy} {world}: load peak vs bf16 share"] = r["added"] / share

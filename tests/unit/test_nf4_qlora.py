@@ -237,7 +237,9 @@ def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
     return out
 
 
-def test_fsdp2_shards_and_gathers_the_nf4_codes_and_ddp_leaves_them_out_on_two_ranks(base, tmp_path):
+def test_fsdp2_shards_and_gathers_the_nf4_codes_and_ddp_leaves_them_out_on_two_ranks(
+    base, tmp_path
+):
     from ray_trainer._model.nf4 import is_nf4, quantize, resident_bytes
 
     folder = str(tmp_path / "ckpt")
