@@ -7,6 +7,11 @@ Every checkpoint holds the adapters alone (and their optimizer state), a few hun
 ``hf/`` the PEFT adapter folder. Runs on an embedded local Ray:
 
     python examples/lora_finetune.py --max-steps 40
+
+``--qlora`` trains the adapters on a 4-bit base (``quantize_base="nf4"``, needs
+``pip install "ray-trainer[qlora]"``): the base is a tiny Llama-style chat model instead, whose
+linear layers torchao can quantize (GPT-2's ``Conv1D`` it cannot); the adapter is still
+evaluated on the original, full-precision base it names.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import os
 import tempfile
 
 from ray_trainer import EvalOnSave, run_training
-from ray_trainer.demo import make_tiny_causal_lm
+from ray_trainer.demo import make_tiny_causal_lm, make_tiny_chat_model
 
 TEXTS = [
     "the cat sat on the mat",
@@ -59,11 +64,18 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--storage-path", default="./runs")
     parser.add_argument("--num-gpus", type=float, default=0, help="per evaluation task")
+    parser.add_argument("--qlora", action="store_true", help="a 4-bit NF4 base (QLoRA)")
     opts = parser.parse_args()
     import ray
 
     work = tempfile.mkdtemp(prefix="lora_example_")
-    base = str(make_tiny_causal_lm(os.path.join(work, "tiny-gpt2"), n_layer=4, n_embd=64))
+    if opts.qlora:  # a Llama-style model: nn.Linear layers, which NF4 can hold
+        base = str(make_tiny_chat_model(os.path.join(work, "tiny-llama"), style="llama3"))
+    else:
+        base = str(make_tiny_causal_lm(os.path.join(work, "tiny-gpt2"), n_layer=4, n_embd=64))
+    lora = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}  # every linear layer of the blocks
+    if opts.qlora:
+        lora["quantize_base"] = "nf4"
     data = os.path.join(work, "train.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": TEXTS[i % 3]}) + "\n" for i in range(300))
@@ -71,7 +83,7 @@ def main() -> None:
     result = run_training(
         model=base,
         data=data,
-        lora={"r": 8, "lora_alpha": 16, "lora_dropout": 0.0},  # every linear layer of the blocks
+        lora=lora,
         strategy="fsdp",
         num_workers=2,
         max_steps=opts.max_steps,

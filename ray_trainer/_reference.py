@@ -45,8 +45,11 @@ ROWS_PER_BATCH = 8
 POSITIONS_PER_CHUNK = 1024
 
 
-def reference_key(data_fingerprint: str, spec: Any, dtype: str, seed: int) -> str:
-    """What decides a source's reference log-probs, in 20 hex digits."""
+def reference_key(
+    data_fingerprint: str, spec: Any, dtype: str, seed: int, quantize: Any = None
+) -> str:
+    """What decides a source's reference log-probs, in 20 hex digits (`quantize`: QLoRA's
+    ``(kind, shard_modules)``, the reference being the 4-bit base)."""
     from ray_trainer._lora.fingerprint import base_fingerprint
 
     pretrained = isinstance(spec.model, str) and not spec.is_demo
@@ -58,6 +61,8 @@ def reference_key(data_fingerprint: str, spec: Any, dtype: str, seed: int) -> st
         "seed": None if pretrained else seed,
         "dtype": dtype,
     }
+    if quantize is not None:  # absent otherwise: the keys of full-precision references stay
+        body["quantize"] = list(quantize)
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -194,19 +199,28 @@ def _batch_logps(model: Any, ids: Any, labels: Any, mask: Any) -> Any:
 # ---- a reference task ----------------------------------------------------------------------------
 
 
-def reference_model(spec: Any, device: Any, seed: int) -> Any:
+def reference_model(spec: Any, device: Any, seed: int, quantize: Any = None) -> Any:
     """The reference, whole, on `device`, in eval mode: a pretrained model read in place (meta
-    device, then filled from its safetensors), any other built from `seed`."""
+    device, then filled from its safetensors), any other built from `seed`. `quantize`
+    (QLoRA's ``(kind, shard_modules)``): its blocks' linear layers in 4 bits, as the trained
+    model's base (each weight quantized as it is read), so that the reference is the policy
+    with its adapters off."""
     import torch
 
+    from ray_trainer._lora.config import QUANTIZE, quantize_base
+
+    fields = {QUANTIZE: quantize[0]} if quantize is not None else {}
+    shard_modules = quantize[1] if quantize is not None else None
     folder = spec.pretrained_folder()
     if folder is None:
         torch.manual_seed(seed)
         model = spec.build_model()
+        quantize_base(model, fields, shard_modules)
     else:
         from ray_trainer._model.pretrained import SafetensorsFiles, empty_model, materialize
 
         model = empty_model(spec.hf_config())
+        quantize_base(model, fields, shard_modules)
         with SafetensorsFiles(folder) as files:
             materialize(model, files, device)
     return model.to(device).eval()
@@ -223,6 +237,7 @@ def reference_piece(
     pad_id: int,
     seed: int,
     bf16: bool = False,
+    quantize: Any = None,
 ) -> dict[str, Any]:
     """The body of a reference task (on any node): the reference log-probs of sequences
     ``[start, end)`` of the token cache at `cache_name`, written as piece `index` of the
@@ -233,7 +248,7 @@ def reference_piece(
 
     started, cpu = time.perf_counter(), time.process_time()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = reference_model(spec, device, seed)
+    model = reference_model(spec, device, seed, quantize)
     cache = TokenCache(locate(cache_name, filesystem))
     samples = cache.samples(list(range(start, end)))
 

@@ -39,6 +39,8 @@ LLAMA = {
 QUICK_LLAMA = {**LLAMA, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 MiB = 2**20
+#: The QLoRA configuration of the ``qlora`` phase (issue 52).
+QLORA = {"r": 16, "lora_alpha": 32, "quantize_base": "nf4"}
 
 
 def save_model(folder: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -131,20 +133,32 @@ def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) ->
     from ray_trainer._worker.model.parallel import prepare
 
     path = opts["path"]
-    args = TrainingArgs(model=path, strategy=strategy, num_workers=world, mixed_precision="no")
+    lora = QLORA if opts["how"] == "qlora" else None
+    args = TrainingArgs(
+        model=path, strategy=strategy, num_workers=world, mixed_precision="no", lora=lora
+    )
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
     with torch.device("meta"):  # import the model's code now: it is not part of the load
         config = transformers.AutoConfig.from_pretrained(path)
         transformers.AutoModelForCausalLM.from_config(config)
     import safetensors.torch  # noqa: F401  (what from_pretrained reads with)
 
+    if lora is not None:  # torchao's import is not part of the load either
+        from ray_trainer._model.nf4 import torchao_nf4
+
+        torchao_nf4()
+
     torch.distributed.barrier()  # every rank starts together, libraries imported
     baseline = anon_bytes()
     sampler = AnonPeak()
     sampler.start()
     started = time.perf_counter()
-    if opts["how"] == "meta":
+    if opts["how"] in ("meta", "qlora"):
         model, materialize = build_model(ModelSpec.of(args))
+        if lora is not None:  # QLoRA: quantized on meta, each weight quantized as it is read
+            from ray_trainer._worker.model.adaptation import apply_lora
+
+            model, materialize, _ = apply_lora(model, materialize, ModelSpec.of(args), args)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         materialize = None
@@ -162,10 +176,10 @@ def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) ->
     loss.backward()
     parallel.optimizer.step()
     stepped = time.perf_counter()
-    local = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
-        for p in parallel.model.parameters()
-    )
+    from ray_trainer._model.nf4 import resident_bytes
+
+    local = sum(resident_bytes(p) for p in parallel.model.parameters())
+    base = sum(resident_bytes(p) for p in parallel.model.parameters() if not p.requires_grad)
     return {
         "rank": rank,
         "baseline": baseline,
@@ -176,6 +190,7 @@ def load_and_step(rank: int, world: int, strategy: str, opts: dict[str, Any]) ->
         "load_s": loaded - started,
         "first_step_s": stepped - started,
         "param_bytes": local,
+        "base_bytes": base,  # the frozen parameters' (QLoRA: the 4-bit base and what stays)
         "loss": float(loss.detach()),
     }
 
@@ -189,6 +204,7 @@ def summarise_load(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "load_s": max(r["load_s"] for r in ranks),
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "param_bytes": max(r["param_bytes"] for r in ranks),
+        "base_bytes": max(r.get("base_bytes", 0) for r in ranks),
     }
 
 
@@ -259,6 +275,55 @@ def run_load_phase(run_configuration: Any, workers: list[int], quick: bool) -> d
         f"{model['largest_bytes'] / MiB:,.0f} MiB). Peak anonymous memory each worker added "
         "while loading (largest rank), against the model, the whole load and the target "
         "(FSDP: model / N x 1.1 + the largest tensor):"
+    )
+    return {"table": head + "\n\n" + table(rows), "ratios": ratios, "model": model,
+            "results": {"_".join(map(str, k)): v for k, v in results.items()}}  # fmt: skip
+
+
+def run_qlora_phase(run_configuration: Any, workers: list[int], quick: bool) -> dict[str, Any]:
+    """The QLoRA phase (``--phases qlora``, issue 52): the same bf16 Llama loaded as a QLoRA
+    worker loads it (on the meta device, each weight read whole, quantized to NF4, this rank's
+    rows kept), on 1 worker and under FSDP on each of `workers`. Each worker's peak added
+    memory against the bf16 model's bytes (targets: <= 0.4 on one worker, <= 0.4 / N + 10%
+    on N), and the resident bytes of the base's weights (the frozen parameters: NF4 codes
+    and scales, plus the embeddings, head and norms that stay) against bf16's (target <= 0.3
+    for the linear layers quantized; the whole base is reported beside)."""
+    from _support import table
+
+    config = QUICK_LLAMA if quick else LLAMA
+    folder = tempfile.mkdtemp(prefix="bench_memory_qlora_")
+    try:
+        model = save_model(folder, config)
+        opts = {"path": folder, "vocab_size": config["vocab_size"], "how": "qlora"}
+        plan = [("ddp", 1)] + [("fsdp", w) for w in workers]
+        results = {key: summarise_load(run_configuration(*key, opts)) for key in plan}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    bf16 = 2 * model["numel"]
+    embed = 2 * config["vocab_size"] * config["hidden_size"]  # the embeddings' and head's values
+    rows, ratios = [], {}
+    for (strategy, world), r in results.items():
+        share = bf16 / world
+        target = 0.4 * share * (1.1 if world > 1 else 1.0)
+        kept = 4 * embed / world  # the embeddings and head stay, in fp32
+        rows.append({
+            "configuration": f"QLoRA NF4, {strategy.upper()}, {world} worker(s)",
+            "added at peak (MiB)": f"{r['added'] / MiB:,.0f}",
+            "vs bf16 model / N": f"{r['added'] / share:.2f}",
+            "target": f"{target / share:.2f}",
+            "met": "yes" if r["added"] <= target else "NO",
+            "base resident (MiB)": f"{r['base_bytes'] / MiB:,.0f}",
+            "base vs bf16 / N": f"{r['base_bytes'] / share:.2f}",
+            "quantized layers (+ norms) vs bf16": f"{(r['base_bytes'] - kept) / (share - 2 * embed / world):.2f}",
+            "load (s)": f"{r['load_s']:.1f}",
+        })  # fmt: skip
+        ratios[f"qlora {strategy} {world}: load peak vs bf16 share"] = r["added"] / share
+        ratios[f"qlora {strategy} {world}: base resident vs bf16 share"] = r["base_bytes"] / share
+    head = (
+        f"QLoRA (lora r=16, quantize_base='nf4'): the same Llama-shaped model, "
+        f"{model['numel'] / 1e6:.0f}M parameters, {bf16 / MiB:,.0f} MiB in bf16. Peak anonymous "
+        "memory a worker added while loading it (largest rank) and the resident bytes of its "
+        "frozen base, against bf16's share of the model per worker:"
     )
     return {"table": head + "\n\n" + table(rows), "ratios": ratios, "model": model,
             "results": {"_".join(map(str, k)): v for k, v in results.items()}}  # fmt: skip

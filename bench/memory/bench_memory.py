@@ -36,6 +36,11 @@ backward, clip, AdamW step). Then:
   full fine-tune of the same model, DDP and FSDP on 2 workers: per-rank state, checkpoint size
   and save time, step time.
 
+* **QLoRA** (``--phases qlora``; `_memory_load.py`, issue 52): the same Llama loaded as a
+  QLoRA worker loads it (meta device, each weight quantized to NF4 as it is read), on 1 worker
+  and under FSDP on each worker count: peak added memory against the bf16 model's share, and
+  the resident bytes of the frozen base. Run it alone (``--phases qlora``).
+
 * **the chunked loss** (``--phases loss``; `_memory_loss.py`): one long sequence's peak
   memory with the chunked loss against the model's own full-logits loss, a Llama-shaped model
   with a 128k vocabulary, 1k to 8k tokens; and the share of chat positions that need logits.
@@ -363,7 +368,7 @@ def main() -> dict:
     parser.add_argument(
         "--phases",
         default="state,load,lora,loss",
-        help="state (and checkpoints), load, lora, loss (the chunked loss)",
+        help="state (and checkpoints), load, lora, loss (the chunked loss), qlora (alone)",
     )
     parser.add_argument("--json", default=None)
     cli = parser.parse_args()
@@ -382,6 +387,13 @@ def main() -> dict:
 
         workers = [int(w) for w in cli.workers.split(",")]
         loading = run_load_phase(run_configuration, workers, cli.quick)
+    if "qlora" in phases:  # QLoRA's 4-bit base loaded, 1 and N workers (_memory_load.py)
+        from _memory_load import run_qlora_phase
+
+        workers = [int(w) for w in cli.workers.split(",")]
+        qlora = run_qlora_phase(run_configuration, workers, cli.quick)
+        if phases == ["qlora"]:
+            return emit({"machine": machine(), **qlora}, cli.json)
     if "lora" in phases:  # LoRA against full, 2 workers (_memory_lora.py)
         from _memory_lora import run_lora_phase
 

@@ -9,17 +9,30 @@ from __future__ import annotations
 from ray_trainer._checkpoint import check_complete
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import TrainingArgsError
-from ray_trainer._lora.config import LORA_STATE, wrap
+from ray_trainer._lora.config import LORA_STATE, quantize_base, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint
 from ray_trainer._storage import Location
 
 
 def check_lora_model(args: TrainingArgs) -> None:
     """peft wraps the run's model with its ``lora`` config (target modules found, layers it
-    can adapt), tried on the model built on the meta device. Raises `LoraSetupError`."""
+    can adapt), tried on the model built on the meta device; under ``quantize_base`` its
+    blocks' linear layers are quantized first, as every worker will (under FSDP, checked for
+    every number of workers an elastic run may take). Raises `LoraSetupError` or
+    `QuantizeError`."""
     from ray_trainer._model.spec import ModelSpec
 
-    wrap(ModelSpec.of(args).build_meta_model(), args.lora, args.fsdp_shard_modules, on_meta=True)
+    model = ModelSpec.of(args).build_meta_model()
+    low, high = (args.num_workers,) * 2 if isinstance(args.num_workers, int) else args.num_workers
+    worlds = range(low, high + 1) if args.strategy == "fsdp" else [1]
+    if args.lora.get("quantize_base") is not None:  # every size an elastic run may take
+        from ray_trainer._model.nf4 import check_quantizable, quantized_layers
+
+        layers = quantized_layers(model, args.fsdp_shard_modules)
+        for world in worlds:
+            check_quantizable(model, layers, world)
+    quantize_base(model, args.lora, args.fsdp_shard_modules, max(worlds))
+    wrap(model, args.lora, args.fsdp_shard_modules, on_meta=True)
 
 
 def check_lora_resume(args: TrainingArgs, location: Location | None) -> None:

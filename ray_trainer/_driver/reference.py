@@ -44,6 +44,13 @@ def reference_dtype(args: TrainingArgs) -> str:
     return "bf16" if args.use_gpu and args.mixed_precision in ("auto", "bf16") else "float32"
 
 
+def reference_quantize(args: TrainingArgs) -> tuple[str, list[str] | None] | None:
+    """QLoRA's base quantization, which the reference shares (it is the policy with its
+    adapters off): ``(kind, fsdp_shard_modules)``, or None."""
+    kind = (args.lora or {}).get("quantize_base")
+    return None if kind is None else (kind, args.fsdp_shard_modules)
+
+
 def prepare_references(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[str, str]:
     """``field -> reference folder`` of every cache of pairs, complete unless the workers
     fill it (FSDP). Empty unless the objective needs a reference pass (DPO with
@@ -54,7 +61,7 @@ def prepare_references(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[s
     dtype = reference_dtype(args)
     out: dict[str, str] = {}
     for field, plan in plans.items():
-        key = reference_key(plan.fingerprint, spec, dtype, args.seed)
+        key = reference_key(plan.fingerprint, spec, dtype, args.seed, reference_quantize(args))
         location = reference_location(plan.cache, key)
         out[field] = location.name
         meta = read_meta(location)
@@ -93,7 +100,7 @@ def _compute(
     fs, bf16 = args.storage_filesystem, dtype == "bf16"
     where = (spec, plan.cache.name, location.name, fs)
     refs = [
-        task.remote(*where, i, start, end, pad_id, args.seed, bf16)
+        task.remote(*where, i, start, end, pad_id, args.seed, bf16, reference_quantize(args))
         for i, (start, end) in enumerate(parts)
     ]
     results = ray.get(refs)

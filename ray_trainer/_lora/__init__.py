@@ -1,6 +1,7 @@
 """Every process: LoRA fine-tuning with peft (``TrainingArgs.lora``), see docs/lora.md.
 
 ``config.py`` turns the run's ``lora`` field into a ``peft.LoraConfig`` and wraps a model;
+``quantize_base`` stores the frozen base in 4 bits (QLoRA, ``_model/nf4.py``);
 ``fingerprint.py`` names the base model a LoRA checkpoint belongs to; in the driver,
 ``_driver/lora_checks.py`` refuses what would fail in the workers. What LoRA changes inside a
 training worker (the trainable parameters, the checkpoints, the merged and adapter exports, the
@@ -13,6 +14,7 @@ from ray_trainer._lora.config import (
     adapter_names,
     lora_config,
     normalise_lora,
+    quantize_base,
     trainable_names,
     wrap,
 )
@@ -23,6 +25,7 @@ __all__ = [
     "adapter_names",
     "lora_config",
     "normalise_lora",
+    "quantize_base",
     "trainable_names",
     "wrap",
 ]

@@ -28,6 +28,8 @@ SUPPORTED = (
 )  # fmt: skip
 #: The initialisations a meta-device start can reproduce (they do not read the base weights).
 INITS = (True, False, "gaussian")
+#: The field of ``lora`` that is ray-trainer's own, not peft's: QLoRA's 4-bit base (``_model/nf4.py``).
+QUANTIZE = "quantize_base"
 _HINT = "pip install 'ray-trainer[lora]'"
 
 
@@ -64,6 +66,7 @@ def normalise_lora(value: Any) -> dict[str, Any] | None:
             f"got {type(value).__name__}; pass a peft.LoraConfig or a dict of its fields "
             "(e.g. {'r': 16, 'lora_alpha': 32})"
         )
+    quantize = fields.pop(QUANTIZE, None)
     for key in fields:
         if key not in defaults:
             close = difflib.get_close_matches(key, list(defaults), n=1)
@@ -94,7 +97,27 @@ def normalise_lora(value: Any) -> dict[str, Any] | None:
         peft.LoraConfig(**fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"lora: {e}") from None
+    if quantize is not None:
+        fields[QUANTIZE] = _quantize_kind(quantize)
     return fields
+
+
+def _quantize_kind(value: Any) -> str:
+    """``lora.quantize_base`` checked: a known kind, and its library installed."""
+    from ray_trainer._model.nf4 import KINDS, torchao_nf4
+
+    if value not in KINDS:
+        raise ValueError(
+            f"lora.quantize_base={value!r}: not a quantization ray-trainer knows; use "
+            f"{' or '.join(map(repr, KINDS))} (a 4-bit NormalFloat base, QLoRA), or leave it out"
+        )
+    torchao_nf4()  # QuantizeError (a ValueError) naming the extra to install
+    return value
+
+
+def peft_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` without ray-trainer's own (``quantize_base``): what ``peft.LoraConfig`` takes."""
+    return {k: v for k, v in fields.items() if k != QUANTIZE}
 
 
 def linear_layers(model: Any) -> dict[str, Any]:
@@ -150,7 +173,7 @@ def lora_config(fields: dict[str, Any], model: Any, shard_modules: list[str] | N
     ``task_type="CAUSAL_LM"`` for a Hugging Face causal LM (so PEFT's auto classes load the
     adapter). Raises `LoraSetupError` for target modules the model does not have."""
     peft = _peft()
-    fields = dict(fields)
+    fields = peft_fields(fields)
     if fields.get("target_modules") is None:
         fields["target_modules"] = default_targets(model, shard_modules)
     targets = fields["target_modules"]
@@ -226,6 +249,26 @@ def wrap(
     if not trainable_names(wrapped):
         raise LoraSetupError(f"lora: no layer of {type(model).__name__} was adapted")
     return wrapped
+
+
+def quantize_base(
+    model: Any, fields: dict[str, Any], shard_modules: list[str] | None = None, world: int = 1
+) -> list[str]:
+    """Under ``lora.quantize_base`` (QLoRA), store the frozen base's linear layers in NF4, in
+    place, before peft wraps `model` (real or on the meta device; `world`: the ranks FSDP will
+    shard it over, 1 under DDP). The names of the layers quantized (none without it).
+
+    Raises:
+        QuantizeError: a layer torchao cannot quantize, named (``_model/nf4.py``).
+    """
+    if fields.get(QUANTIZE) is None:
+        return []
+    from ray_trainer._model.nf4 import check_quantizable, quantize_layers, quantized_layers
+
+    names = quantized_layers(model, shard_modules)
+    check_quantizable(model, names, world)
+    quantize_layers(model, names, world)
+    return names
 
 
 def trainable_names(model: Any) -> list[str]:

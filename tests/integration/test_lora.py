@@ -120,6 +120,61 @@ def runs(ray_session, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def qlora_run(ray_session, tmp_path_factory):
+    from ray_trainer import run_training
+    from ray_trainer.demo import make_tiny_chat_model
+
+    pytest.importorskip("torchao")
+    tmp = tmp_path_factory.mktemp("qlora")
+    model = str(make_tiny_chat_model(tmp / "chat", style="llama3", vocab_size=512))
+    data = tmp / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": TEXTS[i % 3]}) + "\n" for i in range(240)))
+    folder = str(tmp / "records")
+    result = run_training(
+        model=model, data=str(data), lora={**LORA, "quantize_base": "nf4"},
+        lora_export="both", strategy="fsdp", activation_checkpointing=True,
+        async_checkpoint=True, num_workers=2, batch_size=4, max_length=16, learning_rate=1e-2,
+        lr_schedule="constant", mixed_precision="no", log_every_steps=1, max_steps=5,
+        save_every_steps=2, max_failures=1, seed=7, storage_path=str(tmp / "storage"),
+        run_name="qlora", callbacks=[AllRanksRecorder(folder, prefix="qlora"), KillRank1Once(4)],
+    )  # fmt: skip
+    return {"model": model, "result": result, "records": read_records(folder, "qlora")}
+
+
+def test_qlora_on_fsdp_resumes_exactly_and_exports_both_ways(qlora_run):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from peft import PeftModel
+
+    from ray_trainer import load_model
+
+    result, records = qlora_run["result"], qlora_run["records"]
+    assert (result.global_step, result.attempts) == (5, 2)
+    first, resumed = _losses(records, 0), _losses(records, 1)
+    assert min(resumed) == 3 and first[3] and first[1] > resumed[5]  # from step 2; it learns
+    for step in set(first) & set(resumed):  # computed again after the resume: the same loss
+        assert resumed[step] == pytest.approx(first[step], rel=1e-5), (step, first, resumed)
+    checkpoint = result.checkpoint_path
+    keys = dcp.FileSystemReader(os.path.join(checkpoint, "shards")).read_metadata()
+    weights = [k for k in keys.state_dict_metadata if not k.startswith("optim")]
+    assert weights and all(".lora_" in k for k in weights), weights  # no base, 4-bit or not
+    auto = transformers.AutoModelForCausalLM
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    # The adapter on the original (full-precision) base: what load_model rebuilds.
+    on_original = PeftModel.from_pretrained(
+        auto.from_pretrained(qlora_run["model"]), os.path.join(checkpoint, "hf_adapter")
+    ).eval()
+    merged = auto.from_pretrained(os.path.join(checkpoint, "hf")).eval()  # dequantized + adapter
+    ours = load_model(checkpoint)
+    with torch.no_grad():
+        reference = ours(input_ids=ids).logits
+        assert (on_original(input_ids=ids).logits - reference).abs().max() < 1e-5
+        off = (merged(input_ids=ids).logits - reference).abs().max()
+    assert 0 < off < 0.1 * reference.abs().max()  # NF4's rounding of the base, no more
+
+
 def _losses(records, attempt=None):
     return {
         r["step"]: r["loss"]

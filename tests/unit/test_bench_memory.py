@@ -107,6 +107,7 @@ def test_the_load_target_is_a_share_of_the_fp32_model_and_one_tensor():
             "load_s": 1.0,
             "first_step_s": 2.0,
             "param_bytes": 3,
+            "base_bytes": 2,
         },
         {
             "added": 7,
@@ -115,10 +116,12 @@ def test_the_load_target_is_a_share_of_the_fp32_model_and_one_tensor():
             "load_s": 1.5,
             "first_step_s": 1.0,
             "param_bytes": 3,
+            "base_bytes": 1,
         },
     ]
     assert summarise_load(ranks) == {
         "added": 7, "after_load": 4, "hwm": 9, "load_s": 1.5, "first_step_s": 2.0, "param_bytes": 3,
+        "base_bytes": 2,  # the frozen parameters' (QLoRA's 4-bit base): the largest rank's
     }  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ray_trainer._model.nf4 import is_nf4, shard_of
 from ray_trainer._model.pretrained.safetensors import SafetensorsFiles
 from ray_trainer._model.ties import tied_aliases
 
@@ -87,13 +88,14 @@ def fill_from_safetensors(
     """
     groups: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if rename is not None:
-            name = rename(name)
-            if name is None:
-                continue
+    owners: dict[int, str] = {}  # a tensor's first name in `module`
+    for own, tensor in module.state_dict(keep_vars=True).items():
+        name = own if rename is None else rename(own)
+        if name is None:
+            continue
         groups.setdefault(id(tensor), []).append(name)  # tied weights: one tensor, many names
         tensors[id(tensor)] = tensor
+        owners.setdefault(id(tensor), own)
     missing = []
     with torch.no_grad():
         for key, names in groups.items():
@@ -103,7 +105,10 @@ def fill_from_safetensors(
                 if isinstance(tensor, nn.Parameter):
                     missing.append(names[0])
                 continue  # a persistent buffer the files lack keeps its constructed value
-            _copy_in(names[0], tensor, files, source)
+            if is_nf4(tensor):
+                _quantize_in(module, owners[key], tensor, files, source)
+            else:
+                _copy_in(names[0], tensor, files, source)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -123,7 +128,8 @@ def check_materialized(module: nn.Module) -> None:
         ("buffer", module.named_buffers()),
     ):
         for name, tensor in items:
-            if _local(tensor).device.type == "meta":
+            local = _local(tensor)
+            if local.device.type == "meta" or (is_nf4(local) and local.scaler_mean.is_meta):
                 raise WeightsError(
                     f"{kind} {name} is still on the meta device: it was never loaded"
                 )
@@ -170,6 +176,49 @@ def _copy_in(name: str, tensor: torch.Tensor, files: SafetensorsFiles, source: s
     for first in range(0, local.shape[0], step):
         last = min(local.shape[0], first + step)
         local[first:last].copy_(files.read_rows(source, start + first, start + last))
+
+
+def _quantize_in(
+    module: nn.Module, name: str, tensor: torch.Tensor, files: SafetensorsFiles, source: str
+) -> None:
+    """An NF4 weight (QLoRA's base, ``_model/nf4.py``) read whole, quantized on its device, and
+    put in place of `name` (this rank's rows of it when sharded); the full-precision tensor is
+    dropped at once, so the most held is one weight in the files' dtype and its copy."""
+    entry = files.entries[source]
+    if tuple(tensor.shape) != entry.shape:
+        raise WeightsError(
+            f"{name}: the model has shape {tuple(tensor.shape)}, {files.folder.name} holds "
+            f"{source} with shape {entry.shape}; the config does not match the weights"
+        )
+    device = _local(tensor).device
+    whole = files.read(source).to(device)
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner), leaf, shard_of(whole, tensor))
+    del whole
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Hand the heap that one weight's quantization freed back to the system (glibc's
+    ``malloc_trim``). torchao's NF4 quantization makes ~150 MiB of short-lived tensors per
+    weight, mostly under glibc's (raised) mmap threshold: without this a worker's memory grew
+    by the largest of them and then by fragmentation, to several times the 4-bit base it
+    kept (measured: ``bench/memory`` ``--phases qlora``). Nothing where it is not glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (glibc only)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 def _first_row(name: str, tensor: torch.Tensor) -> int:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._checkpoint.names import checkpoint_dir_name
+from ray_trainer._model.nf4 import dequantized
 from ray_trainer._storage import Location
 from ray_trainer._worker.boundary import Decision
 from ray_trainer._worker.checkpoints import export
@@ -275,6 +276,7 @@ class _Gather:
     def __call__(self, tensor: Any) -> Any:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         local = local.cpu()  # a LoRA run's frozen base is read live, from the device
+        local = dequantized(local)  # QLoRA's NF4 rows: their values (blocks never span ranks)
         placements = getattr(tensor, "placements", ())
         if self.world == 1 or tensor.ndim == 0 or all(p.is_replicate() for p in placements):
             return local

@@ -14,6 +14,8 @@ adapters on the meta device too; the fill that `apply_lora` returns gives them m
 base (under FSDP: this rank's shards), reads the base weights under their own names, and draws
 each adapter whole from a generator seeded with the run's seed, keeping the rows this rank holds.
 
+Under QLoRA (``lora.quantize_base``) the base's linear layers inside the blocks are NF4
+(``_model/nf4.py``), quantized before peft wraps them; the rest of the base stays as below.
 The base stays fp32 (the dtype of every ray-trainer run's weights; under FSDP with bf16 mixed
 precision each block's parameters, base and adapters, are all-gathered in bf16 for compute).
 """
@@ -31,8 +33,9 @@ from torch import nn
 from ray_trainer._checkpoint import HF_ADAPTER_DIR, HF_DIR, tied_aliases
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import CheckpointError
-from ray_trainer._lora import trainable_names, wrap
+from ray_trainer._lora import quantize_base, trainable_names, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint, lora_state
+from ray_trainer._model.nf4 import dequantized
 from ray_trainer._model.pretrained.safetensors import write_weights
 from ray_trainer._model.spec import ModelSpec
 from ray_trainer._worker.checkpoints.export import ModelWeights, SavePretrained, untied
@@ -137,7 +140,10 @@ def apply_lora(
     model: nn.Module, materialize: Any, spec: ModelSpec, args: TrainingArgs
 ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """`model` wrapped with the run's adapters, its fill (None when it is not on the meta
-    device), and what its checkpoints record of the base (`lora_state`)."""
+    device), and what its checkpoints record of the base (`lora_state`). Under
+    ``lora.quantize_base`` the base's linear layers are NF4 first (QLoRA): on the meta device,
+    the fill quantizes each weight as it reads it (``_model/pretrained/fill.py``)."""
+    quantize_base(model, args.lora, args.fsdp_shard_modules, _world(args))
     wrapped = wrap(model, args.lora, args.fsdp_shard_modules, on_meta=materialize is not None)
     record = lora_state(spec, args.lora, base_fingerprint(spec))
     targets = wrapped.peft_config["default"].target_modules  # the defaults, resolved
@@ -156,6 +162,15 @@ def apply_lora(
         init_adapters(module, args.seed, init)
 
     return wrapped, fill, record
+
+
+def _world(args: TrainingArgs) -> int:
+    """The ranks FSDP shards the model over (1 under DDP: every rank holds it whole)."""
+    import torch.distributed as dist
+
+    if args.strategy != "fsdp" or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
 
 
 def base_name(name: str) -> str | None:
@@ -249,12 +264,15 @@ class MergePlan:
     adapters: dict[int, tuple[Any, Any, float, bool]] = field(default_factory=dict)
 
     def whole(self, gather: Any) -> Any:
-        """``whole(tensor)`` for `write_weights`: the tensor's whole value (`gather`), plus
+        """``whole(tensor)`` for `write_weights`: the tensor's whole value (`gather`; an NF4
+        weight dequantized: the 4-bit base's values, not the original weights'), plus
         ``scale * B @ A`` for an adapted weight (transposed for a ``Conv1D``). A collective
         when `gather` is: A and B are gathered right after their weight."""
 
         def merged(tensor: Any) -> Any:
             value = gather(tensor)
+            if value is not None:  # QLoRA's NF4 base: written dequantized, in its dtype
+                value = dequantized(value)
             adapter = self.adapters.get(id(tensor))
             if adapter is None:
                 return value

