@@ -337,7 +337,7 @@ class TrainingArgs(BaseModel):
         if isinstance(v, (tuple, list)):
             raise ValueError(
                 f"rollout_workers={list(v)}: an elastic number of rollout engines (min, max) "
-                "is issue 51's and not built yet; give a number of engines, e.g. 1"
+                "is not built yet; give a number of engines, e.g. 1"
             )
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"rollout_workers must be an integer >= 1, got {v!r}")

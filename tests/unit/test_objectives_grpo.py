@@ -18,6 +18,7 @@ from ray_trainer._objectives.grpo import (
     LOSS_METRICS,
     LOSS_TYPES,
     ROLLOUT_METRICS,
+    ROLLOUT_TIMINGS,
     SCALE_REWARDS,
     GrpoConfig,
 )
@@ -37,6 +38,9 @@ def test_every_setting_has_trls_default():
     trl = {f.name: f.default for f in dataclasses.fields(TrlConfig)}
     ours = GrpoConfig()
     for name in GrpoConfig.model_fields:
+        if name == "sync_every":  # ours: TRL syncs before every generation
+            assert ours.sync_every == 1
+            continue
         assert getattr(ours, name) == trl[TRL_NAMES.get(name, name)], name
     assert trl["vllm_importance_sampling_correction"] is True  # ours: a mode, None is off
     assert (ours.epsilon_low, ours.upper_epsilon) == (0.2, 0.2)
@@ -67,7 +71,7 @@ def test_the_config_and_the_loss_know_the_same_choices():
         ({"importance_sampling": "token_truncate", "importance_sampling_cap": None},
          "both are None; set importance_sampling_cap (TRL's default is 3.0)"),
         ({"importance_sampling_min": 3.0}, "must be below importance_sampling_cap=3.0"),
-        ({"reward_weights": []}, "give one weight per reward function"),
+        ({"reward_weights": [1.0]}, "not a grpo setting: set TrainingArgs.reward_weights"),
         ({"top_p": 0}, "grpo.top_p: Input should be greater than 0"),
     ],
 )  # fmt: skip
@@ -81,20 +85,50 @@ def test_bad_settings_are_named_with_the_fix(fields, needle):
     assert GrpoConfig.coerce(config) is config
 
 
-def test_grpo_is_described_but_not_registered_until_its_loop_is_wired():
-    assert "grpo" not in names()
-    with pytest.raises(
-        ValueError, match="objective='grpo' is not an objective; one of 'sft', 'dpo'"
-    ):
-        objective_of("grpo")
-    with pytest.raises(TrainingArgsError, match="objective='grpo' is not an objective"):
-        TrainingArgs.coerce(objective="grpo")
+def _reward(prompts, completions, completion_ids, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_grpo_is_registered_and_owns_its_fields():
+    assert "grpo" in names() and objective_of("grpo") is GRPO
     assert GRPO.name == "grpo" and GRPO.takes("prompts") and not GRPO.takes("messages")
-    assert GRPO.fields == ("grpo", "reward_fns") and not GRPO.needs_reference(None)
-    assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS)
+    assert GRPO.fields == (
+        "grpo", "reward_fns", "reward_weights", "rollout_backend", "rollout_resources",
+        "rollout_workers",
+    ) and not GRPO.needs_reference(None)  # fmt: skip
+    assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS)
     for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
-                 "clip_ratio/region_mean", "kl", "entropy"):  # fmt: skip
+                 "clip_ratio/region_mean", "kl", "entropy", "rollout/logprob_diff"):  # fmt: skip
         assert name in GRPO.metrics, name
+    args = TrainingArgs.coerce(
+        objective="grpo", data="p.jsonl", model="m", reward_fns=_reward, grpo={"beta": 0.1}
+    )
+    assert args.grpo == GrpoConfig(beta=0.1) and args.to_public_dict()["grpo"]["beta"] == 0.1
+    with pytest.raises(TrainingArgsError, match="rollout_backend set with objective='sft'"):
+        TrainingArgs.coerce(rollout_backend="hf")
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"reward_fns": None}, "GRPO needs at least one reward function"),
+        ({"reward_fns": "no_such_module:f"}, "module 'no_such_module' does not import"),
+        ({"reward_weights": [1.0, 2.0]}, "2 weight(s) for 1 reward function(s)"),
+        ({"rollout_workers": (1, 2)}, "rollout_workers=[1, 2]: an elastic number of rollout"),
+        ({"rollout_resources": {"CPU": -1}}, "rollout_resources['CPU'] must be a number >= 0"),
+        ({"packing": True}, "packed completions are not built; set packing=False"),
+        ({"eval_every_steps": 2}, "GRPO has no validation step yet"),
+        ({"num_workers": (1, 2)}, "an elastic worker group is not built for GRPO yet"),
+        ({"grpo": {"num_iterations": 2}}, "grpo.num_iterations=2: more than one optimizer pass"),
+        ({"grpo": {"beta": 0.1}, "strategy": "fsdp"}, "add lora (the reference is the base"),
+        ({"loss_fn": len}, "loss_fn with objective='grpo'"),
+    ],
+)  # fmt: skip
+def test_what_grpo_refuses_is_named_before_ray_starts(fields, needle):
+    base = dict(objective="grpo", data="p.jsonl", model="m", reward_fns=[_reward])
+    with pytest.raises(TrainingArgsError) as info:
+        TrainingArgs.coerce(**{**base, **fields})
+    assert needle in str(info.value)
 
 
 def test_grpo_refuses_a_custom_loss_and_no_data():

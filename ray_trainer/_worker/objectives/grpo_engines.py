@@ -103,26 +103,44 @@ class Engines:
             if not lora or ".lora_" in name:
                 yield name, param
 
-    def sync(self) -> None:
+    def sync(self, again: bool = False) -> None:
         """Every engine takes the trainer's weights as policy version ``global_step`` (the
-        adapter alone under LoRA), then the probe: ``rollout/logprob_diff``. Every rank."""
+        adapter alone under LoRA), then the probe: ``rollout/logprob_diff``. Every rank. An
+        engine found dead is restarted and the sync done again, once (`again`)."""
         s = self.s
         version = s.progress.global_step
         started = time.perf_counter()
         sent = 0.0
+        dead = False
         sharded = s.args.strategy == "fsdp"
         for engine in self.engines:
             named = full_tensors(self._named())  # under FSDP a gather per parameter
-            if s.rank == 0:
-                sent += engine.sync(named, version).bytes
-            elif sharded:
-                for _ in named:  # this rank's part of each gather
-                    pass
+            if s.rank == 0 and not dead:
+                try:
+                    sent += engine.sync(named, version).bytes
+                except RolloutEngineDied:
+                    dead = True
+            if s.rank != 0 and not sharded:
+                continue
+            for _ in named:  # this rank's part of each gather (rank 0: what a death left)
+                pass
         diff = None
         if sharded or s.rank == 0:  # the trainer's forward (a collective under FSDP)
             mine = trainer_logprobs(s.parallel.module(), self.probe)
-            if s.rank == 0:
-                diff = logprob_diff(self.engines[0].probe(self.probe), mine)
+            if s.rank == 0 and not dead:
+                try:
+                    diff = logprob_diff(self.engines[0].probe(self.probe), mine)
+                except RolloutEngineDied:
+                    dead = True
+        if agree_any(dead, s.world_size):  # every rank: restart, then this sync again
+            if again:
+                raise RolloutEngineDied(
+                    f"grpo: a rollout engine died during the weight sync of version {version}, "
+                    "was restarted and died again; check rollout_resources and its log"
+                )
+            self.restart_dead(resync=False)
+            self.sync(again=True)
+            return
         _barrier(s.world_size)  # no rank samples before every engine holds `version`
         self.version = version
         self.last_sync = {"sync/seconds": time.perf_counter() - started, "sync/bytes": sent}
@@ -134,7 +152,7 @@ class Engines:
 
     # ---- faults ----------------------------------------------------------------------------
 
-    def restart_dead(self) -> None:
+    def restart_dead(self, resync: bool = True) -> None:
         """After a rollout found an engine dead (agreed by every rank): rank 0 creates the dead
         ones again, every rank finds them, and every engine is synced again."""
         s = self.s
@@ -146,7 +164,8 @@ class Engines:
         self.generation += 1
         self.restarts += len(dead)
         self.start(only=dead)
-        self.sync()
+        if resync:
+            self.sync()
 
 
 __all__ = ["Engines", "RolloutEngineDied", "agree_any"]
