@@ -33,7 +33,7 @@ def scored_to(folder: str):
         with open(os.path.join(folder, f"scored-{os.getpid()}.jsonl"), "a") as f:
             for i in sorted(set(id)):
                 f.write(json.dumps({"step": trainer_state.global_step, "id": i}) + "\n")
-        return [1.0 if len(c) % 2 else 0.0 for c in completion_ids]
+        return [float(c[0] % 2) if c else 0.0 for c in completion_ids]  # varies in a group
 
     return scored
 
@@ -102,8 +102,10 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
                      "reward/seconds", "sync/seconds", "sync/bytes"):  # fmt: skip
             assert math.isfinite(record[name]), (step, name, record[name])
         assert record["sync/bytes"] > 0  # the adapter, every step (sync_every=1)
+        assert record["trained_tokens"] > 0
         # The engine holds the trainer's weights: the probe's log-probs agree in fp32.
         assert record["rollout/logprob_diff"] < 1e-5, (step, record["rollout/logprob_diff"])
+    assert any(r["reward_std"] > 0 and r["loss"] != 0 for r in logs)  # advantages, a loss
     # The killed engine was started again and synced (its restart is counted from then on).
     assert any(r.get("rollout/engine_restarts", 0) >= 1 for r in logs if r["attempt"] == 0)
     rollouts = [json.loads(line) for line in (root / "storage" / "grpo" / "rollouts.jsonl").open()]
