@@ -303,6 +303,14 @@ def check_args(args: Any) -> None:
     actor_options(args.rollout_resources)
 
 
+def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
+    """The rollout engines (``rollout_workers`` x ``rollout_resources``) and one reward task
+    (each function's task asks for one CPU): what a step needs besides the workers."""
+    engine = dict(args.rollout_resources) if args.rollout_resources is not None else {"CPU": 1.0}
+    engines = [(f"rollout engine {i}", engine) for i in range(args.rollout_workers)]
+    return [*engines, ("a reward function's task", {"CPU": 1.0})]
+
+
 def _needs_reference(args: Any) -> bool:
     # The KL's reference log-probs are taken on each step's fresh completions, in the step:
     # never precomputed into the token cache.
@@ -327,6 +335,7 @@ GRPO = Objective(
     ),
     check=check_args,
     needs_reference=_needs_reference,
+    beside_workers=beside_workers,
     # The rollout side's (rewards, completions) then the loss's; each step also logs
     # rewards/<fn>/mean and rewards/<fn>/std per reward function, named at run time.
     metrics=(*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS),

@@ -138,3 +138,18 @@ def test_grpo_refuses_a_custom_loss_and_no_data():
         GRPO.check(SimpleNamespace(loss_fn=len, data="p.jsonl"))
     with pytest.raises(ValueError, match=r"needs data: prompt-only records such as"):
         GRPO.check(SimpleNamespace(loss_fn=None, data=None))
+
+
+def test_engines_and_a_reward_task_that_cannot_fit_beside_the_workers_are_refused():
+    from ray_trainer._driver.checks.resources import ResourceRequestError, check_resources
+
+    base = dict(objective="grpo", data="p.jsonl", model="m", reward_fns=[_reward], num_workers=2)
+    two_cores = [{"CPU": 2.0}]
+    with pytest.raises(ResourceRequestError) as info:  # the default: a CPU per worker and engine
+        check_resources(TrainingArgs.coerce(**base), nodes=two_cores)
+    assert "rollout engine 0 needs {'CPU': 1.0} beside the 2 worker(s)" in str(info.value)
+    fits = dict(resources_per_worker={"CPU": 0.25}, rollout_resources={"CPU": 0.5})
+    check_resources(TrainingArgs.coerce(**base, **fits), nodes=two_cores)  # 0.5 + 0.5 + 1
+    with pytest.raises(ResourceRequestError, match="a reward function's task needs"):
+        check_resources(TrainingArgs.coerce(**base, **fits, rollout_workers=2), nodes=two_cores)
+    check_resources(TrainingArgs(num_workers=2), nodes=two_cores)  # SFT places nothing beside
