@@ -264,6 +264,7 @@ def check_args(args: Any) -> None:
     built yet (packing, validation, an elastic worker group, ``num_iterations > 1``, a frozen
     reference copy under FSDP)."""
     from ray_trainer._rollout.actor import actor_options
+    from ray_trainer._rollout.engines import resolve_backend
     from ray_trainer._rollout.rewards import resolve_reward_fns, reward_weights
 
     if args.loss_fn is not None:
@@ -301,6 +302,10 @@ def check_args(args: Any) -> None:
     fns = resolve_reward_fns(args.reward_fns)  # TrainingArgsError naming the function
     reward_weights(args.reward_weights, fns)
     actor_options(args.rollout_resources)
+    try:  # a backend that is not built (or, for "auto", none here) is refused now
+        resolve_backend(args.rollout_backend)
+    except ValueError as e:
+        raise ValueError(f"rollout_backend: {e}") from None
 
 
 def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:

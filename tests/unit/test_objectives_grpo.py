@@ -122,6 +122,7 @@ def test_grpo_is_registered_and_owns_its_fields():
         ({"grpo": {"num_iterations": 2}}, "grpo.num_iterations=2: more than one optimizer pass"),
         ({"grpo": {"beta": 0.1}, "strategy": "fsdp"}, "add lora (the reference is the base"),
         ({"loss_fn": len}, "loss_fn with objective='grpo'"),
+        ({"rollout_backend": "nope"}, "Input should be 'hf', 'vllm' or 'auto'"),
     ],
 )  # fmt: skip
 def test_what_grpo_refuses_is_named_before_ray_starts(fields, needle):
@@ -153,3 +154,33 @@ def test_engines_and_a_reward_task_that_cannot_fit_beside_the_workers_are_refuse
     with pytest.raises(ResourceRequestError, match="a reward function's task needs"):
         check_resources(TrainingArgs.coerce(**base, **fits, rollout_workers=2), nodes=two_cores)
     check_resources(TrainingArgs(num_workers=2), nodes=two_cores)  # SFT places nothing beside
+
+
+def test_the_driver_encodes_every_prompt_and_checks_the_reward_fns_against_its_columns(tmp_path):
+    import json
+
+    from ray_trainer._data.sources import DataFileError
+    from ray_trainer._demo.chat import make_tiny_chat_model
+    from ray_trainer._driver.data import plan_data, prepare_data
+
+    model = str(make_tiny_chat_model(tmp_path / "model", style="chatml"))
+    data = tmp_path / "p.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Add {i} and 1."}], "answer": str(i + 1)}
+            for i in range(3)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = dict(objective="grpo", data=str(data), model=model, reward_fns=[_reward],
+                max_length=64, grpo={"max_completion_length": 16},
+                storage_path=str(tmp_path / "storage"))  # fmt: skip
+    plans = plan_data(TrainingArgs.coerce(**base))
+    prompts = plans["data"].prompts
+    assert [p.columns for p in prompts] == [{"answer": str(i + 1)} for i in range(3)]
+    assert all(0 < len(p.prompt_ids) <= 64 - 16 for p in prompts) and plans["data"].samples == 3
+    assert prepare_data(plans, TrainingArgs.coerce(**base)) == {}  # no token cache, no Ray
+
+    def no_columns(prompts, completions, completion_ids, trainer_state):
+        return [0.0] * len(completions)
+
+    with pytest.raises(TrainingArgsError, match="cannot take 'answer'"):
+        plan_data(TrainingArgs.coerce(**{**base, "reward_fns": [no_columns]}))
+    with pytest.raises(DataFileError, match=r"data: .*p.jsonl:1: the prompt has \d+ tokens"):
+        plan_data(TrainingArgs.coerce(**{**base, "max_length": 20}))
