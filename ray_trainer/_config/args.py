@@ -550,7 +550,7 @@ class TrainingArgs(BaseModel):
                 out[k] = repr(v)
         # The names of the objective's own metrics in each log's batch_metrics (the built-in
         # trackers export those: `callbacks.builtin.common.objective_metrics`).
-        out["objective_metrics"] = list(objective_of(self.objective).metrics)
+        out["objective_metrics"] = list(objective_of(self.objective).metrics_of(self))
         return out
 
 

@@ -67,6 +67,13 @@ class Objective:
     metrics: tuple[str, ...] = ()
     names_cache: bool = True
     beside_workers: Callable[[Any], list[tuple[str, dict[str, float]]]] = _nothing_beside
+    #: ``run_metrics(args)``: the names its steps log in that run, when some are named at run
+    #: time (GRPO's ``rewards/<fn>/mean``); None: ``metrics``.
+    run_metrics: Callable[[Any], tuple[str, ...]] | None = None
+
+    def metrics_of(self, args: Any) -> tuple[str, ...]:
+        """The names of the metrics a run's steps log (the trackers export these)."""
+        return self.metrics if self.run_metrics is None else self.run_metrics(args)
 
     @property
     def val_metrics(self) -> tuple[str, ...]:

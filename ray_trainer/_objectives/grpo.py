@@ -316,6 +316,16 @@ def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
     return [*engines, ("a reward function's task", {"CPU": 1.0})]
 
 
+def run_metrics(args: Any) -> tuple[str, ...]:
+    """GRPO's metrics in a run: the description's, each reward function's mean and std, and
+    the count of rollout engines started again after they died."""
+    from ray_trainer._rollout.rewards import resolve_reward_fns
+
+    per_fn = [f"rewards/{f.name}/{m}" for f in resolve_reward_fns(args.reward_fns)
+              for m in ("mean", "std")]  # fmt: skip
+    return (*GRPO.metrics, *per_fn, "rollout/engine_restarts")
+
+
 def _needs_reference(args: Any) -> bool:
     # The KL's reference log-probs are taken on each step's fresh completions, in the step:
     # never precomputed into the token cache.
@@ -341,6 +351,7 @@ GRPO = Objective(
     check=check_args,
     needs_reference=_needs_reference,
     beside_workers=beside_workers,
+    run_metrics=run_metrics,
     # The rollout side's (rewards, completions) then the loss's; each step also logs
     # rewards/<fn>/mean and rewards/<fn>/std per reward function, named at run time.
     metrics=(*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS),

@@ -104,6 +104,12 @@ def test_grpo_is_registered_and_owns_its_fields():
         objective="grpo", data="p.jsonl", model="m", reward_fns=_reward, grpo={"beta": 0.1}
     )
     assert args.grpo == GrpoConfig(beta=0.1) and args.to_public_dict()["grpo"]["beta"] == 0.1
+    # What the trackers export: the description's metrics and each reward function's.
+    exported = args.to_public_dict()["objective_metrics"]
+    assert exported[: len(GRPO.metrics)] == list(GRPO.metrics)
+    assert {"rewards/_reward/mean", "rewards/_reward/std", "rollout/engine_restarts"} <= set(
+        exported
+    )
     with pytest.raises(TrainingArgsError, match="rollout_backend set with objective='sft'"):
         TrainingArgs.coerce(rollout_backend="hf")
 
