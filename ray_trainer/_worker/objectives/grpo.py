@@ -140,13 +140,13 @@ class GrpoObjective(WorkerObjective):
             yield self.rollout_step(state, prompts)
 
     def _start(self, s: Any) -> None:
-        """Once per worker-group start, after resume: the ledger checked, the engines made."""
+        """At each epoch's first step; once per worker-group start (after the resume): the
+        ledger checked, the engines made."""
         assert self.prompts is not None
-        record = self._ledger(s)
-        why = ledger_error(s.progress.extra.get(LEDGER), record)
-        if why is not None:
-            raise ValueError(why)
-        if self.engines is None:
+        if self.engines is None:  # the first epoch of this start: right after the resume
+            why = ledger_error(s.progress.extra.get(LEDGER), self._ledger(s))
+            if why is not None:
+                raise ValueError(why)
             first = self.prompts[0].prompt_ids
             probe = Probe(tuple(first), tuple(first[: min(8, len(first))]), self.config.temperature)
             spec = EngineSpec(model=_model_spec(self.args), lora=self.args.lora, device=None)
