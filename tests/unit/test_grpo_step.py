@@ -203,3 +203,23 @@ def test_the_ledger_refuses_a_resume_that_would_skip_or_repeat_prompts():
     assert "the seed" in ledger_error(saved, {**saved, "seed": 2})
     assert "prompts per step" in ledger_error(saved, {**saved, "per_step": 8})
     assert "inconsistent" in ledger_error(saved, {**saved, "step_in_epoch": 2})
+
+
+def test_beta_takes_the_kl_against_the_model_as_it_started():
+    import copy
+
+    comps = _completions()
+    mb = completion_batch(comps, [0.5, -0.5, 1.0, -1.0], pad_id=0, loss_type="dapo",
+                          max_completion_length=3, mask_truncated=False)  # fmt: skip
+    model, objective = _Toy(), _objective(beta=0.1, max_completion_length=3)
+    objective.frozen = copy.deepcopy(model).requires_grad_(False)  # after_placement's copy
+    objective.step_loss(_Workload(), model, mb.batch, mb.targets)
+    sums = objective._sums.tolist()
+    assert sums[0] == pytest.approx(0.0, abs=1e-7)  # the same weights: no KL
+    with torch.no_grad():
+        model.head.bias += 0.5 * torch.arange(VOCAB, dtype=torch.float32)  # the policy moved
+    objective._sums = None
+    objective.step_loss(_Workload(), model, mb.batch, mb.targets)
+    objective._agreed_maxima.append([-math.inf] * 9)
+    metrics = objective.metrics_from_sums(objective._sums.tolist() + [0.0] * 10, 9.0)
+    assert metrics["kl"] > 1e-3  # beta > 0: TRL's kl, a mean over the completion tokens
