@@ -20,6 +20,7 @@ import os
 import pytest
 import ray
 from rt_support import KillRank1Once, read_records
+from waiting import wait_until
 
 from callbacks import TrainerCallback
 
@@ -60,9 +61,12 @@ class KillEngineOnce(TrainerCallback):
 
     def on_step_end(self, context, **kwargs):
         if context.attempt == 0 and context.global_step == 1:
-            for actor in ray.util.list_named_actors(all_namespaces=True):
-                if ":rollout:" in actor["name"]:
-                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            for actor in _engines():
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+
+
+def _engines() -> list[dict]:
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if ":rollout:" in a["name"]]
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +114,8 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
     assert any(r["reward_std"] > 0 and r["grad_norm"] > 0 for r in logs)
     # The killed engine was started again and synced (its restart is counted from then on).
     assert any(r.get("rollout/engine_restarts", 0) >= 1 for r in logs if r["attempt"] == 0)
+    # The engines ended with their worker group (rank 0 owns them): none is left holding a CPU.
+    wait_until(lambda: not _engines(), 30, "the rollout engines to end")
     rollouts = [json.loads(line) for line in (root / "storage" / "grpo" / "rollouts.jsonl").open()]
     assert {r["step"] for r in rollouts} == set(range(1, STEPS + 1))
     for r in rollouts:  # sampled by the policy of its step: one version per optimizer step

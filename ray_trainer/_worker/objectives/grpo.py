@@ -19,15 +19,12 @@ The loss of each micro-batch is TRL 1.16's (``grpo_loss.grpo_sums``), a token su
 denominator is the micro-batches' ``targets`` summed over the step: the loop's scaling makes it
 exact for any split. The step's metrics (rewards, completions, the loss's, the rollout's
 timings) ride on the step's agreement as sums (:meth:`take_sums`), their extremes in one small
-MAX all-reduce.
+MAX all-reduce; ``grpo_metrics.py`` turns them into TRL's names and writes ``rollouts.jsonl``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -54,27 +51,18 @@ from ray_trainer._worker.objectives.grpo_batch import (
     token_logps,
 )
 from ray_trainer._worker.objectives.grpo_engines import Engines, agree_any
-from ray_trainer._worker.objectives.grpo_loss import (
-    CompletionTokens,
-    grpo_sums,
-    importance_ratio,
-    metrics_from_sums,
+from ray_trainer._worker.objectives.grpo_loss import CompletionTokens, grpo_sums, importance_ratio
+from ray_trainer._worker.objectives.grpo_metrics import (
+    append_run_file,
+    completion_lines,
+    rollout_extremes,
+    rollout_sums,
+    step_metrics,
 )
 from ray_trainer._worker.step.micro_batches import MicroBatch
 
 #: ``TrainerState.extra`` key of the prompt ledger's record.
 LEDGER = "grpo_ledger"
-#: The rollout's sums of a step, after the loss's 7 (``grpo_loss.GrpoSums.sums``), summed over
-#: the ranks; then per reward function its sum, sum of squares and count.
-_ROLLOUT_SUMS = (
-    "completions", "completion_tokens", "truncated", "zero_std",
-    "reward_sum", "reward_sq", "reward_n",
-)  # fmt: skip
-#: The step's extremes, reduced with MAX over the ranks (after the loss's 2).
-_MAXIMA = (
-    "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
-    "sync/bytes", "rollout/logprob_diff",
-)  # fmt: skip
 
 
 def _logits(outputs: Any) -> torch.Tensor:
@@ -250,25 +238,8 @@ class GrpoObjective(WorkerObjective):
 
     def _note_rollout(self, scored: Any, rollout_s: float, reward_s: float, sync: dict) -> None:
         """This step's rollout sums and extremes (rank-local), for :meth:`take_sums`."""
-        lengths = [len(x.completion_ids) for x in scored.completions]
-        rewards = scored.rewards
-        ok = rewards[~torch.isnan(rewards)]
-        zero_std = scored.metrics["frac_reward_zero_std"] * len(lengths)
-        sums = [
-            float(len(lengths)), float(sum(lengths)),
-            float(sum(bool(x.truncated) for x in scored.completions)), float(zero_std),
-            ok.sum().item(), (ok**2).sum().item(), float(ok.numel()),
-        ]  # fmt: skip
-        for i in range(len(self.fns)):
-            col = scored.per_function[:, i]
-            col = col[~torch.isnan(col)]
-            sums += [col.sum().item(), (col**2).sum().item(), float(col.numel())]
-        self._rollout = sums
-        self._extremes = [
-            float(max(lengths, default=0)), -float(min(lengths, default=0)), rollout_s,
-            reward_s, sync.get("sync/seconds", -math.inf), sync.get("sync/bytes", -math.inf),
-            sync.get("rollout/logprob_diff", -math.inf),
-        ]  # fmt: skip
+        self._rollout = rollout_sums(scored, len(self.fns))
+        self._extremes = rollout_extremes(scored, rollout_s, reward_s, sync)
 
     # ---- the loss ----------------------------------------------------------------------
 
@@ -324,96 +295,22 @@ class GrpoObjective(WorkerObjective):
         return torch.cat([loss_sums.detach(), rollout])
 
     def metrics_from_sums(self, sums: Any, targets: float) -> dict[str, float]:
-        """The step's metrics with TRL's names (module docstring)."""
-        values, extremes = list(sums), self._agreed_maxima.popleft()
-        c = self.config
-        out = metrics_from_sums(
-            values[:7], extremes[:2], beta=c.beta,
-            importance_sampling_level=c.importance_sampling_level,
+        """The step's metrics with TRL's names (``grpo_metrics.step_metrics``)."""
+        restarts = self.engines.restarts if self.engines is not None else 0
+        return step_metrics(
+            list(sums), self._agreed_maxima.popleft(), [f.name for f in self.fns], self.config,
+            restarts,
         )  # fmt: skip
-        r = dict(zip(_ROLLOUT_SUMS, values[7 : 7 + len(_ROLLOUT_SUMS)], strict=True))
-        n = max(r["completions"], 1.0)
-        mx = dict(zip(_MAXIMA, extremes[2:], strict=True))
-        out.update(
-            {
-                "reward": _mean(r["reward_sum"], r["reward_n"]),
-                "reward_std": _std(r["reward_sum"], r["reward_sq"], r["reward_n"]),
-                "frac_reward_zero_std": r["zero_std"] / n,
-                "completions/mean_length": r["completion_tokens"] / n,
-                "completions/min_length": -mx["neg_min_length"],
-                "completions/max_length": mx["max_length"],
-                "completions/clipped_ratio": r["truncated"] / n,
-            }
-        )
-        at = 7 + len(_ROLLOUT_SUMS)
-        for i, fn in enumerate(self.fns):
-            total, sq, count = values[at + 3 * i : at + 3 * i + 3]
-            out[f"rewards/{fn.name}/mean"] = _mean(total, count)
-            out[f"rewards/{fn.name}/std"] = _std(total, sq, count)
-        out["rollout/seconds"] = mx["rollout/seconds"]
-        out["rollout/tokens_per_s"] = r["completion_tokens"] / max(mx["rollout/seconds"], 1e-9)
-        out["reward/seconds"] = mx["reward/seconds"]
-        for name in ("sync/seconds", "sync/bytes", "rollout/logprob_diff"):
-            if mx[name] != -math.inf:  # a step without a sync has none
-                out[name] = mx[name]
-        if self.engines is not None and self.engines.restarts:
-            out["rollout/engine_restarts"] = float(self.engines.restarts)
-        return out
 
     # ---- sampled completions -----------------------------------------------------------
 
     def _log_completions(self, s: Any, scored: Any, advantages: torch.Tensor, step: int) -> None:
-        """A few of rank 0's completions of the step into ``<run>/rollouts.jsonl``: in place on
-        local storage; on a bucket a local working copy uploaded whole (no append there)."""
+        """A few of rank 0's completions of the step into ``<run>/rollouts.jsonl``."""
         keep = self.config.num_completions_to_print or len(scored.completions)
-        lines = []
-        for i, comp in enumerate(scored.completions[:keep]):
-            record = self.prompts[comp.prompt_index]
-            lines.append(
-                json.dumps(
-                    {
-                        "step": step + 1,
-                        "version": comp.version,
-                        "prompt_index": comp.prompt_index,
-                        "prompt": record.prompt,
-                        "completion": self._decode(list(comp.completion_ids)),
-                        "rewards": {
-                            fn.name: _finite(scored.per_function[i, j].item())
-                            for j, fn in enumerate(self.fns)
-                        },
-                        "reward": _finite(scored.rewards[i].item()),
-                        "advantage": float(advantages[i]),
-                        "truncated": bool(comp.truncated),
-                    },
-                    default=str,
-                )
-            )
-        target = s.run.child("rollouts.jsonl")
-        if target.is_local:
-            os.makedirs(os.path.dirname(target.path), exist_ok=True)
-            path = target.path
-        else:
-            self._log_dir = self._log_dir or tempfile.mkdtemp(prefix="ray_trainer_rollouts_")
-            path = os.path.join(self._log_dir, "rollouts.jsonl")
-        with open(path, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
-        if not target.is_local:
-            target.upload(path)
-
-
-def _mean(total: float, count: float) -> float:
-    return total / count if count else math.nan
-
-
-def _std(total: float, sq: float, count: float) -> float:
-    """The std with Bessel's correction from sums (NaN with fewer than two), as TRL's."""
-    if count < 2:
-        return math.nan
-    return math.sqrt(max(sq - total * total / count, 0.0) / (count - 1))
-
-
-def _finite(x: float) -> float | None:
-    return None if math.isnan(x) else x
+        lines = completion_lines(
+            scored, advantages, step, self.prompts, self._decode, [f.name for f in self.fns], keep
+        )
+        self._log_dir = append_run_file(s.run.child("rollouts.jsonl"), lines, self._log_dir)
 
 
 def _model_spec(args: Any) -> Any:
