@@ -25,7 +25,7 @@ from waiting import wait_until
 from callbacks import TrainerCallback
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-PROMPTS, PER_STEP, STEPS, SEED = 16, 4, 5, 3  # 4 steps an epoch: step 5 starts epoch 2
+PROMPTS, PER_STEP, STEPS, SEED = 12, 4, 4, 3  # 3 steps an epoch: step 4 starts epoch 2
 
 
 def scored_to(folder: str):
