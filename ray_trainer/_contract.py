@@ -195,3 +195,6 @@ class RunSpec:
     # DPO: the folder of each cache's reference log-probs (``_reference.py``); complete, or
     # (a sharded model) to be filled by the workers before their first step.
     references: dict[str, str] = field(default_factory=dict)
+    # GRPO: the ObjectRef of each data field's prompts (a list of ``_data.prompts.
+    # EncodedPrompt``, in the data's order), encoded by the driver; no token cache.
+    prompts: dict[str, Any] = field(default_factory=dict)

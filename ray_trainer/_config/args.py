@@ -109,6 +109,17 @@ class TrainingArgs(BaseModel):
     # The reference's log-probs computed once before training, by Ray tasks, into the token
     # cache; False: in each step (LoRA: the base with the adapters off; else a frozen copy).
     precompute_reference: bool = True
+    # GRPO (docs/rl.md): online RL on completions sampled by rollout engines. Its settings, one
+    # nested config with TRL 1.16's GRPOConfig names (a GrpoConfig or a dict; None: defaults);
+    # the reward functions (callables with TRL's signature, or "module:function" strings) and
+    # one weight per function (None: 1.0 each); the rollout engines: backend, the resources of
+    # each engine's Ray actor (None: one CPU) and how many engines.
+    grpo: Any = None
+    reward_fns: Any = None
+    reward_weights: list[float] | None = None
+    rollout_backend: Literal["hf", "vllm", "auto"] = "auto"
+    rollout_resources: dict[str, float] | None = None
+    rollout_workers: int | tuple[int, int] = 1
 
     # How long and how.
     max_steps: int | None = Field(None, gt=0)
@@ -311,6 +322,27 @@ class TrainingArgs(BaseModel):
             )
         return v
 
+    @field_validator("grpo")
+    @classmethod
+    def _check_grpo(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        from ray_trainer._objectives.grpo import GrpoConfig
+
+        return GrpoConfig.coerce(v)
+
+    @field_validator("rollout_workers", mode="before")
+    @classmethod
+    def _check_rollout_workers(cls, v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            raise ValueError(
+                f"rollout_workers={list(v)}: an elastic number of rollout engines (min, max) "
+                "is not built yet; give a number of engines, e.g. 1"
+            )
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"rollout_workers must be an integer >= 1, got {v!r}")
+        return v
+
     @field_validator("lora")
     @classmethod
     def _check_lora(cls, v: Any) -> Any:
@@ -510,13 +542,15 @@ class TrainingArgs(BaseModel):
                 out[k] = list(v)
             elif isinstance(v, dict):
                 out[k] = dict(v)
+            elif isinstance(v, BaseModel):  # a nested config (grpo)
+                out[k] = v.model_dump()
             elif k == "callbacks" or k in EVENTS or k in ALIASES:
                 out[k] = [getattr(c, "__qualname__", type(c).__name__) for c in v]
             else:
                 out[k] = repr(v)
         # The names of the objective's own metrics in each log's batch_metrics (the built-in
         # trackers export those: `callbacks.builtin.common.objective_metrics`).
-        out["objective_metrics"] = list(objective_of(self.objective).metrics)
+        out["objective_metrics"] = list(objective_of(self.objective).metrics_of(self))
         return out
 
 

@@ -44,6 +44,7 @@ def scan(
     text_field: str = "text",
     train_on: str = "assistant",
     prompt_encoder: PromptEncoder | None = None,
+    encoded: list | None = None,
 ) -> Source:
     """Check every record of `source` and cut it into pieces; returns it with ``records`` and
     ``pieces`` set (and ``pair_format``, for preference pairs or prompt-only records). Raises
@@ -51,7 +52,7 @@ def scan(
     if source.fmt == "preference":
         return _scan_pairs(source)
     if source.fmt == "prompts":
-        return _scan_prompts(source, prompt_encoder)
+        return _scan_prompts(source, prompt_encoder, encoded)
     errors: list[str] = []
     pieces: list[Piece] = []
     some_text = False
@@ -117,9 +118,12 @@ def _scan_pairs(source: Source) -> Source:
     return source
 
 
-def _scan_prompts(source: Source, encoder: PromptEncoder | None) -> Source:
-    """`scan` of prompt-only records: every record checked (and tokenized, with `encoder`),
-    one format (strings, or lists of messages) per source; sets ``pair_format`` to it."""
+def _scan_prompts(
+    source: Source, encoder: PromptEncoder | None, encoded: list | None = None
+) -> Source:
+    """`scan` of prompt-only records: every record checked (and tokenized, with `encoder`;
+    each ``EncodedPrompt`` appended to `encoded` when given), one format (strings, or lists of
+    messages) per source; sets ``pair_format`` to it."""
     errors: list[str] = []
     pieces: list[Piece] = []
     first: tuple[str, str] | None = None  # the source's format, and where it was set
@@ -127,7 +131,9 @@ def _scan_prompts(source: Source, encoder: PromptEncoder | None) -> Source:
     def check(record: dict[str, Any]) -> str:
         fmt = check_prompt(record, first)
         if encoder is not None:
-            encoder.encode(record)
+            prompt = encoder.encode(record)
+            if encoded is not None:
+                encoded.append(prompt)
         return fmt
 
     for rows in _units(source):

@@ -69,10 +69,16 @@ class DataPlan:
     fingerprint: str
     cache: Location  # the cache folder on the run's storage
     meta: dict[str, Any] | None  # the complete cache's meta (a hit), else None
+    # Prompt-only records (GRPO): every prompt encoded here, in the data's order (they reach
+    # the workers through Ray's object store, not a token cache: the rollout engines sample
+    # their completions); None for the other formats.
+    prompts: list[Any] | None = None
 
     @property
     def samples(self) -> int | None:
         """Samples the workers will train on (known once the cache is complete)."""
+        if self.prompts is not None:
+            return len(self.prompts)
         return None if self.meta is None else int(self.meta["samples"])
 
 
@@ -105,11 +111,36 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
         )
         fp = fingerprint(source, settings, tokenizer)
         location = cache_location(locate(args.storage_path, args.storage_filesystem), fp)
+        if source.fmt == "prompts":
+            prompts = _plan_prompts(field, source, tokenizer, args)
+            plans[field] = DataPlan(source, settings, fp, location, None, prompts)
+            continue
         meta = read_meta(location)
         if meta is None:
             scan(source, args.text_field, args.train_on)  # every record, before Ray starts
         plans[field] = DataPlan(source, settings, fp, location, meta)
     return plans
+
+
+def _plan_prompts(field: str, source: Source, tokenizer: Any, args: TrainingArgs) -> list[Any]:
+    """Every prompt record checked and tokenized (room left for the completion within
+    ``max_length``), and the reward functions checked against the data's columns; no Ray."""
+    from ray_trainer._data.prompts import PromptEncoder
+    from ray_trainer._objectives.grpo import config_of
+    from ray_trainer._rollout.rewards import resolve_reward_fns
+
+    try:
+        encoder = PromptEncoder(
+            tokenizer, max_length=args.max_length, chat_template=args.chat_template,
+            max_completion_length=config_of(args).max_completion_length,
+        )  # fmt: skip
+    except (ChatTemplateError, ValueError) as e:
+        raise TrainingArgsError(f"{field}: {e}") from None
+    encoded: list[Any] = []
+    scan(source, args.text_field, args.train_on, prompt_encoder=encoder, encoded=encoded)
+    columns = sorted({k for p in encoded for k in p.columns})
+    resolve_reward_fns(args.reward_fns, columns=columns)
+    return encoded
 
 
 def check_objective(field: str, value: Any, source: Source | None, args: TrainingArgs) -> None:
@@ -224,6 +255,7 @@ def prepare_data(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[str, st
     cache; returns ``field -> cache folder`` for the workers. Ray is initialised; no worker
     exists yet. Raises `DataFileError` for a record the template cannot render (where it is)
     and when no record keeps a token to learn from."""
+    plans = {f: p for f, p in plans.items() if p.prompts is None}  # prompts: no cache
     for field, plan in plans.items():
         if plan.meta is None:
             plan.meta = _build(plan, args)

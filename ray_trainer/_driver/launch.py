@@ -200,6 +200,8 @@ def prepare_launch(
         data_caches=caches,
         chat_template=next((p.settings.chat_template for p in plans.values()), None),
         references=references,
+        # Prompt-only records (GRPO): encoded by the driver, put in the object store once.
+        prompts={f: ray.put(p.prompts) for f, p in plans.items() if p.prompts is not None},
     )
     return Launch(spec=spec, actor=actor, actor_ready=ready)
 

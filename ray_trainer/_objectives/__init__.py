@@ -1,7 +1,7 @@
 """Every process (driver, workers, callback actor): the objectives a run can train with, registered once.
 
 The registry maps ``TrainingArgs.objective`` to its :class:`Objective` (``base.py``): SFT
-(``sft.py``) and DPO (``dpo.py``) register here; another objective adds a module beside them,
+(``sft.py``), DPO (``dpo.py``) and GRPO (``grpo.py``) register here; another objective adds a module beside them,
 one worker-side module in ``ray_trainer/_worker/objectives/`` and one :func:`register` call. The
 rest of the code asks the objective (``objective_of(args.objective)``), never its name.
 """
@@ -12,6 +12,7 @@ from typing import Any
 
 from ray_trainer._objectives.base import Objective
 from ray_trainer._objectives.dpo import DPO
+from ray_trainer._objectives.grpo import GRPO
 from ray_trainer._objectives.sft import SFT
 
 __all__ = [
@@ -39,8 +40,8 @@ def register(objective: Objective) -> Objective:
 
 
 def unregister(name: str) -> None:
-    """Remove the objective `name` (a test's toy objective); SFT and DPO stay."""
-    if _REGISTRY.get(name) in (SFT, DPO):
+    """Remove the objective `name` (a test's toy objective); the built-in ones stay."""
+    if _REGISTRY.get(name) in (SFT, DPO, GRPO):
         raise ValueError(f"objective {name!r} is built in and stays registered")
     _REGISTRY.pop(name, None)
 
@@ -98,3 +99,4 @@ def resume_error(trained: str | None, current: str, checkpoint: str) -> str | No
 
 register(SFT)
 register(DPO)
+register(GRPO)

@@ -23,6 +23,10 @@ def _no_checks(args: Any) -> None:
     return None
 
 
+def _nothing_beside(args: Any) -> list[tuple[str, dict[str, float]]]:
+    return []
+
+
 @dataclass(frozen=True)
 class Objective:
     """One objective, as every process sees it.
@@ -45,6 +49,9 @@ class Objective:
         metrics: the names of the numbers its steps add to each log's ``batch_metrics``.
         names_cache: its name and the pairs' format are part of its token caches' fingerprint
             (SFT's caches keep the names they had before objectives existed).
+        beside_workers: ``beside_workers(args)``: what it places on the cluster besides the
+            training workers, each ``(what, Ray resources)`` (GRPO: its rollout engines and a
+            reward task), so that the driver refuses a run the cluster can never hold.
     """
 
     name: str
@@ -59,6 +66,14 @@ class Objective:
     needs_reference: Callable[[Any], bool] = _never
     metrics: tuple[str, ...] = ()
     names_cache: bool = True
+    beside_workers: Callable[[Any], list[tuple[str, dict[str, float]]]] = _nothing_beside
+    #: ``run_metrics(args)``: the names its steps log in that run, when some are named at run
+    #: time (GRPO's ``rewards/<fn>/mean``); None: ``metrics``.
+    run_metrics: Callable[[Any], tuple[str, ...]] | None = None
+
+    def metrics_of(self, args: Any) -> tuple[str, ...]:
+        """The names of the metrics a run's steps log (the trackers export these)."""
+        return self.metrics if self.run_metrics is None else self.run_metrics(args)
 
     @property
     def val_metrics(self) -> tuple[str, ...]:

@@ -7,11 +7,10 @@ advantages, and takes TRL 1.16's clipped policy loss on them
 (``ray_trainer/_worker/objectives/grpo_loss.py``). Its settings are one nested config,
 :class:`GrpoConfig`, with the names and defaults of TRL 1.16's ``GRPOConfig``.
 
-:data:`GRPO` is defined here but NOT registered (``ray_trainer/_objectives/__init__.py``): the
-rollout loop that trains with it is not wired yet, and a user must never be able to pick an
-objective that cannot train. Wiring it is a ``register(GRPO)`` beside SFT and DPO, a ``grpo``
-field on ``TrainingArgs`` (validated by :meth:`GrpoConfig.coerce`), and the worker module named
-in :data:`GRPO` (``build(args)``).
+:data:`GRPO` is registered beside SFT and DPO (``ray_trainer/_objectives/__init__.py``); its
+``TrainingArgs`` fields are ``grpo`` (validated by :meth:`GrpoConfig.coerce`), ``reward_fns``,
+``reward_weights`` and the rollout engines' ``rollout_*``; its worker module is
+``ray_trainer/_worker/objectives/grpo.py`` (the step: rollouts, rewards, the loss).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ ROLLOUT_METRICS = (
     "completions/max_length",
     "completions/clipped_ratio",
 )
-#: Timings and checks of the rollout side (ours; the loop that measures them is not wired yet).
+#: Timings and checks of the rollout side (ours), logged by the step.
 ROLLOUT_TIMINGS = (
     "rollout/tokens_per_s",
     "rollout/seconds",
@@ -81,6 +80,7 @@ _ELSEWHERE = {
     "gradient_accumulation_steps": "grad_accum_steps",
     "max_prompt_length": "max_length (prompt + completion)",
     "use_vllm": "rollout_backend",
+    "reward_weights": "reward_weights",
     "vllm_mode": "rollout_backend",
 }
 _TRL_UNSUPPORTED = (
@@ -93,7 +93,7 @@ _TRL_UNSUPPORTED = (
 
 
 class GrpoConfig(BaseModel):
-    """GRPO's settings (``TrainingArgs.grpo`` once the loop is wired), with TRL 1.16's names.
+    """GRPO's settings (``TrainingArgs.grpo``), with TRL 1.16's names.
 
     Args:
         num_generations: completions sampled per prompt (a group); at least 2.
@@ -116,7 +116,8 @@ class GrpoConfig(BaseModel):
         importance_sampling_cap, importance_sampling_min: its bounds (TRL's
             ``vllm_importance_sampling_clip_max`` and ``..._clip_min``): ``*_mask`` modes zero a
             ratio outside them, ``*_truncate`` modes clamp it.
-        reward_weights: one weight per reward function (None: all 1.0).
+        sync_every: the trainer's weights reach the rollout engines every this many
+            optimizer steps (1: before every rollout, on-policy; ours, not TRL's).
         log_completions: write sampled completions (prompt, completion, rewards, advantage) to
             ``<run>/rollouts.jsonl``; ``num_completions_to_print`` of each step (None: all).
 
@@ -145,7 +146,7 @@ class GrpoConfig(BaseModel):
     ) = "sequence_mask"
     importance_sampling_cap: float | None = Field(3.0, gt=0)
     importance_sampling_min: float | None = Field(None, ge=0)
-    reward_weights: list[float] | None = None
+    sync_every: int = Field(1, ge=1)
     log_completions: bool = False
     num_completions_to_print: int | None = Field(None, gt=0)
 
@@ -156,7 +157,12 @@ class GrpoConfig(BaseModel):
         return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator(
-        "num_generations", "max_completion_length", "top_k", "num_iterations", mode="before"
+        "num_generations",
+        "max_completion_length",
+        "top_k",
+        "num_iterations",
+        "sync_every",
+        mode="before",
     )
     @classmethod
     def _no_bool(cls, v: Any) -> Any:
@@ -179,11 +185,6 @@ class GrpoConfig(BaseModel):
                 f"importance_sampling={self.importance_sampling!r} clamps the ratio to "
                 "[importance_sampling_min, importance_sampling_cap], and both are None; set "
                 "importance_sampling_cap (TRL's default is 3.0)"
-            )
-        if self.reward_weights is not None and not self.reward_weights:
-            raise ValueError(
-                "reward_weights is an empty list; give one weight per reward function, or "
-                "None (every function weighs 1.0)"
             )
         return self
 
@@ -243,9 +244,29 @@ def _unknown(name: str) -> str:
     return "unknown field" + (f"; did you mean {close[0]!r}?" if close else "")
 
 
+def config_of(args: Any) -> GrpoConfig:
+    """The run's GRPO settings: ``TrainingArgs.grpo``, or TRL's defaults when it is None."""
+    return args.grpo if args.grpo is not None else GrpoConfig()
+
+
+#: What GRPO does not compose with yet, and the fix each error names (``check_args``).
+_NOT_YET = (
+    ("packing", True, "packed completions are not built; set packing=False"),
+    ("eval_every_steps", None, "GRPO has no validation step yet; drop eval_every_steps"),
+    ("val_data", None, "GRPO has no validation step yet; drop val_data"),
+)
+
+
 def check_args(args: Any) -> None:
-    """What GRPO refuses in the other fields, named with the fix (for the registry's
-    ``check``, once GRPO is registered): a custom loss, and no prompts to train on."""
+    """What GRPO refuses in the other fields, named with the fix (the registry's ``check``,
+    in the driver before Ray starts): a custom loss, no prompts, reward functions that do not
+    import or cannot take TRL's arguments, weights that do not match them, and what is not
+    built yet (packing, validation, an elastic worker group, ``num_iterations > 1``, a frozen
+    reference copy under FSDP)."""
+    from ray_trainer._rollout.actor import actor_options
+    from ray_trainer._rollout.engines import resolve_backend
+    from ray_trainer._rollout.rewards import resolve_reward_fns, reward_weights
+
     if args.loss_fn is not None:
         raise ValueError(
             "loss_fn with objective='grpo': the GRPO loss is computed from the completions' "
@@ -256,6 +277,53 @@ def check_args(args: Any) -> None:
             'objective=\'grpo\' needs data: prompt-only records such as {"prompt": "..."} or '
             '{"prompt": [messages]} (docs/rl.md)'
         )
+    for name, bad, fix in _NOT_YET:
+        value = getattr(args, name)
+        if (value is not None) if bad is None else (value == bad):
+            raise ValueError(f"{name}={value!r} with objective='grpo': {fix}")
+    if args.elastic:
+        raise ValueError(
+            f"num_workers={list(args.num_workers)} with objective='grpo': an elastic worker "
+            "group is not built for GRPO yet; give a fixed number of workers"
+        )
+    config = config_of(args)
+    if config.num_iterations > 1:
+        raise ValueError(
+            f"grpo.num_iterations={config.num_iterations}: more than one optimizer pass over a "
+            "batch of completions is not built yet (it needs the old log-probs kept per "
+            "completion across steps); use 1 and more prompts per step instead"
+        )
+    if config.beta > 0 and args.strategy == "fsdp" and args.lora is None:
+        raise ValueError(
+            f"grpo.beta={config.beta} with strategy='fsdp' and no LoRA: the KL's reference "
+            "would be a frozen copy of the whole model on every rank; add lora (the reference "
+            "is the base with the adapters off), use strategy='ddp', or set grpo.beta=0"
+        )
+    fns = resolve_reward_fns(args.reward_fns)  # TrainingArgsError naming the function
+    reward_weights(args.reward_weights, fns)
+    actor_options(args.rollout_resources)
+    try:  # a backend that is not built (or, for "auto", none here) is refused now
+        resolve_backend(args.rollout_backend)
+    except ValueError as e:
+        raise ValueError(f"rollout_backend: {e}") from None
+
+
+def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
+    """The rollout engines (``rollout_workers`` x ``rollout_resources``) and one reward task
+    (each function's task asks for one CPU): what a step needs besides the workers."""
+    engine = dict(args.rollout_resources) if args.rollout_resources is not None else {"CPU": 1.0}
+    engines = [(f"rollout engine {i}", engine) for i in range(args.rollout_workers)]
+    return [*engines, ("a reward function's task", {"CPU": 1.0})]
+
+
+def run_metrics(args: Any) -> tuple[str, ...]:
+    """GRPO's metrics in a run: the description's, each reward function's mean and std, and
+    the count of rollout engines started again after they died."""
+    from ray_trainer._rollout.rewards import resolve_reward_fns
+
+    per_fn = [f"rewards/{f.name}/{m}" for f in resolve_reward_fns(args.reward_fns)
+              for m in ("mean", "std")]  # fmt: skip
+    return (*GRPO.metrics, *per_fn, "rollout/engine_restarts")
 
 
 def _needs_reference(args: Any) -> bool:
@@ -264,7 +332,7 @@ def _needs_reference(args: Any) -> bool:
     return False
 
 
-#: GRPO, as every process would see it. Defined, NOT registered: see the module docstring.
+#: GRPO, as every process sees it (registered in ``ray_trainer/_objectives/__init__.py``).
 GRPO = Objective(
     name="grpo",
     summary="online RL with group-relative advantages (GRPO)",
@@ -272,10 +340,19 @@ GRPO = Objective(
     data_formats=("prompts",),
     data_noun="prompt-only records",
     data_example='{"prompt": "..."} or {"prompt": [messages]} (docs/rl.md)',
-    fields=("grpo", "reward_fns"),
+    fields=(
+        "grpo",
+        "reward_fns",
+        "reward_weights",
+        "rollout_backend",
+        "rollout_resources",
+        "rollout_workers",
+    ),
     check=check_args,
     needs_reference=_needs_reference,
+    beside_workers=beside_workers,
+    run_metrics=run_metrics,
     # The rollout side's (rewards, completions) then the loss's; each step also logs
     # rewards/<fn>/mean and rewards/<fn>/std per reward function, named at run time.
-    metrics=(*ROLLOUT_METRICS, *LOSS_METRICS),
+    metrics=(*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS),
 )

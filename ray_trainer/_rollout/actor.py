@@ -124,6 +124,13 @@ class RemoteEngine:
         self.actor = remote.remote(backend, spec, state_dict)
         self.timeout_s = timeout_s
 
+    @classmethod
+    def attach(cls, actor: Any, timeout_s: float = 600.0) -> RemoteEngine:
+        """A handle on an engine actor another process created (found by its name)."""
+        engine = cls.__new__(cls)
+        engine.actor, engine.timeout_s = actor, timeout_s
+        return engine
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -59,8 +59,9 @@ def setup(spec: RunSpec) -> WorkerState:
     set_seed(args.seed)  # same initial weights on every rank (FSDP shards each rank's copy)
     # The objective first (its registry entry names its module): the workload is built around it.
     objective = worker_objective(args)
+    prompts = {f: ray.get(ref) for f, ref in spec.prompts.items()}  # GRPO's, encoded
     workload = build_workload(
-        args, objective, spec.data_caches, spec.chat_template, spec.references
+        args, objective, spec.data_caches, spec.chat_template, spec.references, prompts
     )
     loader = _loader(args, workload, world, rank)
     steps_per_epoch = loader.steps_per_epoch

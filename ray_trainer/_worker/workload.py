@@ -79,11 +79,13 @@ def build_workload(
     caches: dict[str, str] | None = None,
     chat_template: str | None = None,
     references: dict[str, str] | None = None,
+    prompts: dict[str, Any] | None = None,
 ) -> Workload:
     """The model, datasets and loss of this rank, for `objective` (``objectives.
     worker_objective``). ``caches`` names the token cache of each data field the driver encoded
     (``data``, ``val_data``), rendered with ``chat_template``; ``references`` the folder of
-    each one's reference log-probs, for an objective that needs them."""
+    each one's reference log-probs, for an objective that needs them; ``prompts`` each field's
+    encoded prompts (GRPO), which the objective lays out itself."""
     if is_builtin(args.model) and args.data is None:
         return _demo_workload(args, objective)
     spec = ModelSpec.of(args)
@@ -102,7 +104,10 @@ def build_workload(
     pad_id = _pad_id(tokenizer)
     caches = caches or {}
     references = references or {}
-    train = _dataset("data", args, objective, caches, pad_id, references)
+    if prompts and "data" in prompts:  # prompt-only records: no token cache
+        train = objective.dataset(prompts["data"], "data", args, references)
+    else:
+        train = _dataset("data", args, objective, caches, pad_id, references)
     collate = getattr(train, "collate", None)
     val = None
     if args.val_data is not None:

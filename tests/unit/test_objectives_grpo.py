@@ -18,6 +18,7 @@ from ray_trainer._objectives.grpo import (
     LOSS_METRICS,
     LOSS_TYPES,
     ROLLOUT_METRICS,
+    ROLLOUT_TIMINGS,
     SCALE_REWARDS,
     GrpoConfig,
 )
@@ -37,6 +38,9 @@ def test_every_setting_has_trls_default():
     trl = {f.name: f.default for f in dataclasses.fields(TrlConfig)}
     ours = GrpoConfig()
     for name in GrpoConfig.model_fields:
+        if name == "sync_every":  # ours: TRL syncs before every generation
+            assert ours.sync_every == 1
+            continue
         assert getattr(ours, name) == trl[TRL_NAMES.get(name, name)], name
     assert trl["vllm_importance_sampling_correction"] is True  # ours: a mode, None is off
     assert (ours.epsilon_low, ours.upper_epsilon) == (0.2, 0.2)
@@ -67,7 +71,7 @@ def test_the_config_and_the_loss_know_the_same_choices():
         ({"importance_sampling": "token_truncate", "importance_sampling_cap": None},
          "both are None; set importance_sampling_cap (TRL's default is 3.0)"),
         ({"importance_sampling_min": 3.0}, "must be below importance_sampling_cap=3.0"),
-        ({"reward_weights": []}, "give one weight per reward function"),
+        ({"reward_weights": [1.0]}, "not a grpo setting: set TrainingArgs.reward_weights"),
         ({"top_p": 0}, "grpo.top_p: Input should be greater than 0"),
     ],
 )  # fmt: skip
@@ -81,20 +85,57 @@ def test_bad_settings_are_named_with_the_fix(fields, needle):
     assert GrpoConfig.coerce(config) is config
 
 
-def test_grpo_is_described_but_not_registered_until_its_loop_is_wired():
-    assert "grpo" not in names()
-    with pytest.raises(
-        ValueError, match="objective='grpo' is not an objective; one of 'sft', 'dpo'"
-    ):
-        objective_of("grpo")
-    with pytest.raises(TrainingArgsError, match="objective='grpo' is not an objective"):
-        TrainingArgs.coerce(objective="grpo")
+def _reward(prompts, completions, completion_ids, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_grpo_is_registered_and_owns_its_fields():
+    assert "grpo" in names() and objective_of("grpo") is GRPO
     assert GRPO.name == "grpo" and GRPO.takes("prompts") and not GRPO.takes("messages")
-    assert GRPO.fields == ("grpo", "reward_fns") and not GRPO.needs_reference(None)
-    assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS)
+    assert GRPO.fields == (
+        "grpo", "reward_fns", "reward_weights", "rollout_backend", "rollout_resources",
+        "rollout_workers",
+    ) and not GRPO.needs_reference(None)  # fmt: skip
+    assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS)
     for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
-                 "clip_ratio/region_mean", "kl", "entropy"):  # fmt: skip
+                 "clip_ratio/region_mean", "kl", "entropy", "rollout/logprob_diff"):  # fmt: skip
         assert name in GRPO.metrics, name
+    args = TrainingArgs.coerce(
+        objective="grpo", data="p.jsonl", model="m", reward_fns=_reward, grpo={"beta": 0.1}
+    )
+    assert args.grpo == GrpoConfig(beta=0.1) and args.to_public_dict()["grpo"]["beta"] == 0.1
+    # What the trackers export: the description's metrics and each reward function's.
+    exported = args.to_public_dict()["objective_metrics"]
+    assert exported[: len(GRPO.metrics)] == list(GRPO.metrics)
+    assert {"rewards/_reward/mean", "rewards/_reward/std", "rollout/engine_restarts"} <= set(
+        exported
+    )
+    with pytest.raises(TrainingArgsError, match="rollout_backend set with objective='sft'"):
+        TrainingArgs.coerce(rollout_backend="hf")
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"reward_fns": None}, "GRPO needs at least one reward function"),
+        ({"reward_fns": "no_such_module:f"}, "module 'no_such_module' does not import"),
+        ({"reward_weights": [1.0, 2.0]}, "2 weight(s) for 1 reward function(s)"),
+        ({"rollout_workers": (1, 2)}, "rollout_workers=[1, 2]: an elastic number of rollout"),
+        ({"rollout_resources": {"CPU": -1}}, "rollout_resources['CPU'] must be a number >= 0"),
+        ({"packing": True}, "packed completions are not built; set packing=False"),
+        ({"eval_every_steps": 2}, "GRPO has no validation step yet"),
+        ({"num_workers": (1, 2)}, "an elastic worker group is not built for GRPO yet"),
+        ({"grpo": {"num_iterations": 2}}, "grpo.num_iterations=2: more than one optimizer pass"),
+        ({"grpo": {"beta": 0.1}, "strategy": "fsdp"}, "add lora (the reference is the base"),
+        ({"loss_fn": len}, "loss_fn with objective='grpo'"),
+        ({"rollout_backend": "nope"}, "Input should be 'hf', 'vllm' or 'auto'"),
+    ],
+)  # fmt: skip
+def test_what_grpo_refuses_is_named_before_ray_starts(fields, needle):
+    base = dict(objective="grpo", data="p.jsonl", model="m", reward_fns=[_reward])
+    with pytest.raises(TrainingArgsError) as info:
+        TrainingArgs.coerce(**{**base, **fields})
+    assert needle in str(info.value)
 
 
 def test_grpo_refuses_a_custom_loss_and_no_data():
@@ -104,3 +145,48 @@ def test_grpo_refuses_a_custom_loss_and_no_data():
         GRPO.check(SimpleNamespace(loss_fn=len, data="p.jsonl"))
     with pytest.raises(ValueError, match=r"needs data: prompt-only records such as"):
         GRPO.check(SimpleNamespace(loss_fn=None, data=None))
+
+
+def test_engines_and_a_reward_task_that_cannot_fit_beside_the_workers_are_refused():
+    from ray_trainer._driver.checks.resources import ResourceRequestError, check_resources
+
+    base = dict(objective="grpo", data="p.jsonl", model="m", reward_fns=[_reward], num_workers=2)
+    two_cores = [{"CPU": 2.0}]
+    with pytest.raises(ResourceRequestError) as info:  # the default: a CPU per worker and engine
+        check_resources(TrainingArgs.coerce(**base), nodes=two_cores)
+    assert "rollout engine 0 needs {'CPU': 1.0} beside the 2 worker(s)" in str(info.value)
+    fits = dict(resources_per_worker={"CPU": 0.25}, rollout_resources={"CPU": 0.5})
+    check_resources(TrainingArgs.coerce(**base, **fits), nodes=two_cores)  # 0.5 + 0.5 + 1
+    with pytest.raises(ResourceRequestError, match="a reward function's task needs"):
+        check_resources(TrainingArgs.coerce(**base, **fits, rollout_workers=2), nodes=two_cores)
+    check_resources(TrainingArgs(num_workers=2), nodes=two_cores)  # SFT places nothing beside
+
+
+def test_the_driver_encodes_every_prompt_and_checks_the_reward_fns_against_its_columns(tmp_path):
+    import json
+
+    from ray_trainer._data.sources import DataFileError
+    from ray_trainer._demo.chat import make_tiny_chat_model
+    from ray_trainer._driver.data import plan_data, prepare_data
+
+    model = str(make_tiny_chat_model(tmp_path / "model", style="chatml"))
+    data = tmp_path / "p.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Add {i} and 1."}], "answer": str(i + 1)}
+            for i in range(3)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = dict(objective="grpo", data=str(data), model=model, reward_fns=[_reward],
+                max_length=64, grpo={"max_completion_length": 16},
+                storage_path=str(tmp_path / "storage"))  # fmt: skip
+    plans = plan_data(TrainingArgs.coerce(**base))
+    prompts = plans["data"].prompts
+    assert [p.columns for p in prompts] == [{"answer": str(i + 1)} for i in range(3)]
+    assert all(0 < len(p.prompt_ids) <= 64 - 16 for p in prompts) and plans["data"].samples == 3
+    assert prepare_data(plans, TrainingArgs.coerce(**base)) == {}  # no token cache, no Ray
+
+    def no_columns(prompts, completions, completion_ids, trainer_state):
+        return [0.0] * len(completions)
+
+    with pytest.raises(TrainingArgsError, match="cannot take 'answer'"):
+        plan_data(TrainingArgs.coerce(**{**base, "reward_fns": [no_columns]}))
+    with pytest.raises(DataFileError, match=r"data: .*p.jsonl:1: the prompt has \d+ tokens"):
+        plan_data(TrainingArgs.coerce(**{**base, "max_length": 20}))

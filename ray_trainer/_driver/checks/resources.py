@@ -1,7 +1,8 @@
 """Driver: checks of a run against the cluster's resources, before a worker starts.
 
 Runs in the driver, joined to the cluster (or, for the embedded local Ray, before it starts):
-`check_resources` refuses workers the cluster can never place and `check_evaluations` an
+`check_resources` refuses workers the cluster can never place (and what the objective places
+beside them: GRPO's rollout engines and reward task) and `check_evaluations` an
 `EvalOnSave` whose tasks no node can run, on a cluster that cannot grow; a clear error instead
 of an endless wait.
 """
@@ -14,6 +15,7 @@ import os
 from callbacks import EvalOnSave
 from ray_trainer._cluster import SKIP_RESOURCE_CHECK, can_grow, live_nodes, missing
 from ray_trainer._config.args import TrainingArgs
+from ray_trainer._objectives import objective_of
 from ray_trainer._placement import CallbackLists
 
 logger = logging.getLogger("ray_trainer")
@@ -50,6 +52,7 @@ def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = N
     for res in nodes:
         fits += int(min(res.get(k, 0.0) / v for k, v in need.items() if v > 0))
     if fits >= args.min_workers:
+        _check_beside(args, nodes, need, joined)
         return
     if joined and can_grow():
         logger.info(
@@ -66,6 +69,38 @@ def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = N
         "Lower num_workers, or resources_per_worker (e.g. {'CPU': 0.5} puts two workers on "
         "a core), set use_gpu=False, or add nodes."
     )
+
+
+def _check_beside(
+    args: TrainingArgs, nodes: list[dict[str, float]], need: dict[str, float], joined: bool
+) -> None:
+    """What the objective places besides the workers (GRPO's rollout engines and a reward
+    task) must fit beside them, or a step would wait for it forever: placed greedily, the
+    workers first, node by node."""
+    beside = objective_of(args.objective).beside_workers(args)
+    if not beside:
+        return
+    free = [dict(n) for n in nodes]
+    left = args.min_workers
+    for res in free:
+        while left and all(res.get(k, 0.0) >= v for k, v in need.items()):
+            for k, v in need.items():
+                res[k] = res.get(k, 0.0) - v
+            left -= 1
+    for what, want in beside:
+        home = next((r for r in free if all(r.get(k, 0.0) >= v for k, v in want.items())), None)
+        if home is None:
+            if joined and can_grow():
+                return
+            have = ", ".join(f"{k}={sum(r.get(k, 0.0) for r in free):g}" for k in want)
+            raise ResourceRequestError(
+                f"{what} needs {want} beside the {args.min_workers} worker(s) of "
+                f"{need}, and the cluster has {have} left over {len(nodes)} node(s): the step "
+                "would wait for it forever. Lower resources_per_worker (e.g. {'CPU': 0.5}) or "
+                "rollout_resources (fractions share a core or a GPU), or add nodes."
+            )
+        for k, v in want.items():
+            home[k] = home.get(k, 0.0) - v
 
 
 def check_evaluations(

@@ -1,11 +1,12 @@
 """Training worker: what the training loop, setup and validation ask of an objective.
 
-An objective's worker-side module (``sft.py``, ``dpo.py`` here; the module its shared
+An objective's worker-side module (``sft.py``, ``dpo.py``, ``grpo.py`` here; the module its shared
 description names, ``ray_trainer._objectives``) has ``build(args)``, which returns a
 :class:`WorkerObjective`: its loss (a micro-batch to the sum the loop backpropagates), its batch
 layout (the token cache as is, or a dataset over it that lays out its own padded and packed
 micro-batches and fillers: ``padded``, ``packed``, ``fill_filler``, which the step loader
-asks for), its step metrics, and its validation step. The loop, setup and validation ask these methods and
+asks for; ``steps``, what each step's micro-batches become before training: GRPO's rollouts),
+its step metrics, and its validation step. The loop, setup and validation ask these methods and
 never the objective's name. The defaults here are those of an objective that needs nothing
 before or after the model is placed and logs no metric of its own.
 """
@@ -45,6 +46,12 @@ class WorkerObjective:
         """Called on every rank once the worker state is built, before it resumes or trains."""
 
     # ---- the step ----------------------------------------------------------------------
+
+    def steps(self, state: Any, steps: Any) -> Any:
+        """The micro-batches of each step, from the loader's (`steps`, an iterator over the
+        steps of an epoch): called once per epoch; the default is the loader's own, so the
+        step pays nothing. GRPO turns each step's prompts into its completions here."""
+        return steps
 
     def step_loss(
         self, workload: Any, model: torch.nn.Module, batch: dict[str, Any], targets: int

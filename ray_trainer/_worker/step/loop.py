@@ -86,7 +86,9 @@ def train(s: WorkerState) -> None:
         s.ctx.epoch = p.epoch
         hooks.fire("on_epoch_begin")
         # Resume mid-epoch: the loader starts at the first step this epoch has not taken.
-        for micro_batches in s.loader.steps(p.epoch, p.step_in_epoch):
+        # The objective's steps (GRPO: each step's prompts become sampled completions).
+        steps = s.workload.objective.steps(s, s.loader.steps(p.epoch, p.step_in_epoch))
+        for micro_batches in steps:
             agreement = train_step(s, micro_batches)
             if after_boundary(s, agreement, schedule):
                 return

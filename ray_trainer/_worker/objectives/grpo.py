@@ -1,0 +1,324 @@
+"""Training worker: GRPO, a step's prompts to sampled completions, rewards, advantages and loss.
+
+Runs in each training worker (the module ``ray_trainer._objectives.grpo`` names). The loader
+deals each rank its prompts of the step, in the seeded epoch order that a resumed run continues
+(that order is the prompt ledger; its record travels in the checkpoint and is checked on
+resume: ``grpo_batch.ledger_error``). :meth:`GrpoObjective.steps` turns each step's prompts
+into its micro-batches, one step at a time, on every rank:
+
+1. weight sync when due (every ``grpo.sync_every`` steps, and before the first rollout of a
+   worker-group start: a resumed run's engines get the restored weights), then the probe
+   (``grpo_engines.py``);
+2. the rank's prompts x ``num_generations`` from its engine (a dead engine is restarted,
+   synced, and the rollout retried once; then the step fails naming the engine);
+3. rewards, each function a Ray task (``_rollout/rewards.py``), and group advantages (a group
+   never spans ranks; ``scale_rewards="batch"`` agrees the batch's std over the ranks);
+4. one micro-batch of completions per micro-batch of prompts (``grpo_batch.py``).
+
+The loss of each micro-batch is TRL 1.16's (``grpo_loss.grpo_sums``), a token sum whose
+denominator is the micro-batches' ``targets`` summed over the step: the loop's scaling makes it
+exact for any split. The step's metrics (rewards, completions, the loss's, the rollout's
+timings) ride on the step's agreement as sums (:meth:`take_sums`), their extremes in one small
+MAX all-reduce; ``grpo_metrics.py`` turns them into TRL's names and writes ``rollouts.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ray_trainer._objectives.grpo import GRPO, config_of
+from ray_trainer._rollout.actor import RolloutEngineDied
+from ray_trainer._rollout.engine import EngineSpec, SamplingParams
+from ray_trainer._rollout.probe import Probe
+from ray_trainer._rollout.rewards import RewardState, resolve_reward_fns, score_step
+from ray_trainer._worker.model.adaptation import WholeModel
+from ray_trainer._worker.objectives.base import WorkerObjective
+from ray_trainer._worker.objectives.dpo import disable_dropout
+from ray_trainer._worker.objectives.grpo_batch import (
+    PromptDataset,
+    batch_advantages,
+    completion_batch,
+    flat_per_token,
+    ledger_error,
+    ledger_record,
+    token_logps,
+)
+from ray_trainer._worker.objectives.grpo_engines import Engines, agree_any
+from ray_trainer._worker.objectives.grpo_loss import CompletionTokens, grpo_sums, importance_ratio
+from ray_trainer._worker.objectives.grpo_metrics import (
+    append_run_file,
+    completion_lines,
+    rollout_extremes,
+    rollout_sums,
+    step_metrics,
+)
+from ray_trainer._worker.step.micro_batches import MicroBatch
+
+#: ``TrainerState.extra`` key of the prompt ledger's record.
+LEDGER = "grpo_ledger"
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs if isinstance(outputs, torch.Tensor) else outputs["logits"]
+
+
+class GrpoObjective(WorkerObjective):
+    """A GRPO run's objective in one training worker (see the module docstring)."""
+
+    description = GRPO
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.config = config_of(args)
+        # Resolved again here (the driver checked them): functions travel pickled in the args.
+        self.fns = resolve_reward_fns(args.reward_fns)
+        self.model: Any = None
+        self.adaptation: Any = None
+        self.frozen: Any = None  # beta > 0 without LoRA: the model as it started
+        self.state: Any = None
+        self.prompts: PromptDataset | None = None
+        self.engines: Engines | None = None
+        self._sums: torch.Tensor | None = None
+        self._maxima: torch.Tensor | None = None
+        self._rollout: list[float] = []  # this step's rollout sums (host)
+        self._extremes: list[float] = []  # this step's rollout extremes (host)
+        self._agreed_maxima: deque[list[float]] = deque()  # per agreed step, in order
+        self._log_dir: str | None = None
+
+    # ---- the workload ------------------------------------------------------------------
+
+    def prepare(self, model: torch.nn.Module, adaptation: Any) -> None:
+        """Dropout off (as TRL), and the model kept for the KL's reference (LoRA: its
+        adapters off)."""
+        disable_dropout(model)
+        self.model, self.adaptation = model, adaptation
+
+    def dataset(self, cached: Any, field: str, args: Any, references: dict[str, str]) -> Any:
+        """The run's encoded prompts (the driver's, through the object store)."""
+        self.prompts = PromptDataset(cached)
+        return self.prompts
+
+    def targets_per_sample(self, args: Any, cached: bool) -> int:
+        c = self.config
+        return c.num_generations * max(1, c.max_completion_length // 2)
+
+    def after_placement(self, workload: Any, parallel: Any) -> None:
+        """``beta > 0`` without LoRA: a frozen copy of the placed model, before any step."""
+        if self.config.beta > 0 and isinstance(workload.adaptation, WholeModel):
+            from ray_trainer._worker.objectives.dpo_reference import frozen_copy
+
+            self.frozen = frozen_copy(parallel.module())
+
+    def before_training(self, state: Any, references: dict[str, str]) -> None:
+        self.state = state
+
+    # ---- the step's micro-batches ------------------------------------------------------
+
+    def steps(self, state: Any, steps: Iterator[list[MicroBatch]]) -> Iterator[list[MicroBatch]]:
+        """Each step's micro-batches of completions, from the loader's of prompts."""
+        self._start(state)
+        for prompts in steps:
+            yield self.rollout_step(state, prompts)
+
+    def _start(self, s: Any) -> None:
+        """At each epoch's first step; once per worker-group start (after the resume): the
+        ledger checked, the engines made."""
+        assert self.prompts is not None
+        if self.engines is None:  # the first epoch of this start: right after the resume
+            why = ledger_error(s.progress.extra.get(LEDGER), self._ledger(s))
+            if why is not None:
+                raise ValueError(why)
+            first = self.prompts[0].prompt_ids
+            probe = Probe(tuple(first), tuple(first[: min(8, len(first))]), self.config.temperature)
+            spec = EngineSpec(model=_model_spec(self.args), lora=self.args.lora, device=None)
+            self.engines = Engines(s, spec, probe)
+            self.engines.start()
+
+    def _ledger(self, s: Any) -> dict[str, Any]:
+        p = s.progress
+        return ledger_record(self.prompts, s.args.seed, s.loader.per_step, p.epoch, p.step_in_epoch)
+
+    def rollout_step(self, s: Any, prompt_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """One step's prompts (this rank's micro-batches of rows) to its micro-batches of
+        completions. Every rank, at the same point (syncs and agreements are collectives)."""
+        c, engines = self.config, self.engines
+        step = s.progress.global_step
+        sync: dict[str, float] = {}
+        if engines.due(c.sync_every):
+            engines.sync()
+            sync = engines.last_sync
+        rows = [r for m in prompt_batches for r in m.batch["prompt_index"].tolist()]
+        started = time.perf_counter()
+        completions = self._generate(s, rows, step)
+        rollout_s = time.perf_counter() - started
+        started = time.perf_counter()
+        scored = score_step(
+            completions, self.prompts, self.fns, num_generations=c.num_generations,
+            decode=self._decode, scale_rewards="none" if c.scale_rewards == "batch" else
+            c.scale_rewards, weights=self.args.reward_weights,
+            state=RewardState(step, s.total_steps),
+        )  # fmt: skip
+        reward_s = time.perf_counter() - started
+        advantages = scored.advantages
+        if c.scale_rewards == "batch":
+            advantages = batch_advantages(
+                scored.rewards, c.num_generations, self._batch_std(s, scored.rewards)
+            )
+        by_row = {}
+        for i, comp in enumerate(scored.completions):
+            by_row.setdefault(comp.prompt_index, []).append(i)
+        out = []
+        pad = s.workload.pad_id if s.workload.pad_id is not None else 0
+        for m in prompt_batches:
+            picked = [i for r in m.batch["prompt_index"].tolist() for i in by_row[r]]
+            batch = completion_batch(
+                [scored.completions[i] for i in picked], advantages[picked].tolist(),
+                pad_id=pad, loss_type=c.loss_type, max_completion_length=c.max_completion_length,
+                mask_truncated=c.mask_truncated_completions,
+            )  # fmt: skip
+            out.append(batch)
+        self._note_rollout(scored, rollout_s, reward_s, sync)
+        s.progress.extra[LEDGER] = {
+            **self._ledger(s),
+            "step_in_epoch": s.progress.step_in_epoch + 1,
+        }
+        if c.log_completions and s.rank == 0:
+            self._log_completions(s, scored, advantages, step)
+        return out
+
+    def _generate(self, s: Any, rows: list[int], step: int) -> list[Any]:
+        """This rank's completions of `rows` from its engine; an engine found dead on any rank
+        is restarted and synced, and the rollouts retried once."""
+        c = self.config
+        params = SamplingParams(
+            num_generations=c.num_generations, max_completion_length=c.max_completion_length,
+            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+            seed=(s.args.seed * 1_000_003 + step * 1_009 + s.rank) % 2**31,
+        )  # fmt: skip
+        prompt_ids = [self.prompts[r].prompt_ids for r in rows]
+        completions, error = None, None
+        for attempt in (0, 1):
+            if completions is None:
+                try:
+                    completions = self.engines.of_rank().generate(prompt_ids, params, rows)
+                except RolloutEngineDied as e:
+                    error = e
+            if not agree_any(completions is None, s.world_size):
+                return completions
+            if attempt == 1:
+                raise RuntimeError(
+                    f"grpo: step {step + 1}'s rollouts failed twice: a rollout engine died, was "
+                    f"restarted and died again ({error}); check the engine's resources "
+                    "(rollout_resources) and its log"
+                )
+            self.engines.restart_dead()
+        raise AssertionError("unreachable")
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.state.workload.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _batch_std(self, s: Any, rewards: torch.Tensor) -> float:
+        """The std of the step's rewards over every rank (``scale_rewards="batch"``)."""
+        ok = rewards[~torch.isnan(rewards)].double()
+        sums = torch.tensor([ok.sum().item(), (ok**2).sum().item(), float(ok.numel())])
+        if s.world_size > 1:
+            sums = sums.to(s.accelerator.device)
+            dist.all_reduce(sums)
+        total, sq, n = sums.tolist()
+        if n < 2:
+            return math.nan
+        return math.sqrt(max(sq - total * total / n, 0.0) / (n - 1))
+
+    def _note_rollout(self, scored: Any, rollout_s: float, reward_s: float, sync: dict) -> None:
+        """This step's rollout sums and extremes (rank-local), for :meth:`take_sums`."""
+        self._rollout = rollout_sums(scored, len(self.fns))
+        self._extremes = rollout_extremes(scored, rollout_s, reward_s, sync)
+
+    # ---- the loss ----------------------------------------------------------------------
+
+    def step_loss(
+        self, workload: Any, model: Any, batch: dict[str, Any], targets: int
+    ) -> tuple[Any, torch.Tensor]:
+        c = self.config
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        logps, rows, entropy = token_logps(_logits(model(**inputs)), batch, c.temperature, True)
+        ref = None
+        if c.beta > 0:
+            with torch.no_grad():
+                if self.frozen is not None:
+                    ref_logits = _logits(self.frozen(**inputs))
+                else:
+                    with self.adaptation.disabled(self.model):
+                        ref_logits = _logits(model(**inputs))
+                ref, _, _ = token_logps(ref_logits, batch, c.temperature)
+        keep = batch["keep"][rows]
+        tokens = CompletionTokens(
+            logps=logps, sequence=rows, advantages=batch["advantages"], mask=keep,
+            sampling_logps=flat_per_token(batch["sampling_logps"], batch["length"]),
+            ref_logps=ref, entropy=entropy,
+        )  # fmt: skip
+        ratio = importance_ratio(
+            tokens, c.importance_sampling, c.importance_sampling_cap, c.importance_sampling_min
+        )
+        sums = grpo_sums(
+            tokens, loss_type=c.loss_type, beta=c.beta, epsilon=c.epsilon,
+            epsilon_high=c.epsilon_high, importance_sampling_level=c.importance_sampling_level,
+            importance_sampling_ratio=ratio,
+        )  # fmt: skip
+        if self._sums is None:
+            self._sums, self._maxima = sums.sums, sums.maxima
+        else:
+            self._sums = self._sums + sums.sums
+            self._maxima = torch.maximum(self._maxima, sums.maxima)
+        return {"logps": logps, "metrics": sums.sums}, sums.loss / workload.norm
+
+    def take_sums(self) -> torch.Tensor | None:
+        """The step's sums (the loss's, then the rollout's) for the step's all-reduce; its
+        extremes reduced now with MAX (a small collective every rank reaches here)."""
+        loss_sums, loss_max = self._sums, self._maxima
+        self._sums = self._maxima = None
+        device = loss_sums.device
+        rollout = torch.tensor(self._rollout, dtype=loss_sums.dtype, device=device)
+        extremes = torch.cat(
+            [loss_max, torch.tensor(self._extremes, dtype=loss_max.dtype, device=device)]
+        )
+        if self.state is not None and self.state.world_size > 1:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        self._agreed_maxima.append(extremes.tolist())
+        return torch.cat([loss_sums.detach(), rollout])
+
+    def metrics_from_sums(self, sums: Any, targets: float) -> dict[str, float]:
+        """The step's metrics with TRL's names (``grpo_metrics.step_metrics``)."""
+        restarts = self.engines.restarts if self.engines is not None else 0
+        return step_metrics(
+            list(sums), self._agreed_maxima.popleft(), [f.name for f in self.fns], self.config,
+            restarts,
+        )  # fmt: skip
+
+    # ---- sampled completions -----------------------------------------------------------
+
+    def _log_completions(self, s: Any, scored: Any, advantages: torch.Tensor, step: int) -> None:
+        """A few of rank 0's completions of the step into ``<run>/rollouts.jsonl``."""
+        keep = self.config.num_completions_to_print or len(scored.completions)
+        lines = completion_lines(
+            scored, advantages, step, self.prompts, self._decode, [f.name for f in self.fns], keep
+        )
+        self._log_dir = append_run_file(s.run.child("rollouts.jsonl"), lines, self._log_dir)
+
+
+def _model_spec(args: Any) -> Any:
+    from ray_trainer._model.spec import ModelSpec
+
+    return ModelSpec.of(args)
+
+
+def build(args: Any) -> GrpoObjective:
+    """The GRPO objective of a run (``ray_trainer._objectives.grpo`` names this module)."""
+    return GrpoObjective(args)

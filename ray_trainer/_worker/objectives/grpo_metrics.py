@@ -1,0 +1,174 @@
+"""Training worker: what a GRPO step reports, its metrics from sums and its sampled completions.
+
+Runs in each training worker. A step's metrics are computed where its numbers are: each rank
+sums its own completions' rewards, lengths and timings (:func:`rollout_sums`,
+:func:`rollout_extremes`), the step's agreement adds the sums over the ranks (the extremes are
+reduced with MAX), and :func:`step_metrics` turns them into TRL 1.16's names: so ``reward`` and
+``reward_std`` are over the whole step, whatever the number of workers. Rank 0 writes a few of
+its completions per step to ``<run>/rollouts.jsonl`` (:func:`completion_lines`,
+:func:`append_run_file`): through the run's storage, as the callback actor writes
+``metrics.jsonl`` (in place on local storage; on a bucket a local working copy uploaded whole).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ray_trainer._worker.objectives.grpo_loss import metrics_from_sums
+
+#: The rollout's sums of a step, after the loss's 7 (``grpo_loss.GrpoSums.sums``), summed over
+#: the ranks; then per reward function its sum, sum of squares and count.
+ROLLOUT_SUMS = (
+    "completions", "completion_tokens", "truncated", "zero_std",
+    "reward_sum", "reward_sq", "reward_n",
+)  # fmt: skip
+#: The step's extremes, reduced with MAX over the ranks (after the loss's 2).
+MAXIMA = (
+    "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
+    "sync/bytes", "rollout/logprob_diff",
+)  # fmt: skip
+
+
+def rollout_sums(scored: Any, functions: int) -> list[float]:
+    """This rank's sums of :data:`ROLLOUT_SUMS` and each function's, from its scored step
+    (``rewards.ScoredStep``); unscorable (NaN) rewards left out, as TRL."""
+    lengths = [len(x.completion_ids) for x in scored.completions]
+    rewards = scored.rewards
+    ok = rewards[~torch.isnan(rewards)]
+    zero_std = scored.metrics["frac_reward_zero_std"] * len(lengths)
+    sums = [
+        float(len(lengths)), float(sum(lengths)),
+        float(sum(bool(x.truncated) for x in scored.completions)), float(zero_std),
+        ok.sum().item(), (ok**2).sum().item(), float(ok.numel()),
+    ]  # fmt: skip
+    for i in range(functions):
+        col = scored.per_function[:, i]
+        col = col[~torch.isnan(col)]
+        sums += [col.sum().item(), (col**2).sum().item(), float(col.numel())]
+    return sums
+
+
+def rollout_extremes(
+    scored: Any, rollout_s: float, reward_s: float, sync: dict[str, float]
+) -> list[float]:
+    """This rank's :data:`MAXIMA` (``-inf``: none this step, e.g. no sync)."""
+    lengths = [len(x.completion_ids) for x in scored.completions]
+    return [
+        float(max(lengths, default=0)), -float(min(lengths, default=0)), rollout_s, reward_s,
+        sync.get("sync/seconds", -math.inf), sync.get("sync/bytes", -math.inf),
+        sync.get("rollout/logprob_diff", -math.inf),
+    ]  # fmt: skip
+
+
+def step_metrics(
+    values: Sequence[float],
+    extremes: Sequence[float],
+    functions: Sequence[str],
+    config: Any,
+    restarts: int = 0,
+) -> dict[str, float]:
+    """The step's metrics, with TRL's names, from its sums over the ranks (the loss's 7, then
+    :data:`ROLLOUT_SUMS`, then 3 per reward function) and its extremes (the loss's 2, then
+    :data:`MAXIMA`); `restarts`: rollout engines started again so far."""
+    out = metrics_from_sums(
+        list(values[:7]), list(extremes[:2]), beta=config.beta,
+        importance_sampling_level=config.importance_sampling_level,
+    )  # fmt: skip
+    r = dict(zip(ROLLOUT_SUMS, values[7 : 7 + len(ROLLOUT_SUMS)], strict=True))
+    n = max(r["completions"], 1.0)
+    mx = dict(zip(MAXIMA, extremes[2:], strict=True))
+    out.update(
+        {
+            "reward": _mean(r["reward_sum"], r["reward_n"]),
+            "reward_std": _std(r["reward_sum"], r["reward_sq"], r["reward_n"]),
+            "frac_reward_zero_std": r["zero_std"] / n,
+            "completions/mean_length": r["completion_tokens"] / n,
+            "completions/min_length": -mx["neg_min_length"],
+            "completions/max_length": mx["max_length"],
+            "completions/clipped_ratio": r["truncated"] / n,
+        }
+    )
+    at = 7 + len(ROLLOUT_SUMS)
+    for i, name in enumerate(functions):
+        total, sq, count = values[at + 3 * i : at + 3 * i + 3]
+        out[f"rewards/{name}/mean"] = _mean(total, count)
+        out[f"rewards/{name}/std"] = _std(total, sq, count)
+    out["rollout/seconds"] = mx["rollout/seconds"]
+    out["rollout/tokens_per_s"] = r["completion_tokens"] / max(mx["rollout/seconds"], 1e-9)
+    out["reward/seconds"] = mx["reward/seconds"]
+    for name in ("sync/seconds", "sync/bytes", "rollout/logprob_diff"):
+        if mx[name] != -math.inf:  # a step without a sync has none
+            out[name] = mx[name]
+    if restarts:
+        out["rollout/engine_restarts"] = float(restarts)
+    return out
+
+
+def completion_lines(
+    scored: Any,
+    advantages: torch.Tensor,
+    step: int,
+    prompts: Any,
+    decode: Callable[[list[int]], str],
+    functions: Sequence[str],
+    keep: int,
+) -> list[str]:
+    """The first `keep` completions of a scored step as ``rollouts.jsonl`` lines: the step
+    (1-based, as the logs count it), the policy version that sampled it, the prompt, the
+    completion's text, each function's reward (None: it abstained), the reward, the advantage."""
+    lines = []
+    for i, comp in enumerate(scored.completions[:keep]):
+        record = {
+            "step": step + 1,
+            "version": comp.version,
+            "prompt_index": comp.prompt_index,
+            "prompt": prompts[comp.prompt_index].prompt,
+            "completion": decode(list(comp.completion_ids)),
+            "rewards": {
+                name: _finite(scored.per_function[i, j].item()) for j, name in enumerate(functions)
+            },
+            "reward": _finite(scored.rewards[i].item()),
+            "advantage": float(advantages[i]),
+            "truncated": bool(comp.truncated),
+        }
+        lines.append(json.dumps(record, default=str))
+    return lines
+
+
+def append_run_file(target: Any, lines: list[str], work_dir: str | None) -> str | None:
+    """Append `lines` to `target` (a ``Location`` in the run folder): in place on local
+    storage; on a bucket to a local working copy in `work_dir` (made on first use), uploaded
+    whole (an object store cannot append). Returns the working folder (None: local)."""
+    if target.is_local:
+        os.makedirs(os.path.dirname(target.path), exist_ok=True)
+        path = target.path
+    else:
+        work_dir = work_dir or tempfile.mkdtemp(prefix="ray_trainer_run_files_")
+        path = os.path.join(work_dir, target.basename)
+    with open(path, "a") as f:
+        f.write("".join(line + "\n" for line in lines))
+    if not target.is_local:
+        target.upload(path)
+    return work_dir
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count else math.nan
+
+
+def _std(total: float, sq: float, count: float) -> float:
+    """The std with Bessel's correction from sums (NaN with fewer than two), as TRL's."""
+    if count < 2:
+        return math.nan
+    return math.sqrt(max(sq - total * total / count, 0.0) / (count - 1))
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) else x
