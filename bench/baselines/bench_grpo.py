@@ -390,7 +390,7 @@ def summarise(rows: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
             "ratio (steps/s)": f"{ratios[LABELS[k]]:.3f}",
             "completion tokens/s": f"{median(v, 'tokens_per_s'):,.0f}",
             "ratio (tokens/s)": f"{median(v, 'tokens_per_s') / tok_base:.3f}",
-            "ratio (tokens per CPU-s of the trainer)": (
+            "ratio (tokens per CPU-s of the training process)": (
                 f"{median(v, 'tokens_per_cpu_s') / cpu_base:.3f}"
             ),
             "step (s)": f"{median(v, 'step_s'):.3f}",
@@ -427,7 +427,10 @@ def summarise(rows: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
         "round(s), medians. Shares: of the median step; TRL's rollout is its `_generate`, its "
         "reward `_calculate_rewards`, in its one process (no sync); the runner's are its logged "
         "`rollout/seconds` (the engine's sampling and log-probs, in its actor), "
-        "`reward/seconds` (the Ray task) and `sync/seconds`; training is the rest of the step."
+        "`reward/seconds` (the Ray task) and `sync/seconds`; training is the rest of the step. "
+        "Tokens per CPU-s count the training process's CPU time only: TRL's includes its "
+        "generation, the runner's not (its engine is another process), so that ratio flatters "
+        "the runner; steps/s is the figure held against the target."
     )
     target = (
         f"Target: ray-trainer steps/s / TRL's {ratio:.3f}x (>= {TARGET}: "
