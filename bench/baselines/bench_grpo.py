@@ -18,7 +18,9 @@ transformers' `generate` on both sides, one training process each with the same 
 * the runner: `run_training(objective="grpo", num_workers=1, rollout_backend="hf",
   rollout_workers=1)` in this process's embedded Ray: one training worker of `--threads` CPUs
   and one `hf` rollout engine actor of `--threads` CPUs (`rollout_resources`), the reward
-  function a Ray task; weights synced to the engine after each optimizer step.
+  function a Ray task; weights synced to the engine after each optimizer step. Its Ray workers
+  run at niceness 0, as TRL's process (Ray's default is 15: on a busy machine they would wait
+  for the cores while TRL's side did not).
 
 Steps/s: the steps from the begin of step `--skip` to the begin of the last step over their wall
 time (each side's own step boundary, so a gap between two begins is one whole step: rollout,
@@ -322,6 +324,10 @@ def main() -> dict:
     work = tempfile.mkdtemp(prefix="bench_grpo_")
     size = {"steps": opts.steps, "skip": opts.skip, "batch_prompts": opts.batch_prompts,
             "generations": opts.generations, "completion_length": opts.completion_length}  # fmt: skip
+    # Ray starts its workers at niceness 15; TRL's side runs at 0. On a machine with other work
+    # the runner's worker and engine would wait for the cores: the same priority on both sides
+    # (the smoke run's shared Ray sets it too, `run_all.SMOKE_RAY_ENV`).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # The training worker and the rollout engine, a CPU or `threads` each, and the reward task.
     init_ray(num_cpus=max(3, 2 * opts.threads + 1))
     try:  # the model, data and storage: removed at the end (the figures are in the report)
