@@ -27,7 +27,7 @@ rate is constant and the weight decay 0, as in TRL's `GRPOConfig`.
 
 Without arguments it builds a tiny chat model (a Qwen2 shape, a byte-level BPE tokenizer, a
 ChatML template; nothing downloaded) and runs on a laptop's CPU in a few minutes (docs/rl.md has
-the curve and the figures of a run; about 4.5 minutes on a busy 2-core machine, most of it the
+the curve and the figures of a run; 4.5 to 6 minutes on a busy 2-core machine, most of it the
 start of Ray and of the two runs):
 
     python examples/grpo_arithmetic.py
