@@ -105,6 +105,13 @@ def dpo_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
     ]
 
 
+def grpo_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """The runner's GRPO steps/s against TRL's `GRPOTrainer` (one process each, transformers
+    generation on both sides): at least 0.9x."""
+    ratio = next(v for k, v in report["ratios"].items() if k.startswith("ray-trainer"))
+    return [("GRPO steps/s / TRL GRPOTrainer's", f"{ratio:.3f}x", ">= 0.900x", ratio >= 0.9)]
+
+
 def data_scale_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
     """The driver's peak RSS, over every file size, under 500 MiB."""
     worst = float(report["worst_peak_mib"])
@@ -282,6 +289,23 @@ BENCHES: dict[str, Bench] = {
         goals=dpo_goals,
         shares_ray=True,
         smoke_s=58,
+    ),
+    "grpo": Bench(
+        "baselines/bench_grpo.py",
+        "GRPO against TRL's GRPOTrainer: steps/s, completion tokens/s, where a step goes",
+        "TRL 1.16's `GRPOTrainer` in one process (transformers generation, no vLLM) on the same "
+        "tiny chat model, prompts, prompts per step, `num_generations`, completion length, "
+        "sampling seed, reward function and torch threads, against "
+        '`run_training(objective="grpo", num_workers=1, rollout_backend="hf")`; steps per '
+        "second of the steps after the first ones",
+        quick=["--quick"],
+        smoke=["--smoke"],
+        target=0.9,
+        target_note="the runner's steps/s at least 0.9x TRL's; completion tokens/s and the "
+        "shares of a step in rollout, reward, sync and training are reported, without a target",
+        goals=grpo_goals,
+        shares_ray=True,
+        smoke_s=60,
     ),
     "memory": Bench(
         "memory/bench_memory.py",

@@ -83,6 +83,7 @@ def _shapes() -> dict[str, dict]:
         "worst_peak_mib": 210,
     }
     shapes["host_step"] = _host_step_report()
+    shapes["grpo"] = _grpo_report()
     return shapes
 
 
@@ -94,6 +95,25 @@ def _host_step_report() -> dict:
             (("bare", 1.0), ("bare_again", 1.01), ("runner", 1.15))}  # fmt: skip
     cpu = {name: [[0.9 * t for t in block] for block in rounds] for name, rounds in wall.items()}
     return bench_host_step.summarize(wall, cpu)
+
+
+def _grpo_report() -> dict:
+    """bench_grpo.py's report, from its own `summarise` of one round."""
+    import argparse
+
+    import bench_grpo
+
+    def run(steps_per_s: float, shares: dict[str, float]) -> dict:
+        return {"steps_per_s": steps_per_s, "tokens_per_s": 30 * steps_per_s,
+                "tokens_per_cpu_s": 40 * steps_per_s, "step_s": 1 / steps_per_s,
+                "tokens_per_step": 30.0, "torch_threads": 1, "shares": shares}  # fmt: skip
+
+    rows = {"trl": [run(0.5, {"rollout": 0.4, "reward": 0.01, "training": 0.59})],
+            "runner": [run(0.47, {"rollout": 0.5, "reward": 0.1, "sync": 0.05,
+                                  "training": 0.35})]}  # fmt: skip
+    opts = argparse.Namespace(prompts=8, batch_prompts=2, generations=2, completion_length=4,
+                              steps=3, skip=1, hidden_size=32, layers=1, threads=1, rounds=1)  # fmt: skip
+    return bench_grpo.summarise(rows, opts)
 
 
 def test_host_step_ratio_is_the_runners_cpu_time_over_the_bare_loops():
