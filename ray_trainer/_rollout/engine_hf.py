@@ -58,13 +58,16 @@ class HfEngine(RolloutEngine):
     @classmethod
     def build(cls, spec: EngineSpec, state_dict: dict[str, Any] | None = None) -> HfEngine:
         """The engine of `spec`: its model built as the trainer builds it, with `state_dict`'s
-        weights instead when given (the base's, for LoRA), wrapped with the adapter for LoRA."""
+        weights instead when given (the base's, for LoRA), wrapped with the adapter for LoRA (its
+        base in NF4 first under ``lora.quantize_base``, as the trainer's)."""
         model = spec.model.build_model()
         if state_dict is not None:
             model.load_state_dict(state_dict)
         if spec.lora is not None:
-            from ray_trainer._lora.config import wrap
+            from ray_trainer._lora.config import quantize_base, wrap
 
+            # QLoRA: the engine samples from the 4-bit base the trainer's adapters sit on.
+            quantize_base(model, spec.lora)
             model = wrap(model, spec.lora)
         return cls(model, spec)
 

@@ -173,6 +173,33 @@ def test_a_lora_sync_sends_the_adapter_only_and_keeps_the_base(spec):
         sync_weights(LocalTransport(engine), [(base, held)], 3)
 
 
+def test_a_qlora_engine_samples_from_the_4_bit_base_the_trainer_trains_on(spec):
+    pytest.importorskip("torchao")
+    from ray_trainer._lora.config import quantize_base, wrap
+    from ray_trainer._model.nf4 import is_nf4
+
+    qlora = {**LORA, "quantize_base": "nf4"}
+    engine = build_engine("hf", EngineSpec(spec.model, lora=qlora, batch_size=4))
+    base = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert is_nf4(dict(engine.model.named_parameters())[base])
+    # The trainer's QLoRA model, the adapter trained, synced into the engine: the engine's
+    # log-probs are the trainer's (the same 4-bit base), not a full-precision base's.
+    trainer = spec.model.build_model()
+    quantize_base(trainer, qlora)
+    torch.manual_seed(1)
+    trainer = _trained(wrap(trainer, qlora), lr=20.0)
+    adapter = [(n, p) for n, p in trainer.named_parameters() if p.requires_grad]
+    sync_weights(LocalTransport(engine), adapter, 1)
+    probe = Probe.of(_sampled(engine)[0])
+    engine_side = engine.logprobs(list(probe.prompt_ids), list(probe.completion_ids), 1.0)
+    assert logprob_diff(engine_side, trainer_logprobs(trainer, probe)) < 1e-5
+    full = wrap(spec.model.build_model(), LORA)  # the same adapter on the full-precision base
+    full.load_state_dict(
+        {n: p for n, p in trainer.state_dict().items() if ".lora_" in n}, strict=False
+    )
+    assert logprob_diff(engine_side, trainer_logprobs(full, probe)) > 1e-5
+
+
 def test_the_engine_refuses_what_it_cannot_do(spec):
     engine = build_engine("hf", spec)
     engine.begin_sync(1)  # open, not finished: part old, part new weights
