@@ -51,7 +51,7 @@ def test_a_lost_node_shrinks_the_group_its_return_grows_it_and_the_losses_match(
     # every save after the loss was evaluated. Before it, one save may have no evaluation: see
     # the next test (a known gap, not starvation).
     evaluated, saves = outcome["evaluated"], set(range(5, STEPS + 1, 5))
-    assert evaluated[-1] == STEPS and set(evaluated) <= saves, evaluated
+    assert evaluated[-1] == STEPS, evaluated  # (a resize's own save is evaluated too: step 28)
     missing = saves - set(evaluated)
     assert len(missing) <= 1 and all(step <= 12 for step in missing), evaluated
 
