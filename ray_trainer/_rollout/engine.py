@@ -120,6 +120,29 @@ class EngineSpec:
             )
 
 
+def token_ids(prompt: Any, index: Any) -> list[int]:
+    """A prompt's token ids as ints; refused naming `index` when it has none."""
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError(f"prompt {index} has no token: a completion needs a prompt to follow")
+    return ids
+
+
+def sample_rows(
+    prompts: list[list[int]], params: SamplingParams, prompt_indices: list[int] | None = None
+) -> list[tuple[int, list[int]]]:
+    """What a backend's ``generate`` samples: one ``(prompt index, token ids)`` row per
+    completion, each prompt's ``num_generations`` rows together (a group)."""
+    indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+    if len(indices) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(indices)} prompt_indices")
+    return [
+        (index, token_ids(prompt, index))
+        for index, prompt in zip(indices, prompts, strict=True)
+        for _ in range(params.num_generations)
+    ]
+
+
 class RolloutEngine(abc.ABC):
     """A rollout engine: samples completions, takes new weights in place, scores a probe.
 

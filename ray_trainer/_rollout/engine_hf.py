@@ -13,7 +13,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ray_trainer._rollout.engine import EngineSpec, RolloutEngine, SamplingParams
+from ray_trainer._rollout.engine import (
+    EngineSpec,
+    RolloutEngine,
+    SamplingParams,
+    sample_rows,
+    token_ids,
+)
 from ray_trainer._rollout.types import Completion
 from ray_trainer._rollout.weights import Receiver, WeightSyncError
 
@@ -83,14 +89,7 @@ class HfEngine(RolloutEngine):
         from transformers import GenerationConfig
 
         self._check_ready()
-        indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
-        if len(indices) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(indices)} prompt_indices")
-        rows = [
-            (index, _token_ids(prompt, index))
-            for index, prompt in zip(indices, prompts, strict=True)
-            for _ in range(params.num_generations)
-        ]
+        rows = sample_rows(prompts, params, prompt_indices)
         config = GenerationConfig(
             do_sample=True,
             temperature=params.temperature,
@@ -131,7 +130,7 @@ class HfEngine(RolloutEngine):
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
     ) -> list[float]:
         self._check_ready()
-        prompt = _token_ids(prompt_ids, "probe")
+        prompt = token_ids(prompt_ids, "probe")
         return self.sequence_logprobs([(prompt, list(completion_ids))], temperature)[0]
 
     def sequence_logprobs(
@@ -204,13 +203,6 @@ def _eos_ids(model: Any, spec: EngineSpec) -> list[int]:
             "config names no eos_token_id; set EngineSpec(eos_token_ids=[...])"
         )
     return [int(i) for i in ids]
-
-
-def _token_ids(prompt: Any, index: Any) -> list[int]:
-    ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError(f"prompt {index} has no token: a completion needs a prompt to follow")
-    return ids
 
 
 def _until_end(row: list[int], ends: set[int]) -> tuple[list[int], bool]:

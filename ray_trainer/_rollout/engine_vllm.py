@@ -33,8 +33,14 @@ from callbacks.builtin.generation.child.generation_child.vllm_engine import (
     vllm_lora_rank as child_lora_rank,
 )
 from callbacks.builtin.generation.process import ChildProcess
-from ray_trainer._rollout.engine import EngineSpec, RolloutEngine, SamplingParams
-from ray_trainer._rollout.engine_hf import _eos_ids, _token_ids
+from ray_trainer._rollout.engine import (
+    EngineSpec,
+    RolloutEngine,
+    SamplingParams,
+    sample_rows,
+    token_ids,
+)
+from ray_trainer._rollout.engine_hf import _eos_ids
 from ray_trainer._rollout.shm import (
     ADAPTER_FILE,
     BEGIN_REQUEST,
@@ -170,14 +176,7 @@ class VllmEngine(RolloutEngine):
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
         self._check_ready()
-        indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
-        if len(indices) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(indices)} prompt_indices")
-        rows = [
-            (index, _token_ids(prompt, index))
-            for index, prompt in zip(indices, prompts, strict=True)
-            for _ in range(params.num_generations)
-        ]
+        rows = sample_rows(prompts, params, prompt_indices)
         answer = _ask(
             self.child, sample_request([ids for _, ids in rows], params, self.eos_token_ids)
         )
@@ -193,7 +192,7 @@ class VllmEngine(RolloutEngine):
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
     ) -> list[float]:
         self._check_ready()
-        prompt = _token_ids(prompt_ids, "probe")
+        prompt = token_ids(prompt_ids, "probe")
         request = {"op": "score", "prompt": prompt, "completion": [int(t) for t in completion_ids],
                    "temperature": float(temperature)}  # fmt: skip
         return [float(v) for v in _ask(self.child, request)["logprobs"]]
