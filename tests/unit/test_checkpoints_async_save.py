@@ -35,7 +35,7 @@ class Summed:
 @pytest.fixture
 def published(monkeypatch):
     done: list[int] = []
-    monkeypatch.setattr(async_save, "_publish", lambda s, p: done.append(p.step))
+    monkeypatch.setattr(async_save, "publish", lambda s, step, *_: done.append(step))
     return done
 
 
@@ -57,7 +57,7 @@ def test_a_rank_says_which_save_it_has_written():
 
 
 def test_published_once_the_sum_says_every_rank_has_written_it(published):
-    saves, s = AsyncSaves(), SimpleNamespace(world_size=2)
+    saves, s = AsyncSaves(), SimpleNamespace(world_size=2, rank=1)
     _in_flight(saves, 4, written=True)
     saves.settle(s, Summed(4.0, 0.0), QUIET)  # one rank of two has written it
     assert published == [] and saves.pending is not None
@@ -68,7 +68,7 @@ def test_published_once_the_sum_says_every_rank_has_written_it(published):
 
 
 def test_a_save_or_a_stop_waits_for_the_write_in_flight(published):
-    saves, state = AsyncSaves(), SimpleNamespace(world_size=2)
+    saves, state = AsyncSaves(), SimpleNamespace(world_size=2, rank=1)
     for decision in (SAVE, STOP):
         _in_flight(saves, 6, written=True)  # this rank is done; the report is the barrier
         saves.settle(state, Summed(0.0, 0.0), decision)
@@ -92,7 +92,7 @@ def test_a_preemption_save_waits_for_its_write():
     assert noticed() is True
     assert saves.numbers() == (0.0, 1.0)  # rides with the save request it made
     assert saves.numbers() == (0.0, 0.0)  # once
-    saves.settle(SimpleNamespace(world_size=2), Summed(0.0, 1.0), SAVE)
+    saves.settle(SimpleNamespace(world_size=2, rank=1), Summed(0.0, 1.0), SAVE)
     assert saves.wait_next  # the save at this boundary waits for its write
     assert saves.watch(None) is None
 
@@ -113,3 +113,18 @@ def test_the_host_buffers_outlive_each_save():
     assert second["model"]["w"].data_ptr() == first_ptr != weight.data_ptr()
     assert torch.equal(second["model"]["w"], weight)
     assert second["optim"]["param_groups"][0]["cls"] is torch.optim.AdamW
+
+
+def test_the_newest_published_step_is_recorded_by_rank_0_and_a_newer_save_is_unpublished(tmp_path):
+    """A resume publishes a complete checkpoint newer than the last `on_save` (an asynchronous
+    save whose group died before the boundary that would have published it)."""
+    from ray_trainer._worker.checkpoints import resume, saving
+
+    run = locate(str(tmp_path))
+    rank0, rank1 = SimpleNamespace(run=run, rank=0, world_size=1), SimpleNamespace(run=run, rank=1)
+    assert saving.published_step(run) == -1 and resume._unpublished(rank0, 10)
+    saving.mark_published(rank1, 10)  # only rank 0 records it
+    assert saving.published_step(run) == -1
+    saving.mark_published(rank0, 10)
+    assert saving.published_step(run) == 10
+    assert not resume._unpublished(rank0, 10) and resume._unpublished(rank0, 12)

@@ -53,6 +53,7 @@ from ray_trainer._worker.boundary import Decision
 from ray_trainer._worker.checkpoints import export
 from ray_trainer._worker.checkpoints.saving import (
     checkpoint_location,
+    mark_published,
     rank_part,
     state_to_save,
     write_state,
@@ -158,7 +159,12 @@ class AsyncSaves:
         if p is None:
             return
         p.wait()
-        _publish(s, p)
+        publish(s, p.step, p.location, p.context)
+        if s.rank == 0:
+            logger.info(
+                "%s: training paused %.2f s to stage it; rank 0 wrote it in %.1f s, in the "
+                "background", p.location.name, p.staged_s, p.written_s,
+            )  # fmt: skip
 
     # ---- a save --------------------------------------------------------------------------------
 
@@ -288,37 +294,33 @@ class _Gather:
         return torch.cat(parts)[: tensor.shape[0]] if parts is not None else None
 
 
-def _publish(s: WorkerState, p: Pending) -> None:
-    """Every rank: register the written checkpoint with Ray Train (a barrier across ranks:
-    when it returns, every rank's files are written); then `on_save`, with the context of the
-    step the checkpoint holds."""
+def publish(s: WorkerState, step: int, location: Location, context: dict[str, Any]) -> None:
+    """Every rank: register the written checkpoint of `step` with Ray Train (a barrier across
+    ranks: when it returns, every rank's files are written); then `on_save`, with `context` (the
+    `_SNAPSHOT` of the step the checkpoint holds); then rank 0 records it as published."""
     storage = ray.train.get_context().get_storage()
     checkpoint = None
     if s.rank == 0:
         checkpoint = ray.train.Checkpoint(
-            path=f"{storage.experiment_fs_path.rstrip('/')}/{p.location.basename}",
+            path=f"{storage.experiment_fs_path.rstrip('/')}/{location.basename}",
             filesystem=storage.storage_filesystem,
         )
-    metrics = {k: p.context[k] for k in ("global_step", "epoch", "loss")}
+    metrics = {k: context.get(k) for k in ("global_step", "epoch", "loss")}
     ray.train.report(
         metrics,
         checkpoint=checkpoint,
-        checkpoint_dir_name=p.location.basename,
+        checkpoint_dir_name=location.basename,
         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
     )
-    if s.rank == 0:
-        logger.info(
-            "%s: training paused %.2f s to stage it; rank 0 wrote it in %.1f s, in the background",
-            p.location.name, p.staged_s, p.written_s,
-        )  # fmt: skip
     ctx = s.ctx
     now = {k: getattr(ctx, k) for k in _SNAPSHOT}
-    for k, v in p.context.items():
+    for k, v in context.items():
         setattr(ctx, k, v)
-    path = checkpoint_location(s, p.step)
+    path = checkpoint_location(s, step)
     ctx.checkpoint_path = path
     try:
         s.hooks.fire("on_save", checkpoint_path=path)
     finally:
         for k, v in now.items():
             setattr(ctx, k, v)
+    mark_published(s, step)

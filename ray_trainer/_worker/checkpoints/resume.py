@@ -18,7 +18,8 @@ from ray_trainer import _checkpoint as ckpt
 from ray_trainer._checkpoint import safe
 from ray_trainer._contract import RunSpec
 from ray_trainer._storage import Location, locate
-from ray_trainer._worker.checkpoints.saving import sharded_state
+from ray_trainer._worker.checkpoints.async_save import publish
+from ray_trainer._worker.checkpoints.saving import published_step, sharded_state
 from ray_trainer._worker.state import WorkerState
 
 _META = ".ray_trainer"
@@ -49,6 +50,7 @@ def maybe_resume(s: WorkerState) -> None:
     """
     reported = ray.train.get_checkpoint()
     location = next(ckpt.complete_checkpoints(s.run), None)
+    ours = location is not None  # this run's own newest complete checkpoint
     if location is None and reported is not None:
         location = s.run.child(os.path.basename(reported.path.rstrip("/")))
     if location is None and s.args.resume_from is not None:
@@ -81,6 +83,8 @@ def maybe_resume(s: WorkerState) -> None:
     s.hooks.manager.load_state_dict(part["callbacks"])
     s.hooks.manager.user_state.update(part["user_state"])
     s.last_saved_step = p.global_step
+    saved = {"global_step": p.global_step, "epoch": p.epoch, "samples_seen": p.samples_seen,
+             "tokens_seen": p.tokens_seen, "loss": None}  # fmt: skip
     step_world = s.loader.step_world  # an elastic run's max: its steps are the same at any size
     p.epoch, p.step_in_epoch = position_after(
         p.epoch, p.step_in_epoch, s.steps_per_epoch, p.world_size, step_world
@@ -95,7 +99,20 @@ def maybe_resume(s: WorkerState) -> None:
             f"from {location.name} (step {p.global_step})",
             flush=True,
         )
+    if ours and _unpublished(s, p.global_step):
+        # Written by every rank, but the group died before the boundary that would have
+        # published it (an asynchronous save), or between its report and its `on_save`: it
+        # counts from now, as any other, before training goes on from it.
+        publish(s, p.global_step, location, saved)
     s.hooks.fire("on_load_checkpoint", checkpoint_path=location.name)
+
+
+def _unpublished(s: WorkerState, step: int) -> bool:
+    """Whether the checkpoint of `step` never got its `on_save` (rank 0 reads; all learn)."""
+    holder = [published_step(s.run) < step if s.rank == 0 else None]
+    if s.world_size > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return bool(holder[0])
 
 
 def position_after(

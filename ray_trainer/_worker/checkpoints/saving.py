@@ -54,6 +54,7 @@ def save(s: WorkerState, final: bool = False) -> None:
     path = checkpoint_location(s, p.global_step)
     s.ctx.checkpoint_path = path
     s.hooks.fire("on_save", checkpoint_path=path)
+    mark_published(s, p.global_step)
 
 
 def state_to_save(s: WorkerState) -> dict[str, Any] | None:
@@ -145,3 +146,21 @@ def rank_part(s: WorkerState) -> dict:
 def checkpoint_location(s: WorkerState, step: int) -> str:
     """Where the checkpoint of `step` is, as users see it: a local path or a URI."""
     return s.run.child(checkpoint_dir_name(step)).name
+
+
+#: ``<run>/.ray_trainer/published``: the step of the newest checkpoint whose `on_save` has fired
+#: (rank 0 writes it after each). A complete checkpoint newer than it was written but never
+#: published (the group died between its write and its publication): a resume publishes it.
+_PUBLISHED = (".ray_trainer", "published")
+
+
+def mark_published(s: WorkerState, step: int) -> None:
+    """Rank 0, after a checkpoint's `on_save`: record its step as the newest published."""
+    if s.rank == 0:
+        s.run.child(*_PUBLISHED).write_text(str(step))  # written whole
+
+
+def published_step(run: Any) -> int:
+    """The step of the run's newest published checkpoint (-1: none yet)."""
+    text = run.child(*_PUBLISHED).read_text()
+    return int(text) if text else -1
