@@ -1,14 +1,17 @@
 """Online RL end to end (issue 50): GRPO on 2 gloo workers of a real local Ray, DDP + LoRA, one
 ``hf`` rollout engine on a fractional CPU, a reward function run as a Ray task.
 
-One run: the engine actor is killed once (after step 1: the next sync finds it dead, restarts
-it and syncs again), and rank 1 is killed once (after step 3: the run resumes from its step-2
-checkpoint, the engines of the new worker group get the restored weights). What it shows: the
-metrics with TRL's names are logged with finite values; every completion was sampled by the
-policy of its step (the engine's version advances each step); ``rollout/logprob_diff`` < 1e-5
-(fp32, after every sync); ``rollouts.jsonl`` is written; and the prompts scored, step by step,
-are exactly the loader's epoch order: none skipped or repeated across the crash, and the second
-epoch starts over in its own order.
+One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off) and the
+reward task on a quarter CPU (``reward_resources``): the engine actor is killed once (after
+step 1: the next sync finds it dead, restarts it and syncs again), and rank 1 is killed once
+(after step 3: the run resumes from its step-2 checkpoint, the engines of the new worker group
+get the restored weights). What it shows: the metrics with TRL's names are logged with finite
+values, ``kl`` among them (> 0 once the adapters have moved); every completion was sampled by
+the policy of its step (the engine's version advances each step); ``rollout/logprob_diff`` <
+1e-5 (fp32, after every sync); ``rollouts.jsonl`` is written; each reward task ran on the
+resources it was given; and the prompts scored, step by step, are exactly the loader's epoch
+order: none skipped or repeated across the crash, and the second epoch starts over in its own
+order.
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ from callbacks import TrainerCallback
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 PROMPTS, PER_STEP, STEPS, SEED = 12, 4, 4, 3  # 3 steps an epoch: step 4 starts epoch 2
+BETA = 0.04  # the KL against the base with the adapters off
 
 
 def scored_to(folder: str):
     """A reward function (a Ray task per step) that records each prompt it scores, by step."""
 
     def scored(prompts, completions, completion_ids, trainer_state, id, **kwargs):
+        cpu = ray.get_runtime_context().get_assigned_resources().get("CPU")  # reward_resources
         with open(os.path.join(folder, f"scored-{os.getpid()}.jsonl"), "a") as f:
             for i in sorted(set(id)):
-                f.write(json.dumps({"step": trainer_state.global_step, "id": i}) + "\n")
+                record = {"step": trainer_state.global_step, "id": i, "cpu": cpu}
+                f.write(json.dumps(record) + "\n")
         return [float(c[0] % 2) if c else 0.0 for c in completion_ids]  # varies in a group
 
     return scored
@@ -85,8 +91,10 @@ def run(ray_session, tmp_path_factory):
     result = run_training(
         objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo",
         reward_fns=[scored_to(str(folder))], lora=LORA, seed=SEED,
-        grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True},
-        rollout_backend="hf", rollout_resources={"CPU": 0.5}, max_length=48, num_workers=2,
+        grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True,
+              "beta": BETA},
+        reward_resources={"CPU": 0.25}, rollout_backend="hf", rollout_resources={"CPU": 0.5},
+        max_length=48, num_workers=2,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
         callbacks=[Logs(str(folder)), KillRank1Once(step=3), KillEngineOnce()],
@@ -107,6 +115,10 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
                      "reward/seconds", "sync/seconds", "sync/bytes"):  # fmt: skip
             assert math.isfinite(record[name]), (step, name, record[name])
         assert record["sync/bytes"] > 0  # the adapter, every step (sync_every=1)
+        # beta > 0: the KL against the adapters-off base, 0 while the adapters are (LoRA's B
+        # starts at zero), > 0 once a step has moved them.
+        assert math.isfinite(record["kl"]) and record["kl"] >= 0, (step, record["kl"])
+        assert record["kl"] > 0 or step == 1, (step, record["kl"])
         assert record["trained_tokens"] > 0
         # The engine holds the trainer's weights: the probe's log-probs agree in fp32.
         assert record["rollout/logprob_diff"] < 1e-5, (step, record["rollout/logprob_diff"])
@@ -138,6 +150,8 @@ def test_no_prompt_is_skipped_or_repeated_across_the_crash(run):
         order, i = epoch_order(PROMPTS, SEED, s // per_epoch).tolist(), s % per_epoch
         expected[s] = set(order[i * PER_STEP : (i + 1) * PER_STEP])
     assert scored == expected
+    # Each reward task ran on the resources reward_resources gave it, not the default CPU.
+    assert {r["cpu"] for r in read_records(str(folder), "scored")} == {0.25}
     # Only step 3 (rolled out at global_step 2), after the step-2 checkpoint, was scored twice:
     # before the crash and again after the resume, with the same prompts.
     assert times == {s: PER_STEP * (2 if s == 2 else 1) for s in range(STEPS)}

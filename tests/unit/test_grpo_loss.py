@@ -404,3 +404,111 @@ def test_two_gloo_ranks_give_the_whole_steps_gradient():
     want = [*grad.flatten().tolist(), metrics["kl"], metrics["clip_ratio/high_max"]]
     for got in run_ranks(_gloo_rank, 2, option):
         assert got == pytest.approx(want, abs=1e-6)
+
+
+# -- num_iterations > 1: passes over one rollout's completions ------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_second_pass_takes_the_first_passs_log_probs_as_old_ones_as_trl(tiny, trl_trainer):
+    """``num_iterations=2`` through the worker objective's own steps: one rollout's completions
+    yielded for two optimizer steps; the first pass reads the old log-probs (the policy that
+    sampled them), the second's loss, clip metrics and gradients equal TRL's `_compute_loss`
+    on that pass's inputs (the moved policy, those old log-probs): the ratio moves and clips."""
+    from types import SimpleNamespace
+
+    from ray_trainer import TrainingArgs
+    from ray_trainer._rollout.types import Completion
+    from ray_trainer._worker.objectives.grpo import GrpoObjective
+    from ray_trainer._worker.objectives.grpo_batch import PromptDataset, completion_batch
+
+    path, tokenizer = tiny
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    width = min(map(len, ids))  # prompts of one length: TRL's left padding is no padding
+    inputs = step_inputs(tokenizer)
+    inputs["prompt_ids"] = torch.tensor([p[:width] for p in ids for _ in range(2)])
+    inputs["prompt_mask"] = torch.ones_like(inputs["prompt_ids"])
+    comps = [
+        Completion(i // 2, inputs["prompt_ids"][i].tolist(),
+                   inputs["completion_ids"][i, :n].tolist(), [0.0] * n, False, 0)
+        for i, n in enumerate(LENGTHS)
+    ]  # fmt: skip
+    micro = completion_batch(comps, ADVANTAGES, pad_id=tokenizer.pad_token_id, loss_type="dapo",
+                             max_completion_length=MAX_COMPLETION, mask_truncated=False)  # fmt: skip
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [0.0] * len(completions)
+
+    grpo = dict(num_generations=2, max_completion_length=MAX_COMPLETION, num_iterations=2,
+                temperature=TEMPERATURE, epsilon_high=0.28, importance_sampling=None)  # fmt: skip
+    args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[reward],
+                               grpo=grpo)  # fmt: skip
+    objective = GrpoObjective(args)
+    objective.prompts = PromptDataset([SimpleNamespace(prompt_ids=p) for p in ids])
+    objective._start = lambda s: None  # no engines: the completions are given
+    objective.rollout_step = lambda s, prompts: [micro]
+    objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 7
+    progress = SimpleNamespace(epoch=0, step_in_epoch=0, global_step=0, extra={})
+    starts = []
+
+    def loader_steps(epoch, start):
+        starts.append(start)
+        return iter([["the step's prompts"]] * (1 - start))
+
+    state = SimpleNamespace(progress=progress, loader=SimpleNamespace(steps=loader_steps,
+                            per_step=4), args=SimpleNamespace(seed=0))  # fmt: skip
+    policy = load(path)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.Adam(policy.parameters(), lr=0.05)
+    workload = SimpleNamespace(norm=1.0)
+    passes = []
+    for batches in objective.steps(state, iter([])):  # the loop's part: a step per yield
+        assert batches == [micro]
+        _, loss = objective.step_loss(workload, policy, micro.batch, micro.targets)
+        loss.backward()
+        sums = objective.take_sums()
+        metrics = objective.metrics_from_sums(sums.tolist(), micro.targets)
+        grads = {n: p.grad.clone() / micro.targets for n, p in policy.named_parameters()}
+        state_now = {k: v.clone() for k, v in policy.state_dict().items()}
+        passes.append((loss.item() / micro.targets, metrics, grads, state_now))
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.step_in_epoch += 1
+        progress.global_step += 1
+    assert len(passes) == 2 and starts == [0]  # one rollout, two optimizer steps
+    assert progress.extra["grpo_ledger"]["step_in_epoch"] == 2  # the ledger counts both
+
+    # The old log-probs are the sampling policy's: a forward of the weights before any step.
+    sampler = load(path)
+    sampler.load_state_dict(before)
+    with torch.no_grad():
+        old_padded, _ = per_token(sampler, inputs)
+    old_flat = objective._old[0]
+    torch.testing.assert_close(old_flat, old_padded[inputs["full_mask"].bool()], atol=1e-6,
+                               rtol=0)  # fmt: skip
+    assert passes[0][1]["clip_ratio/region_mean"] == 0.0  # the first pass: ratio 1
+
+    # TRL on the second pass's inputs: the moved policy, the first pass's log-probs as old.
+    loss, metrics, grads, weights = passes[1]
+    trainer = trl_trainer
+    trainer.model.load_state_dict(weights)
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = "dapo", 0.0, "token"
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
+    theirs = {k: v for k, v in inputs.items() if k != "full_mask"}
+    theirs["old_per_token_logps"] = old_padded
+    trainer.model.train()
+    trl_loss = trainer._compute_loss(trainer.model, theirs)
+    trl_loss.backward()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert loss == pytest.approx(trl_loss.item(), abs=1e-5)
+    for name, value in trl_metrics.items():
+        if math.isnan(value):
+            assert math.isnan(metrics[name]), name
+        else:
+            assert metrics[name] == pytest.approx(value, abs=1e-5), name
+    assert metrics["clip_ratio/region_mean"] > 0  # the ratio moved, and clipping bites
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
