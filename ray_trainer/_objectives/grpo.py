@@ -251,7 +251,6 @@ def config_of(args: Any) -> GrpoConfig:
 
 #: What GRPO does not compose with yet, and the fix each error names (``check_args``).
 _NOT_YET = (
-    ("packing", True, "packed completions are not built; set packing=False"),
     ("eval_every_steps", None, "GRPO has no validation step yet; drop eval_every_steps"),
     ("val_data", None, "GRPO has no validation step yet; drop val_data"),
 )
@@ -261,8 +260,7 @@ def check_args(args: Any) -> None:
     """What GRPO refuses in the other fields, named with the fix (the registry's ``check``,
     in the driver before Ray starts): a custom loss, no prompts, reward functions that do not
     import or cannot take TRL's arguments, weights that do not match them, and what is not
-    built yet (packing, validation, an elastic worker group, a frozen reference copy under
-    FSDP)."""
+    built yet (validation, an elastic worker group, a frozen reference copy under FSDP)."""
     from ray_trainer._rollout.actor import actor_options
     from ray_trainer._rollout.engines import resolve_backend
     from ray_trainer._rollout.rewards import resolve_reward_fns, reward_weights

@@ -1,11 +1,11 @@
 """Online RL end to end (issue 50): GRPO on 2 gloo workers of a real local Ray, DDP + LoRA, one
 ``hf`` rollout engine on a fractional CPU, a reward function run as a Ray task.
 
-One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off) and the
-reward task on a quarter CPU (``reward_resources``): the engine actor is killed once (after
-step 1: the next sync finds it dead, restarts it and syncs again), and rank 1 is killed once
-(after step 3: the run resumes from its step-2 checkpoint, the engines of the new worker group
-get the restored weights). What it shows: the metrics with TRL's names are logged with finite
+One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off), the
+completions packed (``packing=True``) and the reward task on a quarter CPU
+(``reward_resources``): the engine actor is killed once (after step 1: the next sync finds it
+dead, restarts it and syncs again), and rank 1 is killed once (after step 3: the run resumes
+from its step-2 checkpoint, the engines of the new worker group get the restored weights). What it shows: the metrics with TRL's names are logged with finite
 values, ``kl`` among them (> 0 once the adapters have moved); every completion was sampled by
 the policy of its step (the engine's version advances each step); ``rollout/logprob_diff`` <
 1e-5 (fp32, after every sync); ``rollouts.jsonl`` is written; each reward task ran on the
@@ -94,7 +94,7 @@ def run(ray_session, tmp_path_factory):
         grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True,
               "beta": BETA},
         reward_resources={"CPU": 0.25}, rollout_backend="hf", rollout_resources={"CPU": 0.5},
-        max_length=48, num_workers=2,
+        max_length=48, num_workers=2, packing=True,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
         callbacks=[Logs(str(folder)), KillRank1Once(step=3), KillEngineOnce()],

@@ -263,3 +263,28 @@ def test_num_iterations_repeats_a_rollout_and_a_resume_inside_it_takes_the_rest(
     # log-probs are then its own), then step 2's three passes: 9 optimizer steps in the epoch.
     assert passes == [(1, 0, 1), (2, 0, 1), (2, 1, 1), (2, 2, 1)]
     assert progress.step_in_epoch == 9
+
+
+def test_packed_steps_deal_prompts_by_their_completions_budget_and_fillers_take_none():
+    from ray_trainer._worker.step.micro_batches import StepLoader
+
+    # 6 prompts; each takes num_generations x (prompt + max_completion_length) tokens packed.
+    prompts = PromptDataset([_Prompt([1] * n) for n in (2, 6, 3, 9, 1, 4)], 2, 5)
+    assert prompts.lengths.tolist() == [14, 22, 16, 28, 12, 18]
+    plans = []
+    for rank in (0, 1):
+        loader = StepLoader(prompts, world=2, rank=rank, batch_size=3, grad_accum=1, seed=0,
+                            pad_id=0, max_tokens=40)  # fmt: skip
+        plans.append(next(iter(loader.steps(0))))
+    dealt = [[m.batch["prompt_index"].tolist() for m in step] for step in plans]
+    every = sorted(i for step in dealt for m in step for i in m)
+    assert every == list(range(6))  # each prompt once, over both ranks
+    for step in dealt:
+        for m in step:  # a micro-batch's completions fit the budget (or a prompt alone)
+            assert len(m) == 1 or sum(prompts.lengths[m]) <= 40, m
+    assert len(dealt[0]) == len(dealt[1])  # the ranks take as many micro-batches: fillers
+    fillers = [m for step in dealt for m in step if not m]
+    assert len(fillers) == 1  # 3 rows over 2 ranks: a filler, which holds no prompt (no loss)
+    empty = completion_batch([], [], pad_id=0, loss_type="dapo", max_completion_length=5,
+                             mask_truncated=False, packed=True)  # fmt: skip
+    assert empty.targets == 0 and empty.batch["token_index"].numel() == 0

@@ -122,7 +122,6 @@ def test_grpo_is_registered_and_owns_its_fields():
         ({"reward_weights": [1.0, 2.0]}, "2 weight(s) for 1 reward function(s)"),
         ({"rollout_workers": (1, 2)}, "rollout_workers=[1, 2]: an elastic number of rollout"),
         ({"rollout_resources": {"CPU": -1}}, "rollout_resources['CPU'] must be a number >= 0"),
-        ({"packing": True}, "packed completions are not built; set packing=False"),
         ({"eval_every_steps": 2}, "GRPO has no validation step yet"),
         ({"num_workers": (1, 2)}, "an elastic worker group is not built for GRPO yet"),
         ({"grpo": {"beta": 0.1}, "strategy": "fsdp"}, "add lora (the reference is the base"),

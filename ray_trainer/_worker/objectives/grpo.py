@@ -42,6 +42,7 @@ from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
 from ray_trainer._worker.objectives.dpo import disable_dropout
 from ray_trainer._worker.objectives.grpo_batch import (
+    MODEL_KEYS,
     PromptDataset,
     batch_advantages,
     completion_batch,
@@ -107,7 +108,8 @@ class GrpoObjective(WorkerObjective):
 
     def dataset(self, cached: Any, field: str, args: Any, references: dict[str, str]) -> Any:
         """The run's encoded prompts (the driver's, through the object store)."""
-        self.prompts = PromptDataset(cached)
+        c = self.config
+        self.prompts = PromptDataset(cached, c.num_generations, c.max_completion_length)
         return self.prompts
 
     def targets_per_sample(self, args: Any, cached: bool) -> int:
@@ -205,7 +207,8 @@ class GrpoObjective(WorkerObjective):
             batch = completion_batch(
                 [scored.completions[i] for i in picked], advantages[picked].tolist(),
                 pad_id=pad, loss_type=c.loss_type, max_completion_length=c.max_completion_length,
-                mask_truncated=c.mask_truncated_completions,
+                mask_truncated=c.mask_truncated_completions, packed=s.args.packing,
+                pad_to=s.loader.pad_to, layout=s.loader.layout,
             )  # fmt: skip
             out.append(batch)
         self._note_rollout(scored, rollout_s, reward_s, sync)
@@ -267,7 +270,7 @@ class GrpoObjective(WorkerObjective):
         self, workload: Any, model: Any, batch: dict[str, Any], targets: int
     ) -> tuple[Any, torch.Tensor]:
         c = self.config
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
         logps, rows, entropy = token_logps(_logits(model(**inputs)), batch, c.temperature, True)
         ref = None
         if c.beta > 0:
