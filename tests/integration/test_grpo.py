@@ -155,3 +155,82 @@ def test_no_prompt_is_skipped_or_repeated_across_the_crash(run):
     # Only step 3 (rolled out at global_step 2), after the step-2 checkpoint, was scored twice:
     # before the crash and again after the resume, with the same prompts.
     assert times == {s: PER_STEP * (2 if s == 2 else 1) for s in range(STEPS)}
+
+
+# -- FSDP2, full-weight sync, composed ------------------------------------------------------------
+
+FSDP_STEPS = 4  # num_iterations=2: rollouts at steps 1 and 3, each trained on twice
+
+
+def parity(prompts, completions, completion_ids, **kwargs):
+    return [float(c[0] % 2) if c else 0.0 for c in completion_ids]
+
+
+def checkpoint_step(checkpoint_path: str, step: int) -> dict:
+    """An ``EvalOnSave`` task: the step its checkpoint holds."""
+    with open(os.path.join(checkpoint_path, "trainer_state.json")) as f:
+        return {"checkpoint_step": float(json.load(f)["global_step"])}
+
+
+class ActorLogs(Logs):
+    """The callback actor: every log's metrics (GRPO's among them)."""
+
+    runs_on = "actor"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(ray_session, tmp_path_factory):
+    """2 workers under FSDP2 with no LoRA (each sync gathers and sends the full weights), the
+    completions packed, two optimizer passes over each rollout (``num_iterations=2``), an
+    asynchronous save at the end evaluated by an ``EvalOnSave`` task, and callbacks on rank 0
+    and in the callback actor."""
+    from callbacks import EvalOnSave
+    from ray_trainer import run_training
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    root = tmp_path_factory.mktemp("grpo-fsdp")
+    model = str(make_tiny_chat_model(root / "model", style="chatml"))
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"Count to {i}."}) + "\n")
+    folder = root / "records"
+    (folder / "actor").mkdir(parents=True)
+    result = run_training(
+        objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo-fsdp",
+        reward_fns=[parity], strategy="fsdp", seed=SEED, packing=True, async_checkpoint=True,
+        grpo={"num_generations": 2, "max_completion_length": 4, "num_iterations": 2},
+        rollout_backend="hf", rollout_resources={"CPU": 0.5}, reward_resources={"CPU": 0.25},
+        max_length=40, num_workers=2, batch_size=2, max_steps=FSDP_STEPS, learning_rate=1e-2,
+        save_every_steps=FSDP_STEPS, log_every_steps=1, storage_path=str(root / "storage"),
+        dashboard=False,
+        callbacks=[Logs(str(folder)), ActorLogs(str(folder / "actor")),
+                   EvalOnSave(checkpoint_step, num_gpus=0, num_cpus=0.25)],
+    )  # fmt: skip
+    return model, folder, result
+
+
+def test_fsdp2_full_syncs_with_async_saves_evaluations_and_callbacks(fsdp_run):
+    from transformers import AutoModelForCausalLM
+
+    model, folder, result = fsdp_run
+    assert result.global_step == FSDP_STEPS
+    full = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    logs = {r["step"]: r for r in read_records(str(folder), "logs")}
+    assert sorted(logs) == list(range(1, FSDP_STEPS + 1))
+    for step in (1, 3):  # a rollout: the full weights gathered from FSDP2's shards, fp32
+        assert logs[step]["sync/bytes"] >= full * 0.9, (step, logs[step]["sync/bytes"], full)
+        assert logs[step]["rollout/logprob_diff"] <= 1e-5, logs[step]
+    for step in (2, 4):  # the second pass over the same completions: no sync, same rewards
+        assert "sync/bytes" not in logs[step]
+        assert logs[step]["reward"] == logs[step - 1]["reward"]
+    # The second pass's ratio moved off 1 (old log-probs: the first pass's); grads flowed.
+    assert all(math.isfinite(r["clip_ratio/region_mean"]) for r in logs.values())
+    assert all(r["trained_tokens"] > 0 and r["grad_norm"] > 0 for r in logs.values())
+    # The asynchronous save at the end was evaluated by its task, on that checkpoint.
+    evaluated = [e for e in result.evaluations if "metrics" in e]
+    assert [(e["step"], e["metrics"]["checkpoint_step"]) for e in evaluated] == [(4, 4.0)]
+    # The callback actor saw GRPO's metrics as rank 0 did.
+    seen = {r["step"]: r for r in read_records(str(folder / "actor"), "logs")}
+    assert sorted(seen) == sorted(logs)
+    for name in ("reward", "clip_ratio/region_mean", "completions/mean_length", "entropy"):
+        assert all(seen[s][name] == pytest.approx(logs[s][name]) for s in seen), name
