@@ -250,9 +250,14 @@ def config_of(args: Any) -> GrpoConfig:
 
 
 #: What GRPO does not compose with yet, and the fix each error names (``check_args``).
+_VALIDATION = (
+    "GRPO has no validation step yet (a reward on held-out prompts, eval/reward, is not built); "
+    "drop {}, and score checkpoints on held-out prompts with "
+    "callbacks=[EvalOnSave(GenerationEval(...))] instead"
+)
 _NOT_YET = (
-    ("eval_every_steps", None, "GRPO has no validation step yet; drop eval_every_steps"),
-    ("val_data", None, "GRPO has no validation step yet; drop val_data"),
+    ("eval_every_steps", None, _VALIDATION.format("eval_every_steps")),
+    ("val_data", None, _VALIDATION.format("val_data")),
 )
 
 
