@@ -112,11 +112,13 @@ class TrainingArgs(BaseModel):
     # GRPO (docs/rl.md): online RL on completions sampled by rollout engines. Its settings, one
     # nested config with TRL 1.16's GRPOConfig names (a GrpoConfig or a dict; None: defaults);
     # the reward functions (callables with TRL's signature, or "module:function" strings) and
-    # one weight per function (None: 1.0 each); the rollout engines: backend, the resources of
-    # each engine's Ray actor (None: one CPU) and how many engines.
+    # one weight per function (None: 1.0 each); the resources of each function's Ray task (one
+    # dict for all, or one per function name; None: one CPU each); the rollout engines:
+    # backend, the resources of each engine's Ray actor (None: one CPU) and how many engines.
     grpo: Any = None
     reward_fns: Any = None
     reward_weights: list[float] | None = None
+    reward_resources: dict[str, Any] | None = None
     rollout_backend: Literal["hf", "vllm", "auto"] = "auto"
     rollout_resources: dict[str, float] | None = None
     rollout_workers: int | tuple[int, int] = 1

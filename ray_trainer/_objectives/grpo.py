@@ -250,10 +250,14 @@ def config_of(args: Any) -> GrpoConfig:
 
 
 #: What GRPO does not compose with yet, and the fix each error names (``check_args``).
+_VALIDATION = (
+    "GRPO has no validation step yet (a reward on held-out prompts, eval/reward, is not built); "
+    "drop {}, and score checkpoints on held-out prompts with "
+    "callbacks=[EvalOnSave(GenerationEval(...))] instead"
+)
 _NOT_YET = (
-    ("packing", True, "packed completions are not built; set packing=False"),
-    ("eval_every_steps", None, "GRPO has no validation step yet; drop eval_every_steps"),
-    ("val_data", None, "GRPO has no validation step yet; drop val_data"),
+    ("eval_every_steps", None, _VALIDATION.format("eval_every_steps")),
+    ("val_data", None, _VALIDATION.format("val_data")),
 )
 
 
@@ -261,8 +265,7 @@ def check_args(args: Any) -> None:
     """What GRPO refuses in the other fields, named with the fix (the registry's ``check``,
     in the driver before Ray starts): a custom loss, no prompts, reward functions that do not
     import or cannot take TRL's arguments, weights that do not match them, and what is not
-    built yet (packing, validation, an elastic worker group, ``num_iterations > 1``, a frozen
-    reference copy under FSDP)."""
+    built yet (validation, an elastic worker group, a frozen reference copy under FSDP)."""
     from ray_trainer._rollout.actor import actor_options
     from ray_trainer._rollout.engines import resolve_backend
     from ray_trainer._rollout.rewards import resolve_reward_fns, reward_weights
@@ -287,19 +290,14 @@ def check_args(args: Any) -> None:
             "group is not built for GRPO yet; give a fixed number of workers"
         )
     config = config_of(args)
-    if config.num_iterations > 1:
-        raise ValueError(
-            f"grpo.num_iterations={config.num_iterations}: more than one optimizer pass over a "
-            "batch of completions is not built yet (it needs the old log-probs kept per "
-            "completion across steps); use 1 and more prompts per step instead"
-        )
     if config.beta > 0 and args.strategy == "fsdp" and args.lora is None:
         raise ValueError(
             f"grpo.beta={config.beta} with strategy='fsdp' and no LoRA: the KL's reference "
             "would be a frozen copy of the whole model on every rank; add lora (the reference "
             "is the base with the adapters off), use strategy='ddp', or set grpo.beta=0"
         )
-    fns = resolve_reward_fns(args.reward_fns)  # TrainingArgsError naming the function
+    # TrainingArgsError naming the function (or its resources)
+    fns = resolve_reward_fns(args.reward_fns, args.reward_resources)
     reward_weights(args.reward_weights, fns)
     actor_options(args.rollout_resources)
     try:  # a backend that is not built (or, for "auto", none here) is refused now
@@ -310,10 +308,14 @@ def check_args(args: Any) -> None:
 
 def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
     """The rollout engines (``rollout_workers`` x ``rollout_resources``) and one reward task
-    (each function's task asks for one CPU): what a step needs besides the workers."""
+    (``reward_resources``: each resource's largest over the functions; by default one CPU):
+    what a step needs besides the workers."""
+    from ray_trainer._rollout.rewards import resolve_reward_fns, task_resources
+
     engine = dict(args.rollout_resources) if args.rollout_resources is not None else {"CPU": 1.0}
     engines = [(f"rollout engine {i}", engine) for i in range(args.rollout_workers)]
-    return [*engines, ("a reward function's task", {"CPU": 1.0})]
+    task = task_resources(resolve_reward_fns(args.reward_fns, args.reward_resources))
+    return [*engines, ("a reward function's task", {k: v for k, v in task.items() if v > 0})]
 
 
 def run_metrics(args: Any) -> tuple[str, ...]:
@@ -344,6 +346,7 @@ GRPO = Objective(
         "grpo",
         "reward_fns",
         "reward_weights",
+        "reward_resources",
         "rollout_backend",
         "rollout_resources",
         "rollout_workers",

@@ -118,8 +118,10 @@ def resolve_reward_fns(
     """The run's reward functions, checked (the driver, before Ray starts).
 
     ``reward_fns`` is a callable, a ``"module:function"`` string, or a list of them;
-    ``resources`` gives a function's Ray task its own resources, by the function's name
-    (default: :data:`DEFAULT_RESOURCES`); ``columns`` are the data's columns besides
+    ``resources`` (``TrainingArgs.reward_resources``) gives the functions' Ray tasks their
+    resources: one dict of Ray resources for every function's task (``{"CPU": 0.5}``,
+    ``{"GPU": 1}``), or a dict of such dicts keyed by function name (a function not named
+    keeps :data:`DEFAULT_RESOURCES`, as every function does when it is None); ``columns`` are the data's columns besides
     ``prompt``, which each function must accept (as parameters, or ``**kwargs`` as TRL's do).
 
     Raises:
@@ -135,6 +137,9 @@ def resolve_reward_fns(
         )
     out: list[RewardFunction] = []
     resources = dict(resources or {})
+    shared = DEFAULT_RESOURCES
+    if resources and not any(isinstance(v, dict) for v in resources.values()):
+        shared, resources = resources, {}  # one resource dict for every function's task
     for i, spec in enumerate(items):
         fn = _resolve(spec, i)
         name = getattr(fn, "__name__", None) or type(fn).__name__
@@ -146,7 +151,7 @@ def resolve_reward_fns(
                 "each function its own name"
             )
         _check_signature(fn, name, i, columns)
-        res = _check_resources(resources.pop(name, DEFAULT_RESOURCES), name)
+        res = _check_resources(resources.pop(name, shared), name)
         out.append(RewardFunction(name, fn, spec, res))
     if resources:
         raise TrainingArgsError(
@@ -222,13 +227,38 @@ def _check_signature(fn: Any, name: str, i: int, columns: Sequence[str]) -> None
 
 def _check_resources(value: Any, name: str) -> dict[str, float]:
     if not isinstance(value, dict) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value.values()
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        for k, v in value.items()
     ):
         raise TrainingArgsError(
-            f"reward_resources[{name!r}]={value!r}: give a dict of Ray resources, e.g. "
-            "{'CPU': 1} or {'GPU': 1} for a reward model"
+            f"reward_resources for {name!r}: got {value!r}; give a dict of Ray resources for "
+            "every function's task, e.g. {'CPU': 0.5} or {'GPU': 1} for a reward model, or "
+            "such a dict per function name, e.g. {'my_reward': {'GPU': 1}}"
         )
     return {k: float(v) for k, v in value.items()}
+
+
+def task_options(fn: RewardFunction) -> dict[str, Any]:
+    """Ray's task options for `fn`'s reward task: its resources (``CPU`` and ``GPU`` as
+    ``num_cpus`` and ``num_gpus``, 0 when absent; the others as custom resources), no retry
+    (a failed reward fails the step), and a name that shows in Ray's dashboard."""
+    return {
+        "num_cpus": fn.resources.get("CPU", 0.0),
+        "num_gpus": fn.resources.get("GPU", 0.0),
+        "resources": {k: v for k, v in fn.resources.items() if k not in ("CPU", "GPU")},
+        "max_retries": 0,
+        "name": f"reward:{fn.name}",
+    }
+
+
+def task_resources(fns: Sequence[RewardFunction]) -> dict[str, float]:
+    """What one reward task may need at most (each resource's largest over the functions):
+    what the driver's fit check keeps free beside the workers."""
+    out: dict[str, float] = {}
+    for fn in fns:
+        for k, v in fn.resources.items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
 
 
 # -- calling --------------------------------------------------------------------------------------
@@ -329,16 +359,7 @@ def score_on_ray(
 
     remote = ray.remote(call_reward)
     batch_ref = ray.put(batch)
-    refs = {
-        remote.options(
-            num_cpus=fn.resources.get("CPU", 0.0),
-            num_gpus=fn.resources.get("GPU", 0.0),
-            resources={k: v for k, v in fn.resources.items() if k not in ("CPU", "GPU")},
-            max_retries=0,
-            name=f"reward:{fn.name}",
-        ).remote(fn, batch_ref, state): fn
-        for fn in fns
-    }
+    refs = {remote.options(**task_options(fn)).remote(fn, batch_ref, state): fn for fn in fns}
     _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         for ref in pending:

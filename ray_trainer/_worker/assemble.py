@@ -64,7 +64,7 @@ def setup(spec: RunSpec) -> WorkerState:
         args, objective, spec.data_caches, spec.chat_template, spec.references, prompts
     )
     loader = _loader(args, workload, world, rank)
-    steps_per_epoch = loader.steps_per_epoch
+    steps_per_epoch = loader.steps_per_epoch * objective.iterations
     if steps_per_epoch == 0:
         raise ValueError(
             f"data: {len(workload.train_dataset)} samples are too few for one optimizer step of "

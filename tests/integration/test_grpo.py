@@ -1,14 +1,17 @@
 """Online RL end to end (issue 50): GRPO on 2 gloo workers of a real local Ray, DDP + LoRA, one
 ``hf`` rollout engine on a fractional CPU, a reward function run as a Ray task.
 
-One run: the engine actor is killed once (after step 1: the next sync finds it dead, restarts
-it and syncs again), and rank 1 is killed once (after step 3: the run resumes from its step-2
-checkpoint, the engines of the new worker group get the restored weights). What it shows: the
-metrics with TRL's names are logged with finite values; every completion was sampled by the
-policy of its step (the engine's version advances each step); ``rollout/logprob_diff`` < 1e-5
-(fp32, after every sync); ``rollouts.jsonl`` is written; and the prompts scored, step by step,
-are exactly the loader's epoch order: none skipped or repeated across the crash, and the second
-epoch starts over in its own order.
+One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off), the
+completions packed (``packing=True``) and the reward task on a quarter CPU
+(``reward_resources``): the engine actor is killed once (after step 1: the next sync finds it
+dead, restarts it and syncs again), and rank 1 is killed once (after step 3: the run resumes
+from its step-2 checkpoint, the engines of the new worker group get the restored weights). What it shows: the metrics with TRL's names are logged with finite
+values, ``kl`` among them (> 0 once the adapters have moved); every completion was sampled by
+the policy of its step (the engine's version advances each step); ``rollout/logprob_diff`` <
+1e-5 (fp32, after every sync); ``rollouts.jsonl`` is written; each reward task ran on the
+resources it was given; and the prompts scored, step by step, are exactly the loader's epoch
+order: none skipped or repeated across the crash, and the second epoch starts over in its own
+order.
 """
 
 from __future__ import annotations
@@ -26,15 +29,18 @@ from callbacks import TrainerCallback
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 PROMPTS, PER_STEP, STEPS, SEED = 12, 4, 4, 3  # 3 steps an epoch: step 4 starts epoch 2
+BETA = 0.04  # the KL against the base with the adapters off
 
 
 def scored_to(folder: str):
     """A reward function (a Ray task per step) that records each prompt it scores, by step."""
 
     def scored(prompts, completions, completion_ids, trainer_state, id, **kwargs):
+        cpu = ray.get_runtime_context().get_assigned_resources().get("CPU")  # reward_resources
         with open(os.path.join(folder, f"scored-{os.getpid()}.jsonl"), "a") as f:
             for i in sorted(set(id)):
-                f.write(json.dumps({"step": trainer_state.global_step, "id": i}) + "\n")
+                record = {"step": trainer_state.global_step, "id": i, "cpu": cpu}
+                f.write(json.dumps(record) + "\n")
         return [float(c[0] % 2) if c else 0.0 for c in completion_ids]  # varies in a group
 
     return scored
@@ -85,8 +91,10 @@ def run(ray_session, tmp_path_factory):
     result = run_training(
         objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo",
         reward_fns=[scored_to(str(folder))], lora=LORA, seed=SEED,
-        grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True},
-        rollout_backend="hf", rollout_resources={"CPU": 0.5}, max_length=48, num_workers=2,
+        grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True,
+              "beta": BETA},
+        reward_resources={"CPU": 0.25}, rollout_backend="hf", rollout_resources={"CPU": 0.5},
+        max_length=48, num_workers=2, packing=True,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
         callbacks=[Logs(str(folder)), KillRank1Once(step=3), KillEngineOnce()],
@@ -107,6 +115,10 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
                      "reward/seconds", "sync/seconds", "sync/bytes"):  # fmt: skip
             assert math.isfinite(record[name]), (step, name, record[name])
         assert record["sync/bytes"] > 0  # the adapter, every step (sync_every=1)
+        # beta > 0: the KL against the adapters-off base, 0 while the adapters are (LoRA's B
+        # starts at zero), > 0 once a step has moved them.
+        assert math.isfinite(record["kl"]) and record["kl"] >= 0, (step, record["kl"])
+        assert record["kl"] > 0 or step == 1, (step, record["kl"])
         assert record["trained_tokens"] > 0
         # The engine holds the trainer's weights: the probe's log-probs agree in fp32.
         assert record["rollout/logprob_diff"] < 1e-5, (step, record["rollout/logprob_diff"])
@@ -138,6 +150,89 @@ def test_no_prompt_is_skipped_or_repeated_across_the_crash(run):
         order, i = epoch_order(PROMPTS, SEED, s // per_epoch).tolist(), s % per_epoch
         expected[s] = set(order[i * PER_STEP : (i + 1) * PER_STEP])
     assert scored == expected
+    # Each reward task ran on the resources reward_resources gave it, not the default CPU.
+    assert {r["cpu"] for r in read_records(str(folder), "scored")} == {0.25}
     # Only step 3 (rolled out at global_step 2), after the step-2 checkpoint, was scored twice:
     # before the crash and again after the resume, with the same prompts.
     assert times == {s: PER_STEP * (2 if s == 2 else 1) for s in range(STEPS)}
+
+
+# -- FSDP2, full-weight sync, composed ------------------------------------------------------------
+
+FSDP_STEPS = 4  # num_iterations=2: rollouts at steps 1 and 3, each trained on twice
+
+
+def parity(prompts, completions, completion_ids, **kwargs):
+    return [float(c[0] % 2) if c else 0.0 for c in completion_ids]
+
+
+def checkpoint_step(checkpoint_path: str, step: int) -> dict:
+    """An ``EvalOnSave`` task: the step its checkpoint holds."""
+    with open(os.path.join(checkpoint_path, "trainer_state.json")) as f:
+        return {"checkpoint_step": float(json.load(f)["global_step"])}
+
+
+class ActorLogs(Logs):
+    """The callback actor: every log's metrics (GRPO's among them)."""
+
+    runs_on = "actor"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(ray_session, tmp_path_factory):
+    """2 workers under FSDP2 with no LoRA (each sync gathers and sends the full weights), the
+    completions packed, two optimizer passes over each rollout (``num_iterations=2``), an
+    asynchronous save at the end evaluated by an ``EvalOnSave`` task, and callbacks on rank 0
+    and in the callback actor."""
+    from callbacks import EvalOnSave
+    from ray_trainer import run_training
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    root = tmp_path_factory.mktemp("grpo-fsdp")
+    model = str(make_tiny_chat_model(root / "model", style="chatml"))
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"Count to {i}."}) + "\n")
+    folder = root / "records"
+    (folder / "actor").mkdir(parents=True)
+    result = run_training(
+        objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo-fsdp",
+        reward_fns=[parity], strategy="fsdp", seed=SEED, packing=True, async_checkpoint=True,
+        grpo={"num_generations": 2, "max_completion_length": 4, "num_iterations": 2},
+        rollout_backend="hf", rollout_resources={"CPU": 0.5}, reward_resources={"CPU": 0.25},
+        max_length=40, num_workers=2, batch_size=2, max_steps=FSDP_STEPS, learning_rate=1e-2,
+        save_every_steps=FSDP_STEPS, log_every_steps=1, storage_path=str(root / "storage"),
+        dashboard=False,
+        callbacks=[Logs(str(folder)), ActorLogs(str(folder / "actor")),
+                   EvalOnSave(checkpoint_step, num_gpus=0, num_cpus=0.25)],
+    )  # fmt: skip
+    return model, folder, result
+
+
+def test_fsdp2_full_syncs_with_async_saves_evaluations_and_callbacks(fsdp_run):
+    from transformers import AutoModelForCausalLM
+
+    model, folder, result = fsdp_run
+    assert result.global_step == FSDP_STEPS
+    full = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    logs = {r["step"]: r for r in read_records(str(folder), "logs")}
+    assert sorted(logs) == list(range(1, FSDP_STEPS + 1))
+    for step in (1, 3):  # a rollout: the full weights gathered from FSDP2's shards, fp32
+        assert logs[step]["sync/bytes"] >= full * 0.9, (step, logs[step]["sync/bytes"], full)
+        assert logs[step]["rollout/logprob_diff"] <= 1e-5, logs[step]
+    for step in (2, 4):  # the second pass over the same completions: no sync, same rewards
+        assert "sync/bytes" not in logs[step]
+        assert logs[step]["reward"] == logs[step - 1]["reward"]
+    # A first pass's ratio is 1 (old log-probs: its own); the second pass's moved off it (old
+    # log-probs: the first pass's, the policy has taken a step since) and clipping bites.
+    assert [logs[s]["clip_ratio/region_mean"] for s in (1, 3)] == [0.0, 0.0]
+    assert all(logs[s]["clip_ratio/region_mean"] > 0 for s in (2, 4)), logs
+    assert all(r["trained_tokens"] > 0 and r["grad_norm"] > 0 for r in logs.values())
+    # The asynchronous save at the end was evaluated by its task, on that checkpoint.
+    evaluated = [e for e in result.evaluations if "metrics" in e]
+    assert [(e["step"], e["metrics"]["checkpoint_step"]) for e in evaluated] == [(4, 4.0)]
+    # The callback actor saw GRPO's metrics as rank 0 did.
+    seen = {r["step"]: r for r in read_records(str(folder / "actor"), "logs")}
+    assert sorted(seen) == sorted(logs)
+    for name in ("reward", "clip_ratio/region_mean", "completions/mean_length", "entropy"):
+        assert all(seen[s][name] == pytest.approx(logs[s][name]) for s in seen), name

@@ -404,3 +404,199 @@ def test_two_gloo_ranks_give_the_whole_steps_gradient():
     want = [*grad.flatten().tolist(), metrics["kl"], metrics["clip_ratio/high_max"]]
     for got in run_ranks(_gloo_rank, 2, option):
         assert got == pytest.approx(want, abs=1e-6)
+
+
+# -- num_iterations > 1: passes over one rollout's completions ------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_second_pass_takes_the_first_passs_log_probs_as_old_ones_as_trl(tiny, trl_trainer):
+    """``num_iterations=2`` through the worker objective's own steps: one rollout's completions
+    yielded for two optimizer steps; the first pass reads the old log-probs (the policy that
+    sampled them), the second's loss, clip metrics and gradients equal TRL's `_compute_loss`
+    on that pass's inputs (the moved policy, those old log-probs): the ratio moves and clips."""
+    from types import SimpleNamespace
+
+    from ray_trainer import TrainingArgs
+    from ray_trainer._rollout.types import Completion
+    from ray_trainer._worker.objectives.grpo import GrpoObjective
+    from ray_trainer._worker.objectives.grpo_batch import PromptDataset, completion_batch
+
+    path, tokenizer = tiny
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    width = min(map(len, ids))  # prompts of one length: TRL's left padding is no padding
+    inputs = step_inputs(tokenizer)
+    inputs["prompt_ids"] = torch.tensor([p[:width] for p in ids for _ in range(2)])
+    inputs["prompt_mask"] = torch.ones_like(inputs["prompt_ids"])
+    comps = [
+        Completion(i // 2, inputs["prompt_ids"][i].tolist(),
+                   inputs["completion_ids"][i, :n].tolist(), [0.0] * n, False, 0)
+        for i, n in enumerate(LENGTHS)
+    ]  # fmt: skip
+    micro = completion_batch(comps, ADVANTAGES, pad_id=tokenizer.pad_token_id, loss_type="dapo",
+                             max_completion_length=MAX_COMPLETION, mask_truncated=False)  # fmt: skip
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [0.0] * len(completions)
+
+    grpo = dict(num_generations=2, max_completion_length=MAX_COMPLETION, num_iterations=2,
+                temperature=TEMPERATURE, epsilon_high=0.28, importance_sampling=None)  # fmt: skip
+    args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[reward],
+                               grpo=grpo)  # fmt: skip
+    objective = GrpoObjective(args)
+    objective.prompts = PromptDataset([SimpleNamespace(prompt_ids=p) for p in ids])
+    objective._start = lambda s: None  # no engines: the completions are given
+    objective.rollout_step = lambda s, prompts: [micro]
+    objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 7
+    progress = SimpleNamespace(epoch=0, step_in_epoch=0, global_step=0, extra={})
+    starts = []
+
+    def loader_steps(epoch, start):
+        starts.append(start)
+        return iter([["the step's prompts"]] * (1 - start))
+
+    state = SimpleNamespace(progress=progress, loader=SimpleNamespace(steps=loader_steps,
+                            per_step=4), args=SimpleNamespace(seed=0))  # fmt: skip
+    policy = load(path)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.Adam(policy.parameters(), lr=0.05)
+    workload = SimpleNamespace(norm=1.0)
+    passes = []
+    for batches in objective.steps(state, iter([])):  # the loop's part: a step per yield
+        assert batches == [micro]
+        _, loss = objective.step_loss(workload, policy, micro.batch, micro.targets)
+        loss.backward()
+        sums = objective.take_sums()
+        metrics = objective.metrics_from_sums(sums.tolist(), micro.targets)
+        grads = {n: p.grad.clone() / micro.targets for n, p in policy.named_parameters()}
+        state_now = {k: v.clone() for k, v in policy.state_dict().items()}
+        passes.append((loss.item() / micro.targets, metrics, grads, state_now))
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.step_in_epoch += 1
+        progress.global_step += 1
+    assert len(passes) == 2 and starts == [0]  # one rollout, two optimizer steps
+    assert progress.extra["grpo_ledger"]["step_in_epoch"] == 2  # the ledger counts both
+
+    # The old log-probs are the sampling policy's: a forward of the weights before any step.
+    sampler = load(path)
+    sampler.load_state_dict(before)
+    with torch.no_grad():
+        old_padded, _ = per_token(sampler, inputs)
+    old_flat = objective._old[0]
+    torch.testing.assert_close(old_flat, old_padded[inputs["full_mask"].bool()], atol=1e-6,
+                               rtol=0)  # fmt: skip
+    assert passes[0][1]["clip_ratio/region_mean"] == 0.0  # the first pass: ratio 1
+
+    # TRL on the second pass's inputs: the moved policy, the first pass's log-probs as old.
+    loss, metrics, grads, weights = passes[1]
+    trainer = trl_trainer
+    trainer.model.load_state_dict(weights)
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = "dapo", 0.0, "token"
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
+    theirs = {k: v for k, v in inputs.items() if k != "full_mask"}
+    theirs["old_per_token_logps"] = old_padded
+    trainer.model.train()
+    trl_loss = trainer._compute_loss(trainer.model, theirs)
+    trl_loss.backward()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert loss == pytest.approx(trl_loss.item(), abs=1e-5)
+    for name, value in trl_metrics.items():
+        if math.isnan(value):
+            assert math.isnan(metrics[name]), name
+        else:
+            assert metrics[name] == pytest.approx(value, abs=1e-5), name
+    assert metrics["clip_ratio/region_mean"] > 0  # the ratio moved, and clipping bites
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# -- packing=True: completions packed into rows ---------------------------------------------------
+
+
+def _packed_problem(tokenizer):
+    """8 completions of uneven lengths, 2 per prompt of uneven lengths, with engine log-probs
+    a little off the policy's and one truncated completion (masked)."""
+    from ray_trainer._rollout.types import Completion
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [tokenizer(p)["input_ids"] for p in (*PROMPTS, "Hi", "Say a long word please:")]
+    comps = []
+    for i, n in enumerate(SPLIT_LENGTHS):
+        ids = torch.randint(10, len(tokenizer), (n,), generator=g).tolist()
+        logprobs = (torch.rand(n, generator=g) * -3).tolist()
+        comps.append(Completion(i // 2, prompts[i // 2], ids, logprobs, i == 2, 0))
+    advantages = torch.randn(len(comps), generator=g).tolist()
+    return comps, advantages
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_packed_completions_give_the_padded_loss_and_gradient_for_any_split(tiny, loss_type):
+    """``packing=True``: each micro-batch's completions in one packed row (position ids
+    restarting per completion, our packed attention) give the padded micro-batches' loss,
+    gradient and metrics within 1e-6 (fp32), and the 1x4, 2x2 and 4x1 splits of the step over
+    micro-batches x ranks stay exact packed (the ranks' sums added as the step's all-reduce
+    adds them). With ``beta > 0``: the frozen reference reads the packed rows too."""
+    import copy
+    from types import SimpleNamespace
+
+    from ray_trainer import TrainingArgs
+    from ray_trainer._worker.model.packed_attention import use_packed_attention
+    from ray_trainer._worker.objectives.grpo import GrpoObjective
+    from ray_trainer._worker.objectives.grpo_batch import completion_batch
+
+    path, tokenizer = tiny
+    comps, advantages = _packed_problem(tokenizer)
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [0.0] * len(completions)
+
+    def step(sizes, packed):
+        model = load(path)
+        if packed:
+            assert use_packed_attention(model)
+        grpo = dict(num_generations=2, max_completion_length=8, temperature=TEMPERATURE,
+                    beta=0.04, loss_type=loss_type, mask_truncated_completions=True,
+                    importance_sampling="sequence_truncate", importance_sampling_cap=1.2)  # fmt: skip
+        args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m",
+                                   reward_fns=[reward], grpo=grpo)  # fmt: skip
+        objective = GrpoObjective(args)
+        objective.frozen = copy.deepcopy(model).requires_grad_(False)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():  # the policy a little away from the reference: a KL
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 7
+        parts, first, targets, widths = [], 0, 0, []
+        for size in sizes:
+            micro = completion_batch(
+                comps[first : first + size], advantages[first : first + size],
+                pad_id=tokenizer.pad_token_id, loss_type=loss_type, max_completion_length=8,
+                mask_truncated=True, packed=packed, pad_to=1, layout=packed,
+            )  # fmt: skip
+            widths.append(micro.batch["input_ids"].shape)
+            batch = {k: v.to("cpu") for k, v in micro.batch.items()}  # as the loop moves it
+            _, loss = objective.step_loss(SimpleNamespace(norm=1.0), model, batch,
+                                          micro.targets)  # fmt: skip
+            loss.backward()
+            parts.append(loss.item())
+            first, targets = first + size, targets + micro.targets
+        objective._agreed_maxima.append([-math.inf] * 9)
+        sums = objective.take_sums()
+        metrics = objective.metrics_from_sums(sums.tolist(), targets)
+        grads = torch.cat([p.grad.flatten() / targets for p in model.parameters()])
+        return sum(parts) / targets, grads, metrics, widths
+
+    loss, grads, metrics, widths = step([8], packed=False)
+    assert len(widths[0]) == 2 and widths[0][0] == 8  # padded: a row per completion
+    assert grads.abs().sum() > 0 and metrics["kl"] > 1e-4
+    for sizes in ([8], [4, 4], [2, 2, 2, 2], [8, 0]):  # [8, 0]: a rank's filler after its row
+        p_loss, p_grads, p_metrics, p_widths = step(sizes, packed=True)
+        assert all(w[0] == 1 for w in p_widths), p_widths  # packed: one row per micro-batch
+        assert p_loss == pytest.approx(loss, abs=1e-6), sizes
+        torch.testing.assert_close(p_grads, grads, atol=1e-6, rtol=0, msg=str(sizes))
+        for name in ("entropy", "clip_ratio/region_mean", "trained_tokens", "kl"):
+            assert p_metrics[name] == pytest.approx(metrics[name], abs=1e-6), (sizes, name)

@@ -223,3 +223,68 @@ def test_beta_takes_the_kl_against_the_model_as_it_started():
     objective._agreed_maxima.append([-math.inf] * 9)
     metrics = objective.metrics_from_sums(objective._sums.tolist() + [0.0] * 10, 9.0)
     assert metrics["kl"] > 1e-3  # beta > 0: TRL's kl, a mean over the completion tokens
+
+
+def test_num_iterations_repeats_a_rollout_and_a_resume_inside_it_takes_the_rest():
+    from types import SimpleNamespace
+
+    from ray_trainer._worker.objectives.grpo import iteration_start
+
+    assert [iteration_start(s, 3) for s in (0, 2, 3, 7)] == [(0, 0), (0, 2), (1, 0), (2, 1)]
+    objective = _objective(num_iterations=3, max_completion_length=3)
+    objective.prompts = PromptDataset([_Prompt([1, 2]), _Prompt([7])])
+    rollouts = []
+
+    def rollout_step(s, prompts):  # a new rollout each loader step (the engines' part)
+        rollouts.append(prompts)
+        return [completion_batch(_completions(), [0.5, -0.5, 1.0, -1.0], pad_id=0,
+                                 loss_type="dapo", max_completion_length=3,
+                                 mask_truncated=False)]  # fmt: skip
+
+    objective._start, objective.rollout_step = (lambda s: None), rollout_step
+    progress = SimpleNamespace(epoch=0, step_in_epoch=5, global_step=5, extra={})
+    starts = []
+
+    def loader_steps(epoch, start):  # 3 loader steps an epoch: 9 optimizer steps
+        starts.append(start)
+        return iter([[f"prompts of step {i}"] for i in range(start, 3)])
+
+    state = SimpleNamespace(progress=progress, loader=SimpleNamespace(steps=loader_steps,
+                            per_step=2), args=SimpleNamespace(seed=0))  # fmt: skip
+    model, passes = _Toy(), []
+    for batches in objective.steps(state, iter([])):  # resumed at step 5: loader step 1, pass 2
+        objective.step_loss(_Workload(), model, batches[0].batch, batches[0].targets)
+        passes.append((len(rollouts), objective._pass, len(objective._old)))
+        objective.take_sums()
+        progress.step_in_epoch += 1
+        assert progress.extra["grpo_ledger"]["step_in_epoch"] == progress.step_in_epoch
+    assert starts == [1] and rollouts == [["prompts of step 1"], ["prompts of step 2"]]
+    # Step 1's prompts rolled out again by the restored policy for its last pass (whose old
+    # log-probs are then its own), then step 2's three passes: 9 optimizer steps in the epoch.
+    assert passes == [(1, 0, 1), (2, 0, 1), (2, 1, 1), (2, 2, 1)]
+    assert progress.step_in_epoch == 9
+
+
+def test_packed_steps_deal_prompts_by_their_completions_budget_and_fillers_take_none():
+    from ray_trainer._worker.step.micro_batches import StepLoader
+
+    # 6 prompts; each takes num_generations x (prompt + max_completion_length) tokens packed.
+    prompts = PromptDataset([_Prompt([1] * n) for n in (2, 6, 3, 9, 1, 4)], 2, 5)
+    assert prompts.lengths.tolist() == [14, 22, 16, 28, 12, 18]
+    plans = []
+    for rank in (0, 1):
+        loader = StepLoader(prompts, world=2, rank=rank, batch_size=3, grad_accum=1, seed=0,
+                            pad_id=0, max_tokens=40)  # fmt: skip
+        plans.append(next(iter(loader.steps(0))))
+    dealt = [[m.batch["prompt_index"].tolist() for m in step] for step in plans]
+    every = sorted(i for step in dealt for m in step for i in m)
+    assert every == list(range(6))  # each prompt once, over both ranks
+    for step in dealt:
+        for m in step:  # a micro-batch's completions fit the budget (or a prompt alone)
+            assert len(m) == 1 or sum(prompts.lengths[m]) <= 40, m
+    assert len(dealt[0]) == len(dealt[1])  # the ranks take as many micro-batches: fillers
+    fillers = [m for step in dealt for m in step if not m]
+    assert len(fillers) == 1  # 3 rows over 2 ranks: a filler, which holds no prompt (no loss)
+    empty = completion_batch([], [], pad_id=0, loss_type="dapo", max_completion_length=5,
+                             mask_truncated=False, packed=True)  # fmt: skip
+    assert empty.targets == 0 and empty.batch["token_index"].numel() == 0

@@ -93,8 +93,8 @@ def test_grpo_is_registered_and_owns_its_fields():
     assert "grpo" in names() and objective_of("grpo") is GRPO
     assert GRPO.name == "grpo" and GRPO.takes("prompts") and not GRPO.takes("messages")
     assert GRPO.fields == (
-        "grpo", "reward_fns", "reward_weights", "rollout_backend", "rollout_resources",
-        "rollout_workers",
+        "grpo", "reward_fns", "reward_weights", "reward_resources", "rollout_backend",
+        "rollout_resources", "rollout_workers",
     ) and not GRPO.needs_reference(None)  # fmt: skip
     assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS)
     for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
@@ -122,10 +122,8 @@ def test_grpo_is_registered_and_owns_its_fields():
         ({"reward_weights": [1.0, 2.0]}, "2 weight(s) for 1 reward function(s)"),
         ({"rollout_workers": (1, 2)}, "rollout_workers=[1, 2]: an elastic number of rollout"),
         ({"rollout_resources": {"CPU": -1}}, "rollout_resources['CPU'] must be a number >= 0"),
-        ({"packing": True}, "packed completions are not built; set packing=False"),
         ({"eval_every_steps": 2}, "GRPO has no validation step yet"),
         ({"num_workers": (1, 2)}, "an elastic worker group is not built for GRPO yet"),
-        ({"grpo": {"num_iterations": 2}}, "grpo.num_iterations=2: more than one optimizer pass"),
         ({"grpo": {"beta": 0.1}, "strategy": "fsdp"}, "add lora (the reference is the base"),
         ({"loss_fn": len}, "loss_fn with objective='grpo'"),
         ({"rollout_backend": "nope"}, "Input should be 'hf', 'vllm' or 'auto'"),
@@ -190,3 +188,45 @@ def test_the_driver_encodes_every_prompt_and_checks_the_reward_fns_against_its_c
         plan_data(TrainingArgs.coerce(**{**base, "reward_fns": [no_columns]}))
     with pytest.raises(DataFileError, match=r"data: .*p.jsonl:1: the prompt has \d+ tokens"):
         plan_data(TrainingArgs.coerce(**{**base, "max_length": 20}))
+
+
+def _judge(prompts, completions, completion_ids, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_reward_resources_reach_each_functions_task_options_and_the_fit_check():
+    from ray_trainer._driver.checks.resources import ResourceRequestError, check_resources
+    from ray_trainer._rollout.rewards import resolve_reward_fns, task_options
+
+    def options(resources):
+        return {f.name: task_options(f) for f in resolve_reward_fns([_reward, _judge], resources)}
+
+    default = options(None)  # one CPU each, no GPU, no retry, named in Ray's dashboard
+    assert default["_reward"] == {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {},
+                                  "max_retries": 0, "name": "reward:_reward"}  # fmt: skip
+    shared = options({"CPU": 0.5, "accelerator_type:T4": 0.1})  # one dict: every function's
+    for name in ("_reward", "_judge"):
+        assert shared[name]["num_cpus"] == 0.5 and shared[name]["num_gpus"] == 0.0
+        assert shared[name]["resources"] == {"accelerator_type:T4": 0.1}
+    per = options({"_judge": {"CPU": 0, "GPU": 1}})  # by name: the others keep one CPU
+    assert (per["_judge"]["num_cpus"], per["_judge"]["num_gpus"]) == (0.0, 1.0)
+    assert (per["_reward"]["num_cpus"], per["_reward"]["num_gpus"]) == (1.0, 0.0)
+    base = dict(objective="grpo", data="p.jsonl", model="m", reward_fns=[_reward, _judge])
+    for bad, needle in (({"_judge": {"GPU": -1}}, "reward_resources for '_judge'"),
+                        ({"CPU": "one"}, "give a dict of Ray resources"),
+                        ({"judge": {"GPU": 1}}, "reward_resources names 'judge'")):  # fmt: skip
+        with pytest.raises(TrainingArgsError, match=needle):
+            TrainingArgs.coerce(**base, reward_resources=bad)
+    with pytest.raises(TrainingArgsError, match="reward_resources set with objective='sft'"):
+        TrainingArgs.coerce(model="m", data="d.jsonl", reward_resources={"CPU": 1})
+    # The fit check keeps the largest reward task free beside the workers and the engine
+    # (each resource's largest over the functions: _reward's CPU, _judge's GPU).
+    fits = dict(base, num_workers=2, resources_per_worker={"CPU": 0.25},
+                rollout_resources={"CPU": 0.5})  # fmt: skip
+    check_resources(TrainingArgs.coerce(**fits, reward_resources={"CPU": 0.5}),
+                    nodes=[{"CPU": 1.5}])  # fmt: skip  # 0.5 + 0.5 + 0.5
+    with pytest.raises(ResourceRequestError, match=r"task needs \{'CPU': 1.0, 'GPU': 1.0\}"):
+        check_resources(
+            TrainingArgs.coerce(**fits, reward_resources={"_judge": {"CPU": 0.5, "GPU": 1}}),
+            nodes=[{"CPU": 2.0}],
+        )

@@ -25,6 +25,9 @@ class WorkerObjective:
 
     #: The objective's shared description (its name, fields, metrics, data formats).
     description: Objective
+    #: Optimizer steps taken on each step of the loader (GRPO's ``num_iterations``: passes
+    #: over each rollout's completions); an epoch has this many times the loader's steps.
+    iterations: int = 1
 
     # ---- the workload: once per worker-group start, before the model is placed -----------
 

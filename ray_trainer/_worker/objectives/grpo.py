@@ -42,6 +42,7 @@ from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
 from ray_trainer._worker.objectives.dpo import disable_dropout
 from ray_trainer._worker.objectives.grpo_batch import (
+    MODEL_KEYS,
     PromptDataset,
     batch_advantages,
     completion_batch,
@@ -78,7 +79,7 @@ class GrpoObjective(WorkerObjective):
         self.args = args
         self.config = config_of(args)
         # Resolved again here (the driver checked them): functions travel pickled in the args.
-        self.fns = resolve_reward_fns(args.reward_fns)
+        self.fns = resolve_reward_fns(args.reward_fns, args.reward_resources)
         self.model: Any = None
         self.adaptation: Any = None
         self.frozen: Any = None  # beta > 0 without LoRA: the model as it started
@@ -91,6 +92,11 @@ class GrpoObjective(WorkerObjective):
         self._extremes: list[float] = []  # this step's rollout extremes (host)
         self._agreed_maxima: deque[list[float]] = deque()  # per agreed step, in order
         self._log_dir: str | None = None
+        #: Optimizer passes over each rollout's completions (``grpo.num_iterations``).
+        self.iterations = self.config.num_iterations
+        self._pass = 0  # this rollout's pass in progress (0: the first, which reads old_logps)
+        self._micro = 0  # the micro-batch of the pass in progress
+        self._old: list[torch.Tensor] = []  # per micro-batch, the first pass's log-probs
 
     # ---- the workload ------------------------------------------------------------------
 
@@ -102,7 +108,8 @@ class GrpoObjective(WorkerObjective):
 
     def dataset(self, cached: Any, field: str, args: Any, references: dict[str, str]) -> Any:
         """The run's encoded prompts (the driver's, through the object store)."""
-        self.prompts = PromptDataset(cached)
+        c = self.config
+        self.prompts = PromptDataset(cached, c.num_generations, c.max_completion_length)
         return self.prompts
 
     def targets_per_sample(self, args: Any, cached: bool) -> int:
@@ -122,10 +129,29 @@ class GrpoObjective(WorkerObjective):
     # ---- the step's micro-batches ------------------------------------------------------
 
     def steps(self, state: Any, steps: Iterator[list[MicroBatch]]) -> Iterator[list[MicroBatch]]:
-        """Each step's micro-batches of completions, from the loader's of prompts."""
+        """Each step's micro-batches of completions, from the loader's of prompts: with
+        ``num_iterations`` k, each rollout's micro-batches for k optimizer steps in a row
+        (TRL's mu; an epoch is k times the loader's steps, ``assemble``), the old log-probs
+        those of the policy that sampled them, read in the first pass (:meth:`step_loss`)."""
         self._start(state)
+        k, p = self.iterations, state.progress
+        first = 0
+        if k > 1:  # the loader's step of this optimizer step, and the passes it has had
+            start, first = iteration_start(p.step_in_epoch, k)
+            steps = state.loader.steps(p.epoch, start)
         for prompts in steps:
-            yield self.rollout_step(state, prompts)
+            batches = self.rollout_step(state, prompts)
+            self._old = []
+            for i in range(first, k):
+                self._pass, self._micro = i - first, 0
+                state.progress.extra[LEDGER] = {
+                    **self._ledger(state),
+                    "step_in_epoch": state.progress.step_in_epoch + 1,
+                }
+                if i > first:
+                    self._extremes = self._extremes[:4] + [-math.inf] * 3  # no sync, no probe
+                yield batches
+            first = 0
 
     def _start(self, s: Any) -> None:
         """At each epoch's first step; once per worker-group start (after the resume): the
@@ -181,14 +207,11 @@ class GrpoObjective(WorkerObjective):
             batch = completion_batch(
                 [scored.completions[i] for i in picked], advantages[picked].tolist(),
                 pad_id=pad, loss_type=c.loss_type, max_completion_length=c.max_completion_length,
-                mask_truncated=c.mask_truncated_completions,
+                mask_truncated=c.mask_truncated_completions, packed=s.args.packing,
+                pad_to=s.loader.pad_to, layout=s.loader.layout,
             )  # fmt: skip
             out.append(batch)
         self._note_rollout(scored, rollout_s, reward_s, sync)
-        s.progress.extra[LEDGER] = {
-            **self._ledger(s),
-            "step_in_epoch": s.progress.step_in_epoch + 1,
-        }
         if c.log_completions and s.rank == 0:
             self._log_completions(s, scored, advantages, step)
         return out
@@ -247,7 +270,7 @@ class GrpoObjective(WorkerObjective):
         self, workload: Any, model: Any, batch: dict[str, Any], targets: int
     ) -> tuple[Any, torch.Tensor]:
         c = self.config
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
         logps, rows, entropy = token_logps(_logits(model(**inputs)), batch, c.temperature, True)
         ref = None
         if c.beta > 0:
@@ -259,8 +282,15 @@ class GrpoObjective(WorkerObjective):
                         ref_logits = _logits(model(**inputs))
                 ref, _, _ = token_logps(ref_logits, batch, c.temperature)
         keep = batch["keep"][rows]
+        old = None  # one pass: the log-probs themselves, detached (TRL's shortcut)
+        if self.iterations > 1:  # the first pass's, as TRL's old_per_token_logps
+            if self._pass == 0:
+                self._old.append(logps.detach())
+            else:
+                old = self._old[self._micro]
+            self._micro += 1
         tokens = CompletionTokens(
-            logps=logps, sequence=rows, advantages=batch["advantages"], mask=keep,
+            logps=logps, sequence=rows, advantages=batch["advantages"], mask=keep, old_logps=old,
             sampling_logps=flat_per_token(batch["sampling_logps"], batch["length"]),
             ref_logps=ref, entropy=entropy,
         )  # fmt: skip
@@ -311,6 +341,14 @@ class GrpoObjective(WorkerObjective):
             scored, advantages, step, self.prompts, self._decode, [f.name for f in self.fns], keep
         )
         self._log_dir = append_run_file(s.run.child("rollouts.jsonl"), lines, self._log_dir)
+
+
+def iteration_start(step_in_epoch: int, iterations: int) -> tuple[int, int]:
+    """Where an epoch resumed at `step_in_epoch` (optimizer steps) continues with
+    ``num_iterations`` `iterations`: the loader's step (its prompts rolled out again, by the
+    policy as restored) and the passes over them already taken (the rest are taken, so the
+    epoch keeps its count of optimizer steps)."""
+    return step_in_epoch // iterations, step_in_epoch % iterations
 
 
 def _model_spec(args: Any) -> Any:

@@ -20,21 +20,36 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from ray_trainer._worker.step.micro_batches import MicroBatch
+from ray_trainer._worker.step.micro_batches import MicroBatch, pack_row
 
-#: The keys of a completion micro-batch besides the model's inputs.
+#: The keys of a completion micro-batch besides the model's inputs (a packed one adds
+#: ``token_index`` and ``token_sequence``: each completion token's place in the row).
 ROW_KEYS = ("start", "length", "advantages", "keep", "sampling_logps")
+#: The model's inputs of a completion micro-batch: padded rows have an attention mask, a
+#: packed row position ids restarting at each completion (and, with our packed attention,
+#: its ``PackedLayout``).
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "packed")
 
 
 class PromptDataset:
     """A run's encoded prompts (``_data.prompts.EncodedPrompt``, in the data's order) as the
     step loader deals them: a micro-batch is the rows of its prompts (``prompt_index``), and
-    counts no token until the completions are sampled."""
+    counts no token until the completions are sampled. With ``packing=True`` the loader packs
+    prompts into micro-batches by ``lengths``: the most tokens a prompt's ``num_generations``
+    completions can take (prompt + ``max_completion_length`` each), so that a micro-batch's
+    completions fit the packed row's budget (``max_tokens_per_batch``)."""
 
-    def __init__(self, prompts: Sequence[Any]) -> None:
+    def __init__(
+        self, prompts: Sequence[Any], num_generations: int = 1, max_completion_length: int = 0
+    ) -> None:
         self.prompts = list(prompts)
+        self.lengths = np.array(
+            [num_generations * (len(p.prompt_ids) + max_completion_length) for p in self.prompts],
+            dtype=np.int64,
+        )
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -44,6 +59,16 @@ class PromptDataset:
 
     def padded(self, ids: list[int]) -> MicroBatch:
         return MicroBatch({"prompt_index": torch.tensor(ids, dtype=torch.long)}, 0, 0, len(ids))
+
+    def packed(self, ids: list[int], pad_to: int, layout: bool) -> MicroBatch:
+        """A packed micro-batch's prompts (its completions are packed once sampled:
+        :func:`completion_batch`)."""
+        return self.padded(ids)
+
+    def fill_filler(self, batch: dict[str, Any]) -> None:
+        """A filler micro-batch (a rank with fewer packed micro-batches at this step): no
+        prompt, so no completion: a row that takes no loss."""
+        batch["prompt_index"] = torch.zeros(0, dtype=torch.long)
 
     def digest(self) -> str:
         """What identifies the prompts' tokens, in order (the ledger's check on resume)."""
@@ -75,26 +100,58 @@ def completion_batch(
     loss_type: str,
     max_completion_length: int,
     mask_truncated: bool,
+    packed: bool = False,
+    pad_to: int = 1,
+    layout: bool = False,
 ) -> MicroBatch:
     """One micro-batch of completions (``Completion`` records; `advantages` one per record):
-    ``input_ids``/``attention_mask`` of prompt + completion, right-padded; per row ``start``
-    (the first completion token's position), ``length``, ``advantages``, ``keep`` (0: a
-    truncated completion that ``mask_truncated_completions`` drops) and ``sampling_logps``
-    (the engine's, right-padded with 0)."""
+    ``input_ids``/``attention_mask`` of prompt + completion, right-padded (`packed`: one row of
+    them all, as the loader packs SFT samples: ``position_ids`` restarting at each, padded to
+    a multiple of `pad_to`, with `layout` its ``PackedLayout``; and each completion token's
+    place in the row, ``token_index``, and its completion, ``token_sequence``); per completion
+    ``start`` (its first token's position in its row), ``length``, ``advantages``, ``keep``
+    (0: a truncated completion that ``mask_truncated_completions`` drops) and
+    ``sampling_logps`` (the engine's, right-padded with 0)."""
     n = len(completions)
     seqs = [list(c.prompt_ids) + list(c.completion_ids) for c in completions]
-    width = max([len(s) for s in seqs] + [2])
     widest = max([len(c.completion_ids) for c in completions] + [1])
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
     sampling = torch.zeros((n, widest), dtype=torch.float32)
-    for i, (c, s) in enumerate(zip(completions, seqs, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
+    for i, c in enumerate(completions):
         if c.logprobs:
             sampling[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
     lengths = [len(c.completion_ids) for c in completions]
     keep = [not (mask_truncated and c.truncated) for c in completions]
+    if packed:
+        rows = [(np.asarray(s, dtype=np.int64),) * 2 for s in seqs]
+        batch, tokens = pack_row(rows, pad_id, pad_to, layout)
+        del batch["labels"]  # the loss reads the completion tokens by their place
+        offsets = np.cumsum([0] + [len(s) for s in seqs[:-1]]) if seqs else np.zeros(0)
+        starts = [int(o) + len(c.prompt_ids) for o, c in zip(offsets, completions, strict=True)]
+        batch["token_index"] = torch.tensor(
+            [a - 1 + t for a, k in zip(starts, lengths, strict=True) for t in range(k)],
+            dtype=torch.long,
+        )
+        batch["token_sequence"] = torch.repeat_interleave(
+            torch.arange(n), torch.tensor(lengths, dtype=torch.long)
+        )
+        width = batch["input_ids"].shape[1]
+        batch.update(
+            {
+                "start": torch.tensor(starts, dtype=torch.long),
+                "length": torch.tensor(lengths, dtype=torch.long),
+                "advantages": torch.tensor([float(a) for a in advantages], dtype=torch.float32),
+                "keep": torch.tensor(keep, dtype=torch.float32),
+                "sampling_logps": sampling,
+            }
+        )
+        targets = loss_targets(loss_type, lengths, keep, max_completion_length)
+        return MicroBatch(batch, tokens, width, targets)
+    width = max([len(s) for s in seqs] + [2])
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
     batch = {
         "input_ids": ids,
         "attention_mask": mask,
@@ -121,14 +178,21 @@ def token_logps(
     logits: torch.Tensor, batch: dict[str, torch.Tensor], temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The completion tokens' log-probabilities at `temperature` (logits divided by it, as
-    TRL), flat row by row, each token's row (``sequence``), and with `entropy` each position's
-    entropy (no gradient). Differentiable through `logits`."""
-    where = completion_positions(batch)
-    scores = logits[:, :-1][where].float() / temperature
-    targets = batch["input_ids"][:, 1:][where]
+    TRL), flat completion by completion, each token's completion (``sequence``), and with
+    `entropy` each position's entropy (no gradient). Differentiable through `logits`. A packed
+    row's tokens are read at their ``token_index``."""
+    if "token_index" in batch:  # one packed row: completion j's tokens at its places
+        at = batch["token_index"]
+        scores = logits[0, :-1].index_select(0, at).float() / temperature
+        targets = batch["input_ids"][0, 1:].index_select(0, at)
+        rows = batch["token_sequence"]
+    else:
+        where = completion_positions(batch)
+        scores = logits[:, :-1][where].float() / temperature
+        targets = batch["input_ids"][:, 1:][where]
+        rows = torch.arange(where.shape[0], device=where.device)[:, None].expand_as(where)[where]
     logp_all = scores.log_softmax(-1)
     logps = logp_all.gather(-1, targets[:, None])[:, 0]
-    rows = torch.arange(where.shape[0], device=where.device)[:, None].expand_as(where)[where]
     ent = None
     if entropy:
         with torch.no_grad():
