@@ -96,8 +96,9 @@ def _check_beside(
             raise ResourceRequestError(
                 f"{what} needs {want} beside the {args.min_workers} worker(s) of "
                 f"{need}, and the cluster has {have} left over {len(nodes)} node(s): the step "
-                "would wait for it forever. Lower resources_per_worker (e.g. {'CPU': 0.5}) or "
-                "rollout_resources (fractions share a core or a GPU), or add nodes."
+                "would wait for it forever. Lower resources_per_worker (e.g. {'CPU': 0.5}), "
+                "rollout_resources or reward_resources (fractions share a core or a GPU), or "
+                "add nodes."
             )
         for k, v in want.items():
             home[k] = home.get(k, 0.0) - v
