@@ -38,7 +38,10 @@ process CPU time. The first `--warmup` counted steps of each configuration are d
 slowest 10% (hiccups of the shared machine), and the ratio is that figure over bare's. The
 spread column gives the lowest and highest ratio over four consecutive quarters of the rounds.
 
-Usage: python bench/runner/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14] [--json OUT]
+Usage: python bench/runner/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14]
+       [--workers 2] [--json OUT]
+
+``--workers 1`` (`run_all.py --smoke`, in CI): every configuration in one worker, no DDP.
 """
 
 from __future__ import annotations
@@ -244,6 +247,9 @@ def main() -> dict:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=14, help="measured steps to drop")
     parser.add_argument("--profile", default=None, choices=list(LABELS), help="cProfile one")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="Ray Train workers (1: run_all.py --smoke)"
+    )
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
@@ -288,7 +294,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
                 batch_size=64,
                 learning_rate=2e-3,
                 lr_schedule="constant",
-                num_workers=2,
+                num_workers=opts.workers,
                 log_every_steps=50,
                 save_at_end=False,
                 storage_path=os.path.join(tmp, "runs"),
@@ -311,7 +317,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
                 "batch_size": 64,
                 "out": out,
             },
-            scaling_config=ScalingConfig(num_workers=2),
+            scaling_config=ScalingConfig(num_workers=opts.workers),
             run_config=RunConfig(storage_path=os.path.join(tmp, "ray"), name=f"interleaved-{run}"),
         ).fit()
         for args, launch in launches.values():
