@@ -16,8 +16,10 @@ that normalised and `results.md` was written. It runs `--jobs` benchmarks at onc
 its figures are not read; a full or quick run times one at a time), the longest first, those
 that use Ray on one shared Ray started while the others run (`SharedRay`). ``--only`` runs the
 named benchmarks and replaces only their sections of the existing results (`make bench-quick`:
-loop, hf_trainer, packing). The full run took 52 minutes on the 2-core development machine
-(2026-11-27).
+loop, hf_trainer, packing). The full run took 73 minutes on the 2-core development machine
+(4,394 s, 2026-11-27; 52 minutes in an earlier run the same day). Under `.ci/cpu_seconds` (a
+cgroup of its own) it prints the CPU-seconds of the whole run and of each benchmark (exact with
+``--jobs 1``; with two at once each figure holds the other's too).
 
 Nothing a run measured is lost: `results.json` and `results.md` are rewritten as each benchmark
 finishes; a report that cannot be normalised is kept as it is, its error noted beside it; the
