@@ -16,8 +16,10 @@ that normalised and `results.md` was written. It runs `--jobs` benchmarks at onc
 its figures are not read; a full or quick run times one at a time), the longest first, those
 that use Ray on one shared Ray started while the others run (`SharedRay`). ``--only`` runs the
 named benchmarks and replaces only their sections of the existing results (`make bench-quick`:
-loop, hf_trainer, packing). The full run took 52 minutes on the 2-core development machine
-(2026-11-27).
+loop, hf_trainer, packing). The full run took 73 minutes on the 2-core development machine
+(4,394 s, 2026-11-27; 52 minutes in an earlier run the same day). Under `.ci/cpu_seconds` (a
+cgroup of its own) it prints the CPU-seconds of the whole run and of each benchmark (exact with
+``--jobs 1``; with two at once each figure holds the other's too).
 
 Nothing a run measured is lost: `results.json` and `results.md` are rewritten as each benchmark
 finishes; a report that cannot be normalised is kept as it is, its error noted beside it; the
@@ -77,6 +79,10 @@ class Bench:
     # --smoke: starts a Ray cluster of its own (elastic): not while the smoke run's shared Rays
     # start (three head starts at once ran past elastic's 90 s on a loaded machine)
     own_cluster: bool = False
+    # --smoke: another benchmark whose smoke run is this one's too (the same script, the same
+    # smallest settings: hf_trainer_1rank's is hf_trainer's at one rank). Where both run, the
+    # command runs once and its report goes through each one's normalising and section.
+    smoke_as: str | None = None
 
 
 def hf_trainer_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
@@ -173,7 +179,7 @@ BENCHES: dict[str, Bench] = {
         quick=["--runs", "1", "--rounds", "8", "--warmup", "7"],
         # 5 counted steps a configuration (rounds x (block - 1) - warmup; the first step of a
         # block is not counted): bench_loop.py splits them in 4 quarters
-        smoke=["--runs", "1", "--rounds", "3", "--block", "3", "--warmup", "1"],
+        smoke=["--runs", "1", "--rounds", "3", "--block", "3", "--warmup", "1", "--workers", "1"],
         target=1.02,
         target_note="each comparison the issues name (worker-side callbacks against the bare "
         "loop; a slow actor-side callback against none; every built-in callback + the slow "
@@ -218,7 +224,9 @@ BENCHES: dict[str, Bench] = {
         "`transformers.Trainer` under `torchrun --nproc_per_node 2` (gloo, CPU) on the same "
         "model, data, batch size, steps, optimizer and schedule, with equivalent callbacks",
         quick=["--steps", "60", "--skip", "10", "--rounds", "1"],
-        smoke=["--smoke", "--steps", "8", "--skip", "2"],
+        # one rank a side (a torchrun rank and a Ray Train worker fewer), so hf_trainer_1rank's
+        # smoke run too
+        smoke=["--num-workers", "1", "--smoke", "--steps", "8", "--skip", "2"],
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
@@ -235,7 +243,7 @@ BENCHES: dict[str, Bench] = {
         "runner's loop against HF Trainer's, without the competition for cores",
         full=["--num-workers", "1", "--rounds", "3"],
         quick=["--num-workers", "1", "--steps", "60", "--skip", "10", "--rounds", "1"],
-        smoke=["--num-workers", "1", "--smoke", "--steps", "8", "--skip", "2"],
+        smoke_as="hf_trainer",  # at its smallest, hf_trainer is this: one rank a side
         target=1.0,
         target_note="run_training's tokens/s (defaults: the embedded Ray with its dashboard) at "
         "least 1.0x HF Trainer's, median of the rounds",
@@ -316,8 +324,9 @@ BENCHES: dict[str, Bench] = {
         "rank 0's `torch.save` of model and optimizer (FSDP: every rank's DCP shards), slowest "
         "rank's save time and bytes of all files",
         quick=["--quick", "--saves", "1", "--rounds", "1"],
-        # the state phase on 2 workers: DDP and FSDP once each (load, LoRA, loss: --quick)
-        smoke=["--quick", "--workers", "2", "--phases", "state", "--saves", "1", "--rounds", "1"],
+        # the state phase on 1 worker: DDP and FSDP once each, one process each (load, LoRA,
+        # loss: --quick); its ratios are 1.0 there, the chain is what a smoke run shows
+        smoke=["--quick", "--workers", "1", "--phases", "state", "--saves", "1", "--rounds", "1"],
         target_note="FSDP's state per rank at most 1/N + 10% of DDP's (ratio <= 0.55 on 2 "
         "workers, <= 0.275 on 4); checkpoint time and size are reported, without a target; "
         "the load phase: the peak anonymous memory a pretrained 254M-parameter Llama adds to a "
@@ -373,9 +382,39 @@ BENCHES: dict[str, Bench] = {
 # ---- running ------------------------------------------------------------------------------
 
 
+def cgroup_cpu_seconds() -> float | None:
+    """The CPU-seconds so far of every process in this process's own cgroup (cgroup v1's
+    cpuacct or v2's cpu.stat): under `.ci/cpu_seconds` (CI's `make bench-smoke`) that is the run's
+    whole process tree, Ray's detached daemons and workers included. None where this process is
+    in the root cgroup (the machine's total, not the run's) or none is readable."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        if "cpuacct" in controllers.split(",") and path != "/":
+            try:
+                with open(f"/sys/fs/cgroup/cpuacct{path}/cpuacct.usage") as f:
+                    return int(f.read()) / 1e9
+            except (OSError, ValueError):
+                return None
+    for hierarchy, _, path in lines:
+        if hierarchy == "0" and path != "/":
+            try:
+                with open(f"/sys/fs/cgroup{path}/cpu.stat") as f:
+                    usec = next(line.split()[1] for line in f if line.startswith("usage_usec"))
+                return int(usec) / 1e6
+            except (OSError, ValueError, StopIteration):
+                return None
+    return None
+
+
 def bench_args(name: str, mode: str) -> list[str]:
     """The extra arguments of benchmark `name` for a "full", "quick" or "smoke" run."""
     bench = BENCHES[name]
+    if mode == "smoke" and bench.smoke_as is not None:
+        return bench_args(bench.smoke_as, mode)
     if mode == "smoke":
         return bench.quick if bench.smoke is None else bench.smoke
     return bench.quick if mode == "quick" else bench.full
@@ -393,7 +432,7 @@ def run_one(
     args = [a.replace("{work}", workdir) for a in bench_args(name, mode)]
     cmd = [sys.executable, os.path.join(HERE, bench.script), "--json", out, *args]
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), cgroup_cpu_seconds()
     with open(log, "w") as f:
         try:
             proc = subprocess.run(
@@ -409,11 +448,15 @@ def run_one(
         except subprocess.TimeoutExpired:
             code = "timeout"
     seconds = time.perf_counter() - started
+    cpu_after = cgroup_cpu_seconds()
+    # the run's cgroup over this benchmark's wall time: its own CPU-seconds where it ran alone
+    # (--jobs 1); with others at once, theirs too
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     if code != 0 or not os.path.exists(out):
         with open(log) as f:
             tail = f.read()[-3000:]
         print(f"[{name}] FAILED ({code}) after {seconds:.0f} s; log {log}:\n{tail}", flush=True)
-        return {"error": f"exit {code}; see {log}", "seconds": seconds}
+        return {"error": f"exit {code}; see {log}", "seconds": seconds, "cpu_seconds": cpu}
     try:
         with open(out) as f:
             report = json.load(f)
@@ -423,6 +466,8 @@ def run_one(
     if not isinstance(report, dict):
         return {"error": f"report {out} is not a JSON object; see {log}", "seconds": seconds}
     report["seconds"] = seconds
+    if cpu is not None:
+        report["cpu_seconds"] = cpu
     report["command"] = " ".join(["python3", f"bench/{bench.script}", *args])
     report["measured"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"[{name}] done in {seconds:.0f} s", flush=True)
@@ -450,7 +495,14 @@ SMOKE_RAY_ENV = {
     # beside a benchmark's torchrun or TRL side, a fit's workers would wait for the cores
     # until its worker start timed out
     "RAY_worker_niceness": "0",
+    # each node's dashboard agent samples every Ray process (psutil) every 5 s by default, for
+    # the dashboard's node view and Prometheus: once a minute here (nobody reads them)
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
 }
+
+
+#: --smoke: the shared Rays with their dashboard (off: Ray's own default for `ray start` is on)
+SMOKE_DASHBOARD = os.environ.get("RAY_TRAINER_SMOKE_DASHBOARD", "0") == "1"
 
 
 class SharedRay:
@@ -475,16 +527,51 @@ class SharedRay:
             def env(self) -> dict[str, str]:  # the head's, so every worker's, and a joiner's
                 return {**super().env(), **SMOKE_RAY_ENV, "PYTHONPATH": pythonpath}
 
-        self.cluster = SmokeCluster(num_cpus=4)
+            def start_command(self) -> list[str]:
+                # no log monitor: it tails every worker's log files to forward them to drivers
+                # that ask for them (`_support.init_ray` does not; the logs stay in the temp dir)
+                command = [*super().start_command(), "--include-log-monitor=false"]
+                if SMOKE_DASHBOARD:
+                    return command
+                # no dashboard: its head process and nine module processes per head, and its
+                # start, which timed out under load (no benchmark of the smoke run reads it)
+                dashboard = ("--dashboard-host=", "--dashboard-port=")
+                command = [a for a in command if not a.startswith(dashboard)]
+                return [a.replace("--include-dashboard=true", "--include-dashboard=false")
+                        for a in command]  # fmt: skip
 
-    def start(self, timeout_s: float = RAY_START_TIMEOUT_S) -> None:
+            def start(self, timeout_s: float = 90.0) -> None:
+                if SMOKE_DASHBOARD:
+                    super().start(timeout_s)
+                    return
+                # `ray start` returns once the GCS and the raylet are up: nothing else to wait for
+                done = subprocess.run(self.start_command(), env=self.node_env(),
+                                      capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+                if done.returncode != 0:
+                    raise RuntimeError(f"`ray start --head` failed:\n{done.stdout}\n{done.stderr}")
+
+        self._new_cluster = lambda: SmokeCluster(num_cpus=4)
+        self.cluster = self._new_cluster()
+
+    def start(self, timeout_s: float = RAY_START_TIMEOUT_S, attempts: int = 2) -> None:
         """Start the head (bounded: 10 s on an idle machine, over 90 s on one loaded by other
-        Ray clusters); a start that fails or times out leaves none of its processes."""
-        try:
-            self.cluster.start(timeout_s=timeout_s)
-        except BaseException:  # `ray start` killed at its timeout leaves its daemons running
-            self.cluster.stop()
-            raise
+        Ray clusters); a start that fails or times out leaves none of its processes. A failed
+        start is tried again once, on new ports and a new temp dir: under load (load average
+        20-40 here) `ray start` fails where its raylet takes over 30 s to register, a limit
+        of Ray's own."""
+        for attempt in range(attempts):
+            try:
+                self.cluster.start(timeout_s=timeout_s)
+                return
+            except Exception as exc:  # `ray start` killed at its timeout leaves its daemons
+                self.cluster.stop()
+                if attempt + 1 == attempts:
+                    raise
+                print(f"a shared Ray's start failed, trying once more: {exc!s:.300}", flush=True)
+                self.cluster = self._new_cluster()
+            except BaseException:
+                self.cluster.stop()
+                raise
 
     def env(self) -> dict[str, str]:
         """A joining benchmark's environment."""
@@ -594,6 +681,12 @@ def run_benchmarks(
             thread.join(timeout=len(rays) * (RAY_START_TIMEOUT_S + 30))
         for ray in list(live):
             stop(ray)
+
+
+def smoke_sharing(names: list[str]) -> dict[str, str]:
+    """{benchmark: the one whose smoke run it takes} among `names`: each whose `Bench.smoke_as`
+    also runs (alone, `--only hf_trainer_1rank`, it runs its smoke settings itself)."""
+    return {n: BENCHES[n].smoke_as for n in names if BENCHES[n].smoke_as in names}
 
 
 def normalise_or_keep(name: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -789,6 +882,9 @@ def _section(name: str, b: dict[str, Any], results: dict[str, Any]) -> list[str]
     command = b.get("command", bench.script if bench else name)
     note = b.get("baseline_note") or (bench.baseline if bench else "")
     lines = [f"Baseline: {note}. `{command}`{took}{when}."]
+    if "smoke_as" in b:  # --smoke: one command for both
+        lines += ["", f"The smoke run of `{b['smoke_as']}`, the same command, its report "
+                  "normalised here too."]  # fmt: skip
     if "normalise_error" in b:
         lines += ["", f"**Not normalised** ({b['normalise_error']}): the report as the "
                   "benchmark wrote it."]  # fmt: skip
@@ -889,16 +985,23 @@ def main(argv: list[str] | None = None) -> int:
             previous = json.load(f).get("benchmarks", {})
 
     load_start = os.getloadavg()[0]
-    started = time.perf_counter()
+    started, cpu_start = time.perf_counter(), cgroup_cpu_seconds()
     workdir = tempfile.mkdtemp(prefix="ray_trainer_bench_")
     print(f"logs and raw reports in {workdir}; results into {out_dir}", flush=True)
     machine_env = environment()
     fresh: dict[str, dict[str, Any]] = {}
     results: dict[str, Any] = {}
-    joining = sum(BENCHES[n].shares_ray for n in names) if opts.smoke else 0
+    # --smoke: a benchmark whose smoke run is another's that runs too gets that one's report
+    same = smoke_sharing(names) if opts.smoke else {}
+    launched = [n for n in names if n not in same]
+    joining = sum(BENCHES[n].shares_ray for n in launched) if opts.smoke else 0
     rays = [SharedRay() for _ in range(min(jobs, joining))]
-    for name, report in run_benchmarks(names, run_mode, workdir, jobs, rays):
-        fresh[name] = normalise_or_keep(name, report)
+    for ran, report in run_benchmarks(launched, run_mode, workdir, jobs, rays):
+        for name in [ran, *(n for n, source in same.items() if source == ran)]:
+            fresh[name] = normalise_or_keep(name, dict(report))
+            if name != ran:  # its seconds and CPU-seconds are `ran`'s, counted once there
+                fresh[name]["smoke_as"] = ran
+                fresh[name].pop("cpu_seconds", None)
         benchmarks = {}
         for n in BENCHES:  # registry order, whatever ran this time
             if n in fresh:
@@ -939,7 +1042,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {'ok    ' if met == 'met' else 'MISSED'} [{name}] {what}: {figure} ({target})"
             )
     print("Seconds per benchmark: " + ", ".join(
+        f"{n} ({fresh[n]['smoke_as']}'s run)" if "smoke_as" in fresh[n] else
         f"{n} {fresh[n].get('seconds', 0):.0f}" for n in names))  # fmt: skip
+    cpu_end = cgroup_cpu_seconds()
+    if cpu_start is not None and cpu_end is not None:  # the run's cgroup: every process of it
+        print(f"CPU-seconds of the whole run: {cpu_end - cpu_start:.0f} in {total:.0f} s of wall")
+        per = [(n, fresh[n].get("cpu_seconds")) for n in names]
+        print(("CPU-seconds per benchmark (alone, --jobs 1): " if jobs == 1 else
+               f"CPU-seconds of the run during each benchmark ({jobs} at a time, so overlapping): ")
+              + ", ".join(f"{n} {c:.0f}" for n, c in per if c is not None))  # fmt: skip
     kept = [n for n in names if "normalise_error" in fresh[n]]
     if kept:
         print(f"Kept as written (not normalised; see results.md): {', '.join(kept)}")

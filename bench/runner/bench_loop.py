@@ -38,7 +38,10 @@ process CPU time. The first `--warmup` counted steps of each configuration are d
 slowest 10% (hiccups of the shared machine), and the ratio is that figure over bare's. The
 spread column gives the lowest and highest ratio over four consecutive quarters of the rounds.
 
-Usage: python bench/runner/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14] [--json OUT]
+Usage: python bench/runner/bench_loop.py [--runs 3] [--rounds 70] [--block 8] [--warmup 14]
+       [--workers 2] [--json OUT]
+
+``--workers 1`` (`run_all.py --smoke`, in CI): every configuration in one worker, no DDP.
 """
 
 from __future__ import annotations
@@ -244,6 +247,9 @@ def main() -> dict:
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=14, help="measured steps to drop")
     parser.add_argument("--profile", default=None, choices=list(LABELS), help="cProfile one")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="Ray Train workers (1: run_all.py --smoke)"
+    )
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
@@ -272,11 +278,11 @@ def main() -> dict:
 def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """One Ray Train run stepping every configuration; rank 0's step times (wall, CPU)."""
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from ray_trainer import TrainingArgs
     from ray_trainer._driver.checks.inputs import check_storage, collect_callbacks
     from ray_trainer._driver.launch import finish_actor, prepare_launch
+    from ray_trainer._driver.trainer import torch_trainer_class
 
     with tempfile.TemporaryDirectory() as tmp:
         launches = {}
@@ -288,7 +294,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
                 batch_size=64,
                 learning_rate=2e-3,
                 lr_schedule="constant",
-                num_workers=2,
+                num_workers=opts.workers,
                 log_every_steps=50,
                 save_at_end=False,
                 storage_path=os.path.join(tmp, "runs"),
@@ -301,7 +307,9 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
                 prepare_launch(args, collect_callbacks(args), check_storage(args)),
             )
         out = os.path.join(tmp, "times.json")
-        TorchTrainer(
+        # run_training's own trainer class: no Ray Data `DatasetManager` actor (a process that
+        # imports Ray Data, ~3 CPU-seconds) for a run without a Ray Dataset; the same steps
+        torch_trainer_class()(
             interleaved,
             train_loop_config={
                 "specs": {name: launch.spec for name, (_, launch) in launches.items()},
@@ -311,7 +319,7 @@ def measure_run(run: int, opts) -> tuple[dict[str, list[float]], dict[str, list[
                 "batch_size": 64,
                 "out": out,
             },
-            scaling_config=ScalingConfig(num_workers=2),
+            scaling_config=ScalingConfig(num_workers=opts.workers),
             run_config=RunConfig(storage_path=os.path.join(tmp, "ray"), name=f"interleaved-{run}"),
         ).fit()
         for args, launch in launches.values():
