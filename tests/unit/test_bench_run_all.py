@@ -692,3 +692,84 @@ def test_a_benchmark_with_a_cluster_of_its_own_waits_for_the_shared_rays_start(
     got = json.loads((out / "results.json").read_text())["benchmarks"]
     assert "error" not in got["joins"] and "error" not in got["cluster"]
     assert _FakeSharedRay.log == ["made", "start", "stop"]
+
+
+# ---- a smoke run shared by two benchmarks (`Bench.smoke_as`) ---------------------------------
+
+SMOKE_COUNTING = """
+import json, os, sys
+out = sys.argv[sys.argv.index("--json") + 1]
+open(os.environ["LAUNCHES"], "a").write("x")
+json.dump({"table": "| c | ratio |\\n|---|---|\\n| base (baseline) | 1.0 |\\n| fast | 1.5 |",
+           "args": sys.argv[3:]}, open(out, "w"))
+"""
+
+
+def _shared_smoke_registry(tmp_path, monkeypatch):
+    path = tmp_path / "a.py"
+    path.write_text(textwrap.dedent(SMOKE_COUNTING))
+    monkeypatch.setattr(
+        run_all,
+        "BENCHES",
+        {
+            "a": run_all.Bench(str(path), "A", "a's baseline", smoke=["--s"]),
+            "b": run_all.Bench(
+                str(path), "B", "b's baseline", smoke=None, quick=["--q"], smoke_as="a"
+            ),
+        },
+    )
+    monkeypatch.setattr(run_all, "TIMEOUT_S", 60)
+    monkeypatch.setenv("LAUNCHES", str(tmp_path / "launches"))
+
+
+def test_a_smoke_run_shared_by_two_benchmarks_runs_once_and_reports_both(
+    tmp_path, monkeypatch, capsys
+):
+    _shared_smoke_registry(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--out", str(out)]) == 0
+    assert (tmp_path / "launches").read_text() == "x"
+    results = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert results["a"]["args"] == results["b"]["args"] == ["--s"]
+    assert results["b"]["smoke_as"] == "a" and results["b"]["title"] == "B"
+    assert results["b"]["ratios"] == {"base (baseline)": 1.0, "fast": 1.5}
+    md = (out / "results.md").read_text()
+    assert "## A" in md and "## B" in md and "The smoke run of `a`" in md
+    assert "b (a's run)" in capsys.readouterr().out
+
+
+def test_alone_it_runs_the_shared_smoke_settings_itself(tmp_path, monkeypatch):
+    _shared_smoke_registry(tmp_path, monkeypatch)
+    out = tmp_path / "out"
+    assert run_all.main(["--smoke", "--only", "b", "--out", str(out)]) == 0
+    assert (tmp_path / "launches").read_text() == "x"
+    results = json.loads((out / "results.json").read_text())["benchmarks"]
+    assert results["b"]["args"] == ["--s"] and "smoke_as" not in results["b"]
+
+
+def test_the_smoke_heads_run_without_dashboard_and_log_monitor():
+    ray = run_all.SharedRay()
+    try:
+        command = ray.cluster.start_command()
+        assert "--include-dashboard=false" in command and "--include-log-monitor=false" in command
+        assert not any(a.startswith("--dashboard-port=") for a in command)
+        assert ray.cluster.env()["REPORTER_UPDATE_INTERVAL_MS"] == "60000"
+    finally:
+        ray.cluster.stop()
+
+
+def test_a_head_whose_start_fails_is_started_once_more_on_new_ports(monkeypatch):
+    ray = run_all.SharedRay()
+    first = ray.cluster
+    calls = []
+
+    def start(self, timeout_s):
+        calls.append(self)
+        if len(calls) == 1:
+            raise RuntimeError("raylet did not register")
+
+    monkeypatch.setattr(type(first), "start", start)
+    monkeypatch.setattr(type(first), "stop", lambda self, timeout_s=5.0: None)
+    ray.start()
+    assert len(calls) == 2 and calls[1] is ray.cluster and ray.cluster is not first
+    assert ray.cluster.ports["port"] != first.ports["port"]
