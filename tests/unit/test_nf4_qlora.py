@@ -326,3 +326,43 @@ def test_dpos_precomputed_reference_is_the_4_bit_base_with_its_adapters_off(base
     assert reference_key("data", spec, "float32", 0) != reference_key(
         "data", spec, "float32", 0, quantize
     )
+
+
+def test_compile_on_a_qlora_model_gives_the_eager_loss_and_adapter_gradients_in_one_graph(
+    base, monkeypatch
+):
+    """``compile=True`` with a 4-bit base: the runner's own `_compile` (the whole model, as
+    under DDP without the chunked loss), with "aot_eager" (dynamo's and AOTAutograd's graphs, as
+    the compile tests of tests/unit): torchao's NF4 linear traces without a graph break."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ray_trainer._model.compile_probe import missing_compile_toolchain
+    from ray_trainer._worker.model.parallel import _compile
+
+    if missing_compile_toolchain(False) is not None:
+        pytest.skip("no C++ compiler for inductor")
+    compile_module = nn.Module.compile
+    monkeypatch.setattr(
+        nn.Module, "compile", lambda m, *a, **k: compile_module(m, *a, backend="aot_eager", **k)
+    )
+
+    def step(compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        args, model, _ = _built(base)
+        _nonzero_b(model)
+        if compiled:
+            _compile(model, args.model_copy(update={"compile": True, "chunked_loss": False}))
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_loss, eager_grads = step(False)
+    loss, grads = step(True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert torch.allclose(loss, eager_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == eager_grads.keys() and all(".lora_" in n for n in grads)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, eager_grads[name], rtol=1e-5, atol=1e-7), name
+    torch._dynamo.reset()
