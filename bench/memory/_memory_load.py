@@ -36,6 +36,13 @@ LLAMA = {
     "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
 }  # fmt: skip
+#: Table 4's 1.1B Llama (TinyLlama's shape; ``_gpu_tables.LLAMA_1B``, which imports this
+#: module, so the shape is written here again): the QLoRA phase's default model.
+LLAMA_1B = {
+    "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}  # fmt: skip
 QUICK_LLAMA = {**LLAMA, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 MiB = 2**20
@@ -345,7 +352,6 @@ def run_qlora_phase(
     on N), and the resident bytes of the base's weights (the frozen parameters: NF4 codes
     and scales, plus the embeddings, head and norms that stay) against bf16's (target <= 0.3
     for the linear layers quantized; the whole base is reported beside)."""
-    from _gpu_tables import LLAMA_1B
     from _support import table
 
     config = QUICK_LLAMA if quick else LLAMA_1B if shape == "1.1b" else LLAMA
