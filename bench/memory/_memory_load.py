@@ -36,6 +36,13 @@ LLAMA = {
     "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
 }  # fmt: skip
+#: Table 4's 1.1B Llama (TinyLlama's shape; ``_gpu_tables.LLAMA_1B``, which imports this
+#: module, so the shape is written here again): the QLoRA phase's default model.
+LLAMA_1B = {
+    "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}  # fmt: skip
 QUICK_LLAMA = {**LLAMA, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 MiB = 2**20
@@ -43,12 +50,14 @@ MiB = 2**20
 QLORA = {"r": 16, "lora_alpha": 32, "quantize_base": "nf4"}
 
 
-def save_model(folder: str, config: dict[str, Any]) -> dict[str, Any]:
+def save_model(folder: str, config: dict[str, Any], writer: Any = None) -> dict[str, Any]:
     """Save a randomly initialised Llama of `config` in bf16 into `folder` (in a child process,
-    so that this process never holds it); its size figures."""
+    so that this process never holds it; `writer`: ``_save``, transformers' initialisation and
+    ``save_pretrained``, or `write_random_model`); its size figures."""
     import multiprocessing
 
-    process = multiprocessing.get_context("spawn").Process(target=_save, args=(folder, config))
+    target = writer or _save
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(folder, config))
     process.start()
     process.join()
     if process.exitcode != 0:
@@ -69,6 +78,56 @@ def save_model(folder: str, config: dict[str, Any]) -> dict[str, Any]:
     on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in files)
     return {"numel": numel, "fp32_bytes": 4 * numel, "largest_bytes": 4 * largest,
             "file_bytes": on_disk, "files": len(files)}  # fmt: skip
+
+
+def write_random_model(folder: str, config: dict[str, Any]) -> None:
+    """Write a Llama of `config` with random bf16 weights into `folder` (config.json and
+    safetensors files of at most ~500 MiB with their index) a tensor at a time, never building
+    the model: a 1.1B shape is written holding one file's tensors (in a child process, as
+    `save_model`'s). Matrices are N(0, 0.02), norms ones; as ``_save`` gives, in law."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    llama = transformers.LlamaConfig(**config)
+    llama.save_pretrained(folder)
+    with torch.device("meta"):
+        shapes = {
+            n: tuple(p.shape) for n, p in transformers.LlamaForCausalLM(llama).named_parameters()
+        }
+    generator = torch.Generator().manual_seed(0)
+    files: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = torch.empty(shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=generator)
+        if files[-1] and size + tensor.numel() * 2 > 500 * MiB:
+            _write_file(folder, files, save_file)
+            files.append({})
+            size = 0
+        files[-1][name] = tensor
+        size += tensor.numel() * 2
+    _write_file(folder, files, save_file)
+    count = len(files)
+    weight_map = {}
+    for i in range(count):
+        old = os.path.join(folder, f"part-{i}.safetensors")
+        new = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        os.rename(old, os.path.join(folder, new))
+        weight_map.update(dict.fromkeys(files[i], new))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def _write_file(folder: str, files: list[dict[str, Any]], save_file: Any) -> None:
+    """Write the last of `files` as ``part-<i>.safetensors`` and keep only its names."""
+    i = len(files) - 1
+    save_file(files[i], os.path.join(folder, f"part-{i}.safetensors"), metadata={"format": "pt"})
+    files[i] = dict.fromkeys(files[i])
 
 
 def _save(folder: str, config: dict[str, Any]) -> None:
@@ -280,20 +339,25 @@ def run_load_phase(run_configuration: Any, workers: list[int], quick: bool) -> d
             "results": {"_".join(map(str, k)): v for k, v in results.items()}}  # fmt: skip
 
 
-def run_qlora_phase(run_configuration: Any, workers: list[int], quick: bool) -> dict[str, Any]:
-    """The QLoRA phase (``--phases qlora``, issue 52): the same bf16 Llama loaded as a QLoRA
-    worker loads it (on the meta device, each weight read whole, quantized to NF4, this rank's
-    rows kept), on 1 worker and under FSDP on each of `workers`. Each worker's peak added
+def run_qlora_phase(
+    run_configuration: Any, workers: list[int], quick: bool, shape: str = "1.1b"
+) -> dict[str, Any]:
+    """The QLoRA phase (``--phases qlora``, issue 52): a bf16 Llama loaded as a QLoRA worker
+    loads it (on the meta device, each weight read in row blocks and quantized to NF4, this
+    rank's rows kept), on 1 worker and under FSDP on each of `workers`. `shape`: ``"1.1b"``,
+    table 4's 1.1B Llama (TinyLlama's shape, bench/gpu; its embeddings and head are 12% of it,
+    near a real LLM's share), written from random weights, or ``"254m"``, the load phase's
+    (26%). Each worker's peak added
     memory against the bf16 model's bytes (targets: <= 0.4 on one worker, <= 0.4 / N + 10%
     on N), and the resident bytes of the base's weights (the frozen parameters: NF4 codes
     and scales, plus the embeddings, head and norms that stay) against bf16's (target <= 0.3
     for the linear layers quantized; the whole base is reported beside)."""
     from _support import table
 
-    config = QUICK_LLAMA if quick else LLAMA
+    config = QUICK_LLAMA if quick else LLAMA_1B if shape == "1.1b" else LLAMA
     folder = tempfile.mkdtemp(prefix="bench_memory_qlora_")
     try:
-        model = save_model(folder, config)
+        model = save_model(folder, config, write_random_model)
         opts = {"path": folder, "vocab_size": config["vocab_size"], "how": "qlora"}
         plan = [("ddp", 1)] + [("fsdp", w) for w in workers]
         results = {key: summarise_load(run_configuration(*key, opts)) for key in plan}
@@ -320,8 +384,9 @@ def run_qlora_phase(run_configuration: Any, workers: list[int], quick: bool) -> 
         ratios[f"qlora {strategy} {world}: load peak vs bf16 share"] = r["added"] / share
         ratios[f"qlora {strategy} {world}: base resident vs bf16 share"] = r["base_bytes"] / share
     head = (
-        f"QLoRA (lora r=16, quantize_base='nf4'): the same Llama-shaped model, "
-        f"{model['numel'] / 1e6:.0f}M parameters, {bf16 / MiB:,.0f} MiB in bf16. Peak anonymous "
+        f"QLoRA (lora r=16, quantize_base='nf4'): a Llama-shaped model (width "
+        f"{config['hidden_size']}, {config['num_hidden_layers']} layers, vocabulary "
+        f"{config['vocab_size']}), {model['numel'] / 1e6:.0f}M parameters, {bf16 / MiB:,.0f} MiB in bf16. Peak anonymous "
         "memory a worker added while loading it (largest rank) and the resident bytes of its "
         "frozen base, against bf16's share of the model per worker:"
     )

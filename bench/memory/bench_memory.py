@@ -370,6 +370,10 @@ def main() -> dict:
         default="state,load,lora,loss",
         help="state (and checkpoints), load, lora, loss (the chunked loss), qlora (alone)",
     )
+    parser.add_argument(
+        "--qlora-shape", default="1.1b", choices=("1.1b", "254m"),
+        help="the qlora phase's Llama: table 4's 1.1B shape, or the load phase's 254M",
+    )  # fmt: skip
     parser.add_argument("--json", default=None)
     cli = parser.parse_args()
     phases = cli.phases.split(",")
@@ -391,7 +395,7 @@ def main() -> dict:
         from _memory_load import run_qlora_phase
 
         workers = [int(w) for w in cli.workers.split(",")]
-        qlora = run_qlora_phase(run_configuration, workers, cli.quick)
+        qlora = run_qlora_phase(run_configuration, workers, cli.quick, cli.qlora_shape)
         if phases == ["qlora"]:
             return emit({"machine": machine(), **qlora}, cli.json)
     if "lora" in phases:  # LoRA against full, 2 workers (_memory_lora.py)

@@ -114,6 +114,7 @@ def _compute(
         device=results[0]["device"] if results else "cpu",
         dtype=dtype,
         model=str(args.model),
+        quantize_base=(args.lora or {}).get("quantize_base"),  # QLoRA: the 4-bit base's
     )
     print(
         f"{field}: reference log-probs of {sequences} sequences computed by {len(parts)} Ray "

@@ -1,10 +1,11 @@
 """Preference tuning end to end (issue 35): DPO on 2 gloo workers of a real local Ray, its
 reference log-probs computed once by Ray tasks into the token cache.
 
-Run A: DDP, LoRA (adapter checkpoints), packed pairs, asynchronous checkpoints, validation pairs
+Run A: DDP, QLoRA (LoRA on a 4-bit NF4 base, issue 52; adapter checkpoints), packed pairs, asynchronous checkpoints, validation pairs
 ranking the checkpoints by ``val_rewards/accuracies``, an ``EvalOnSave`` task on every
 checkpoint, and rank 1 killed once (the run resumes from its checkpoint and the reference is
-read again, not recomputed). Run B: FSDP2 and an elastic size (1 to 2 workers): the reference
+read again, not recomputed); its reference is the 4-bit base with the adapters off (the first
+step's loss is ln 2 exactly, and the reference cache records the quantized base). Run B: FSDP2 and an elastic size (1 to 2 workers): the reference
 pass is a forward-only phase of the worker group. Then a second plan of run A's data reuses its
 reference. DPO under ``compile=True`` (the reference pass and the steps equal eager's, no graph
 break) is `tests/unit/test_dpo_step.py`'s, without inductor's code generation (run B compiled
@@ -25,6 +26,8 @@ from callbacks import EvalOnSave, TrainerCallback
 
 OPPOSITES = [("hot", "cold"), ("up", "down"), ("big", "small"), ("fast", "slow"), ("wet", "dry")]
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+#: Run A's: LoRA on the base quantized to NF4 (QLoRA) under DDP.
+QLORA = {**LORA, "quantize_base": "nf4"}
 
 
 def pairs(n: int, seed: int) -> list[dict]:
@@ -118,7 +121,7 @@ def runs(ray_session, data):
     a = root / "a"
     result_a = run_training(
         **_fields(
-            data, a, run_name="dpo-a", lora=LORA, packing=True, max_tokens_per_batch=256,
+            data, a, run_name="dpo-a", lora=QLORA, packing=True, max_tokens_per_batch=256,
             async_checkpoint=True, save_every_steps=4, eval_every_steps=4, max_failures=1,
             checkpoint_score_attribute="val_rewards/accuracies",
             callbacks=[Logs(str(a)), KillRank1Once(6), EvalOnSave(checkpoint_steps, num_gpus=0, num_cpus=0)],
@@ -155,6 +158,8 @@ def test_a_crash_resumes_and_reads_the_reference_again(runs):
     computed = [m for m in runs["after_a"].values() if m["tasks"] > 0]
     assert len(computed) == 2  # data and val_data
     assert all(m["device"] == "cpu" and m["dtype"] == "float32" for m in computed)
+    # QLoRA: the reference is the policy's 4-bit base with its adapters off (ln 2 at step 1).
+    assert all(m["quantize_base"] == "nf4" for m in computed)
     data_ref = max(computed, key=lambda m: m["sequences"])
     assert data_ref["sequences"] == 2 * 96
 
@@ -170,7 +175,7 @@ def test_validation_pairs_rank_the_checkpoints_and_evaluations_run_on_them(runs)
     assert good and all(e["metrics"]["dpo"] == 1.0 for e in good)
     assert all(e["metrics"]["seen_step"] == e["step"] for e in good)
     assert 8.0 in {e["metrics"]["seen_step"] for e in good}
-    # A LoRA run's checkpoint holds the adapters, and its hf/ the PEFT adapter.
+    # A (Q)LoRA run's checkpoint holds the adapters, and its hf/ the PEFT adapter.
     assert os.path.exists(os.path.join(result.checkpoint_path, "hf", "adapter_config.json"))
 
 
@@ -192,7 +197,7 @@ def test_a_second_run_on_the_same_data_and_model_reuses_the_reference(runs, data
     from ray_trainer._driver.reference import prepare_references
 
     root = data[0]
-    args = TrainingArgs(**_fields(data, root / "c", run_name="dpo-c", callbacks=[]))
+    args = TrainingArgs(**_fields(data, root / "c", run_name="dpo-c", lora=QLORA, callbacks=[]))
     before = _references(root)
     folders = prepare_references(plan_data(args), args)  # no Ray task: both found complete
     assert _references(root) == before
@@ -200,22 +205,28 @@ def test_a_second_run_on_the_same_data_and_model_reuses_the_reference(runs, data
         os.path.relpath(p, root / "storage" / ".ray_trainer" / "data-cache")
         for p in folders.values()
     } <= set(before)
-    # Another dtype is another reference: the key covers it.
+    assert set(prepare_references_plan(args).values()) == set(folders.values())
+    # Another dtype is another reference, and so is the full-precision base: the key covers it.
     other = args.model_copy(update={"use_gpu": True})
     assert set(prepare_references_plan(other).values()).isdisjoint(folders.values())
+    full = args.model_copy(update={"lora": LORA})
+    assert set(prepare_references_plan(full).values()).isdisjoint(folders.values())
 
 
 def prepare_references_plan(args) -> dict[str, str]:
     """The reference folders a run would use, without computing them."""
     from ray_trainer._driver.data import plan_data
-    from ray_trainer._driver.reference import reference_dtype
+    from ray_trainer._driver.reference import reference_dtype, reference_quantize
     from ray_trainer._model.spec import ModelSpec
     from ray_trainer._reference import reference_key, reference_location
 
     spec = ModelSpec.of(args)
     return {
         field: reference_location(
-            plan.cache, reference_key(plan.fingerprint, spec, reference_dtype(args), args.seed)
+            plan.cache,
+            reference_key(
+                plan.fingerprint, spec, reference_dtype(args), args.seed, reference_quantize(args)
+            ),
         ).name
         for field, plan in plan_data(args).items()
     }

@@ -326,3 +326,87 @@ def test_dpos_precomputed_reference_is_the_4_bit_base_with_its_adapters_off(base
     assert reference_key("data", spec, "float32", 0) != reference_key(
         "data", spec, "float32", 0, quantize
     )
+
+
+def test_compile_on_a_qlora_model_gives_the_eager_loss_and_adapter_gradients_in_one_graph(
+    base, monkeypatch
+):
+    """``compile=True`` with a 4-bit base: the runner's own `_compile` (the whole model, as
+    under DDP without the chunked loss), with "aot_eager" (dynamo's and AOTAutograd's graphs, as
+    the compile tests of tests/unit): torchao's NF4 linear traces without a graph break."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ray_trainer._model.compile_probe import missing_compile_toolchain
+    from ray_trainer._worker.model.parallel import _compile
+
+    if missing_compile_toolchain(False) is not None:
+        pytest.skip("no C++ compiler for inductor")
+    compile_module = nn.Module.compile
+    monkeypatch.setattr(
+        nn.Module, "compile", lambda m, *a, **k: compile_module(m, *a, backend="aot_eager", **k)
+    )
+
+    def step(compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        args, model, _ = _built(base)
+        _nonzero_b(model)
+        if compiled:
+            _compile(model, args.model_copy(update={"compile": True, "chunked_loss": False}))
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_loss, eager_grads = step(False)
+    loss, grads = step(True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert torch.allclose(loss, eager_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == eager_grads.keys() and all(".lora_" in n for n in grads)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, eager_grads[name], rtol=1e-5, atol=1e-7), name
+    torch._dynamo.reset()
+
+
+def test_generation_eval_and_lm_eval_put_a_qlora_adapter_on_the_original_base(tmp_path):
+    """A QLoRA checkpoint's adapter export is evaluated on the original, full-precision base
+    (issue 52): `GenerationEval` and `LmEval` name the run's base and the adapter, the ``hf``
+    backend's loader gives the base's own weights (not the 4-bit ones the run trained on) with
+    the trained adapter, and a generation runs on it."""
+    import json
+
+    from callbacks import GenerationEval, LmEval
+    from callbacks.builtin.generation.child.generation_child.hf import load_hf_model
+    from ray_trainer._model.nf4 import dequantized
+    from ray_trainer._worker.checkpoints.export import full_tensor
+    from ray_trainer._worker.model.adaptation import lora_export
+    from ray_trainer.demo import make_tiny_chat_model
+
+    base = str(make_tiny_chat_model(tmp_path / "chat", style="llama3", vocab_size=256))
+    args, model, _ = _built(base, export="adapter")
+    _nonzero_b(model)
+    checkpoint = tmp_path / "checkpoint_00000004"
+    lora_export(model, "adapter", args.model).write(str(checkpoint), full_tensor, True)
+    hf = str(checkpoint / "hf")
+    assert (
+        json.loads((checkpoint / "hf" / "adapter_config.json").read_text())[
+            "base_model_name_or_path"
+        ]
+        == base
+    )
+
+    fn = GenerationEval(["the cat sat on the"], name="gen", backend="hf", max_new_tokens=4)
+    request = fn.request(str(checkpoint))
+    assert (request["model"], request["adapter"]) == (base, hf)
+    assert LmEval(tasks=["hellaswag"]).model_arguments(str(checkpoint))["pretrained"] == base
+    loaded = load_hf_model(request)
+    original = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=loaded.dtype)
+    layer = "model.layers.0.mlp.down_proj"
+    evaluated = loaded.get_submodule(f"base_model.model.{layer}.base_layer").weight
+    trained = model.get_submodule(f"base_model.model.{layer}.base_layer").weight
+    assert torch.equal(evaluated, original.get_submodule(layer).weight)  # the original base
+    assert not torch.equal(evaluated.float(), dequantized(trained).float())  # not the 4-bit one
+    name = f"base_model.model.{layer}.lora_B.default.weight"
+    assert torch.equal(loaded.get_parameter(name).float(), model.get_parameter(name).detach())
+    metrics = fn(str(checkpoint), 4)
+    assert metrics["gen/vllm"] == 0.0 and 0 < metrics["gen/answer_tokens_mean"] <= 4

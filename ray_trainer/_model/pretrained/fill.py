@@ -181,29 +181,29 @@ def _copy_in(name: str, tensor: torch.Tensor, files: SafetensorsFiles, source: s
 def _quantize_in(
     module: nn.Module, name: str, tensor: torch.Tensor, files: SafetensorsFiles, source: str
 ) -> None:
-    """An NF4 weight (QLoRA's base, ``_model/nf4.py``) read whole, quantized on its device, and
-    put in place of `name` (this rank's rows of it when sharded); the full-precision tensor is
-    dropped at once, so the most held is one weight in the files' dtype and its copy."""
+    """An NF4 weight (QLoRA's base, ``_model/nf4.py``) quantized on its device as it is read
+    from the files in row blocks, and put in place of `name` (this rank's rows of it when
+    sharded): no full-precision copy of the weight is ever held, only one block of its rows
+    (the files' reused buffer, its copy in the run's dtype) and the quantization's scratch."""
     entry = files.entries[source]
     if tuple(tensor.shape) != entry.shape:
         raise WeightsError(
             f"{name}: the model has shape {tuple(tensor.shape)}, {files.folder.name} holds "
             f"{source} with shape {entry.shape}; the config does not match the weights"
         )
-    device = _local(tensor).device
-    whole = files.read(source).to(device)
     owner, _, leaf = name.rpartition(".")
-    setattr(module.get_submodule(owner), leaf, shard_of(whole, tensor))
-    del whole
+    quantized = shard_of(lambda a, b: files.read_rows(source, a, b), tensor)
+    setattr(module.get_submodule(owner), leaf, quantized)
     _trim_heap()
 
 
 def _trim_heap() -> None:
     """Hand the heap that one weight's quantization freed back to the system (glibc's
-    ``malloc_trim``). torchao's NF4 quantization makes ~150 MiB of short-lived tensors per
-    weight, mostly under glibc's (raised) mmap threshold: without this a worker's memory grew
-    by the largest of them and then by fragmentation, to several times the 4-bit base it
-    kept (measured: ``bench/memory`` ``--phases qlora``). Nothing where it is not glibc."""
+    ``malloc_trim``). The quantization's short-lived chunks (``nf4.CHUNK_VALUES`` values'
+    scratch each) fall under glibc's (raised) mmap threshold: without this a worker's memory
+    grew by fragmentation, to several times the 4-bit base it kept (measured with torchao's
+    whole-weight ``to_nf4``: ``bench/memory`` ``--phases qlora``). Nothing where it is not
+    glibc."""
     global _LIBC
     if _LIBC is None:
         import ctypes

@@ -85,6 +85,7 @@ def _compute(s: Any, ds: PairDataset, location: Any) -> np.ndarray:
             location, [(0, n)], wall_s=round(wall, 3), tasks=0, device=s.accelerator.device.type,
             dtype=str(s.accelerator.mixed_precision), model=str(s.args.model),
             computed_by=f"{world} training worker(s), sharded",
+            quantize_base=(s.args.lora or {}).get("quantize_base"),
         )  # fmt: skip
         print(f"reference log-probs of {n} sequences computed by the workers in {wall:.1f} s")
     if world > 1:
