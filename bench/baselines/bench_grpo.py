@@ -402,7 +402,9 @@ def main() -> dict:
                 rows[side].append(run)
                 print(f"round {r}, {side}: {run['steps_per_s']:.3f} steps/s, "
                       f"{run['tokens_per_s']:,.0f} completion tokens/s, shares "
-                      f"{_shares_text(run['shares'])}", flush=True)  # fmt: skip
+                      f"{_shares_text(run['shares'])}; CPU-s per step "
+                      f"{run['cpu_per_step']:.3f} ({_shares_text(run['cpu_parts'])})",
+                      flush=True)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = summarise(rows, opts)
