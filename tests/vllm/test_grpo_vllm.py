@@ -65,6 +65,9 @@ def ray_session():
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # Ray's workers start at niceness 15: on a shared, loaded machine the engine's start (a
+    # minute idle) would wait for the cores far longer.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # The worker, the engine and the reward task: a CPU each.
     here = str(Path(__file__).parent)
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
