@@ -15,7 +15,7 @@ docs. Two sources:
 
 The evaluation panel repeats: one frame per evaluation metric (the ``val_metrics`` keys of the
 ``on_evaluate`` records; in Prometheus, the ``ray_trainer_eval_*`` names that carry the run).
-An objective's panels (GRPO's: the reward curve, with a line for ``reward`` and one per
+A row's panels (GRPO's RL row: the reward curve, with a line for ``reward`` and one per
 ``rewards/<fn>/mean``, completions, rollout timings) are drawn for a run that has any of their
 data, and left out of the others'.
 
@@ -187,10 +187,10 @@ def frames_from_jsonl(records: list[dict[str, Any]]) -> list[Frame]:
     for r in records:
         by_event.setdefault(str(r.get("event")), []).append(r)
     fields = {f: None for r in records for f in r}
-    ran = {p.objective for p in PANELS if any(_drawn(s, fields) for s in p.series)}
+    filled = {p.row for p in PANELS if any(_drawn(s, fields) for s in p.series)}
     for panel in PANELS:
-        if panel.objective is not None and panel.objective not in ran:
-            continue  # another objective's panel: this run logs none of its data
+        if panel.row is not None and panel.row not in filled:
+            continue  # a row of what this run does not log (GRPO's, for an SFT run)
         if panel.repeat == EVAL_VARIABLE:
             names = _eval_names(records)
             evaluations = by_event.get("on_evaluate", [])
@@ -333,7 +333,7 @@ def frames_from_prometheus(
     step = step or _auto_step(end - start)
     other = {n for p in PANELS if not p.repeat for s in p.series for n in _names(s.expr)}
     frames = []
-    by_objective: dict[str, list[Frame]] = {}
+    by_row: dict[str, list[Frame]] = {}
     for panel in PANELS:
         if panel.repeat == EVAL_VARIABLE:
             match = f'{{__name__=~"{promql_string(EVAL_PREFIX)}.+", {substitute(_RUN_MATCH, run)}}}'
@@ -347,10 +347,10 @@ def frames_from_prometheus(
             continue
         frame = _prometheus_frame(prom, panel, panel.title, run, None, start, end, step)
         frames.append(frame)
-        if panel.objective is not None:
-            by_objective.setdefault(panel.objective, []).append(frame)
-    # Another objective's panels (no series for this run in any of them) are left out.
-    unused = [id(f) for fs in by_objective.values() if not any(f.lines for f in fs) for f in fs]
+        if panel.row is not None:
+            by_row.setdefault(panel.row, []).append(frame)
+    # A row with no series for this run in any of its panels (GRPO's, for an SFT run): left out.
+    unused = [id(f) for fs in by_row.values() if not any(f.lines for f in fs) for f in fs]
     return [f for f in frames if id(f) not in unused]
 
 

@@ -16,8 +16,8 @@ variable offers every Prometheus datasource. Variables:
 * ``eval_metric``: ``metrics(ray_trainer_eval_.+)`` (the Prometheus datasource's query for
   metric names by regex), multi-value with "All"; the evaluation panel repeats over it.
 
-An objective's panels (GRPO's) follow the others under a row of their own (a Grafana ``row``
-panel titled from `OBJECTIVE_ROWS`), so a run of another objective leaves only that row empty.
+The panels of a row (`Panel.row`: GRPO's) follow the others under that row's header (a Grafana
+``row`` panel), so a run of another objective leaves only that row empty.
 
 No library: grafana-foundation-sdk (a release per Grafana version, versioned
 ``<timestamp>!<grafana version>``) and grafanalib (in maintenance) would be a dependency of
@@ -32,7 +32,6 @@ from typing import Any
 from ray_trainer._monitoring.panels import (
     EVAL_PREFIX,
     EVAL_VARIABLE,
-    OBJECTIVE_ROWS,
     PANELS,
     RUN_VARIABLE,
     Panel,
@@ -55,15 +54,14 @@ _WIDTH, _HEIGHT, _PER_ROW = 12, 8, 2  # Grafana's grid is 24 columns wide
 
 def build_dashboard() -> dict[str, Any]:
     """The dashboard model: one time-series panel per `Panel`, two per row, the repeating
-    panel on a row of its own, each objective's panels under a row panel of their own."""
+    panel on a row of its own, the panels of a `Panel.row` under a row panel of that title."""
     panels: list[dict[str, Any]] = []
-    x, y, objective = 0, 0, None
+    x, y, row = 0, 0, None
     for number, panel in enumerate(PANELS, start=1):
-        if panel.objective != objective:  # a row panel (id after every Panel's) heads them
-            objective = panel.objective
+        if panel.row != row:  # a row panel (id after every Panel's) heads them
+            row = panel.row
             y, x = y + (_HEIGHT if x else 0), 0
-            title = OBJECTIVE_ROWS.get(objective or "", "Training")
-            panels.append(_row(len(PANELS) + len(panels) + 1, title, y))
+            panels.append(_row(len(PANELS) + len(panels) + 1, row or "Training", y))
             y += 1
         if panel.repeat and x:  # a repeating panel starts a row (its copies fill it)
             x, y = 0, y + _HEIGHT

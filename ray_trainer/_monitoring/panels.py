@@ -4,11 +4,11 @@ The Grafana dashboard (`dashboard.py`), `ray-trainer plot` and the Prometheus in
 all read `PANELS`: a panel's PromQL is what Grafana runs and what the test evaluates against a
 real Prometheus; its `jsonl` fields are what `ray-trainer plot` draws from a run's
 ``metrics.jsonl`` when it has no Prometheus. A metric renamed in `RayMetrics` but not here fails
-that test (and, for an objective's panels, the unit test of the names its runs export).
+that test (and, for the RL row's panels, the unit test of the names a GRPO run exports).
 
-A panel of one objective (`Panel.objective`: GRPO's RL panels) shows what only that objective's
-runs log: the dashboard puts those panels on a row of their own (`OBJECTIVE_ROWS`), and `plot`
-leaves them out of a run that has none of their data.
+A panel on a row of its own (`Panel.row`: GRPO's, `RL_ROW`) shows what only some runs log: the
+dashboard draws those panels under that row's header, and `plot` leaves a row's panels out of a
+run that has none of their data.
 
 Exported names (``RayMetrics``' default prefix ``ray_trainer``; every series has a ``run``
 label), following Prometheus's naming: counters end in ``_total``, units are base units in the
@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "EVAL_PREFIX", "EVAL_VARIABLE", "OBJECTIVE_ROWS", "PANELS", "RUN_VARIABLE", "Panel", "Series",
+    "EVAL_PREFIX", "EVAL_VARIABLE", "PANELS", "RL_ROW", "RUN_VARIABLE", "Panel", "Series",
     "jsonl_fields", "promql_string", "substitute",
 ]  # fmt: skip
 
@@ -53,19 +53,23 @@ class Series:
 @dataclass(frozen=True)
 class Panel:
     """One panel: title, Grafana unit id, description, its series; `repeat` names the variable
-    it repeats over (one copy of the panel per value); `objective` names the objective whose
-    runs alone log its series (None: every run)."""
+    it repeats over (one copy of the panel per value); `row` is the title of the dashboard row
+    it sits under (None: the rows on top, which every run fills)."""
 
     title: str
     unit: str
     description: str
     series: tuple[Series, ...]
     repeat: str | None = None
-    objective: str | None = None
+    row: str | None = None
 
 
 def _gauge(name: str) -> str:
     return f"ray_trainer_{name}{{{_RUN}}}"
+
+
+#: The row of GRPO's panels: what only an ``objective="grpo"`` run logs.
+RL_ROW = 'RL: GRPO (objective="grpo")'
 
 
 def _gauges(pattern: str) -> str:
@@ -176,14 +180,14 @@ PANELS: tuple[Panel, ...] = (
             Series("reward std", _gauge("reward_std"), "reward_std"),
             Series("{{__name__}}", _gauges("rewards_.+_mean"), "rewards/*/mean"),
         ),
-        objective="grpo",
+        row=RL_ROW,
     ),
     Panel(
         "Completion length",
         "none",
         "GRPO: the mean length in tokens of each step's sampled completions.",
         (Series("mean length", _gauge("completions_mean_length"), "completions/mean_length"),),
-        objective="grpo",
+        row=RL_ROW,
     ),
     Panel(
         "Truncated completions",
@@ -195,7 +199,7 @@ PANELS: tuple[Panel, ...] = (
                 "clipped ratio", _gauge("completions_clipped_ratio"), "completions/clipped_ratio"
             ),
         ),
-        objective="grpo",
+        row=RL_ROW,
     ),
     Panel(
         "KL",
@@ -203,14 +207,14 @@ PANELS: tuple[Panel, ...] = (
         "GRPO with beta > 0: the KL of the policy against the model as it started, over the "
         "step's completion tokens.",
         (Series("kl", _gauge("kl"), "kl"),),
-        objective="grpo",
+        row=RL_ROW,
     ),
     Panel(
         "Rollout tokens/s",
         "none",
         "GRPO: completion tokens sampled per second of the step's rollout (its slowest worker's).",
         (Series("rollout tokens/s", _gauge("rollout_tokens_per_s"), "rollout/tokens_per_s"),),
-        objective="grpo",
+        row=RL_ROW,
     ),
     Panel(
         "Rollout, reward and sync seconds",
@@ -222,7 +226,7 @@ PANELS: tuple[Panel, ...] = (
             Series("reward", _gauge("reward_seconds"), "reward/seconds"),
             Series("sync", _gauge("sync_seconds"), "sync/seconds"),
         ),
-        objective="grpo",
+        row=RL_ROW,
     ),
     Panel(
         "Engine against trainer log-probs",
@@ -231,12 +235,9 @@ PANELS: tuple[Panel, ...] = (
         "log-probs of a fixed probe completion and the trainer's (0 for hf in fp32; a jump "
         "means a sync missed a weight or the engine's numbers drifted).",
         (Series("logprob diff", _gauge("rollout_logprob_diff"), "rollout/logprob_diff"),),
-        objective="grpo",
+        row=RL_ROW,
     ),
 )
-
-#: The dashboard row of each objective's panels (Grafana draws them under this title).
-OBJECTIVE_ROWS = {"grpo": 'RL: GRPO (objective="grpo")'}
 
 
 def jsonl_fields(series: Series, fields: set[str] | list[str]) -> list[str]:

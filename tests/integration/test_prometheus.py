@@ -37,9 +37,9 @@ from ray_trainer._monitoring.dashboard import EVAL_QUERY, RUN_QUERY
 from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, substitute
 
 RUN = "promrun"
-#: The panels this (SFT) run exports: an objective's own (GRPO's RL row) are checked against
-#: the gauges its logs export in tests/unit/test_monitoring_panels.py.
-SFT_PANELS = [p for p in PANELS if p.objective is None]
+#: The panels this (SFT) run exports: the rows of what it does not log (GRPO's RL row) are
+#: checked against the gauges a GRPO run's logs export in tests/unit/test_monitoring_panels.py.
+SFT_PANELS = [p for p in PANELS if p.row is None]
 #: The evaluation metrics the repeating panel must find: the in-loop one, and EvalOnSave's.
 WANTED_EVALS = {"ray_trainer_eval_val_loss", "ray_trainer_eval_score"}
 MAX_STEPS = 8

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from ray_trainer._client import plot
-from ray_trainer._monitoring.panels import PANELS
+from ray_trainer._monitoring.panels import PANELS, RL_ROW
 from ray_trainer.cli import main
 
 pytest.importorskip("matplotlib")
 
 EVAL_TITLE = next(p.title for p in PANELS if p.repeat)
-OTHER_TITLES = [p.title for p in PANELS if not p.repeat and p.objective is None]
-RL_TITLES = [p.title for p in PANELS if p.objective == "grpo"]
+OTHER_TITLES = [p.title for p in PANELS if not p.repeat and p.row is None]
+RL_TITLES = [p.title for p in PANELS if p.row == RL_ROW]
 
 
 def write_run(folder, records):
@@ -230,11 +230,7 @@ def test_prometheus_queries_have_the_run_and_the_lines_carry_their_values(promet
 def test_prometheus_leaves_out_the_rl_panels_of_a_run_without_their_series(prometheus):
     handler, url = prometheus
     rl = {
-        n
-        for p in PANELS
-        if p.objective
-        for s in p.series
-        for n in re.findall(r"ray_trainer_\w+", s.expr)
+        n for p in PANELS if p.row for s in p.series for n in re.findall(r"ray_trainer_\w+", s.expr)
     }
     handler.no_series_for = tuple(rl)
     end = time.time()

@@ -13,7 +13,7 @@ from ray_trainer._monitoring.dashboard import (
     build_dashboard,
     dashboard_json,
 )
-from ray_trainer._monitoring.panels import EVAL_VARIABLE, OBJECTIVE_ROWS, PANELS, RUN_VARIABLE
+from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, RL_ROW, RUN_VARIABLE
 
 GRID_COLUMNS = 24  # Grafana's grid
 
@@ -107,12 +107,12 @@ def test_one_panel_repeats_over_the_eval_metric_and_every_variable_used_is_defin
 def test_the_rl_panels_sit_under_a_row_of_their_own_after_the_others():
     panels = build_dashboard()["panels"]
     rows = [p for p in panels if p["type"] == "row"]
-    assert [r["title"] for r in rows] == [OBJECTIVE_ROWS["grpo"]]
+    assert [r["title"] for r in rows] == [RL_ROW]
     row = rows[0]
     assert row["collapsed"] is False and row["panels"] == []  # open: its panels follow it
     assert row["gridPos"] == {"h": 1, "w": GRID_COLUMNS, "x": 0, "y": row["gridPos"]["y"]}
     under = panels[panels.index(row) + 1 :]
-    grpo = [p.title for p in PANELS if p.objective == "grpo"]
+    grpo = [p.title for p in PANELS if p.row == RL_ROW]
     assert [p["title"] for p in under] == grpo and len(grpo) >= 7
     above = panels[: panels.index(row)]
     assert all(p["gridPos"]["y"] < row["gridPos"]["y"] for p in above)

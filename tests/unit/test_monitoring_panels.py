@@ -11,7 +11,7 @@ import types
 
 from callbacks import CallbackManager, RayMetrics, TrainingContext
 from callbacks.builtin import ray_metrics
-from ray_trainer._monitoring.panels import EVAL_PREFIX, PANELS
+from ray_trainer._monitoring.panels import EVAL_PREFIX, PANELS, RL_ROW
 
 _NAME = re.compile(r"\b(ray_trainer_\w+)\{")
 
@@ -78,7 +78,7 @@ def test_every_metric_a_panel_queries_is_exported_by_ray_metrics(monkeypatch):
     queried = {
         name
         for panel in PANELS
-        if panel.objective is None
+        if panel.row is None
         for s in panel.series
         for name in _NAME.findall(s.expr)
     }
@@ -95,7 +95,7 @@ def test_no_exported_name_that_is_not_an_evaluation_starts_with_the_eval_prefix(
 
 def test_every_rl_panel_reads_gauges_that_a_grpo_runs_logs_export(monkeypatch):
     exported = _exported(monkeypatch, grpo=True)
-    panels = [p for p in PANELS if p.objective == "grpo"]
+    panels = [p for p in PANELS if p.row == RL_ROW]
     queried = {name for panel in panels for s in panel.series for name in _NAME.findall(s.expr)}
     assert len(queried) >= 9  # reward, reward_std, the completions', kl, the rollout's ...
     assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
@@ -110,7 +110,5 @@ def test_every_rl_panel_reads_gauges_that_a_grpo_runs_logs_export(monkeypatch):
 
 def test_an_sft_run_exports_none_of_the_rl_panels_gauges(monkeypatch):
     exported = _exported(monkeypatch)
-    rl = {
-        n for p in PANELS if p.objective == "grpo" for s in p.series for n in _NAME.findall(s.expr)
-    }
+    rl = {n for p in PANELS if p.row == RL_ROW for s in p.series for n in _NAME.findall(s.expr)}
     assert not rl & exported
