@@ -8,6 +8,7 @@ which backend ``"auto"`` picks; the child's refusals. The engine on real vLLM: t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,22 @@ def test_the_child_removes_the_engines_folders_when_it_ends(tmp_path, monkeypatc
     engine.close()
     assert not any(f.exists() for f in folders) and rollout.AT_EXIT == []
     rollout.remove_at_exit()  # again (the SIGTERM after the input's end): nothing left to do
+
+
+def test_a_new_engine_removes_the_folders_of_engines_whose_process_ended(tmp_path):
+    """Killed with its worker group, a run's engine never removes its /dev/shm folder, and its
+    child may be killed too (Ray ends a dead worker's children): the next engine does."""
+    import subprocess
+    import sys
+
+    from ray_trainer._rollout.shm import remove_stale
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f"ray-trainer-rollout-{ended.stdout.strip()}-abcd1234"
+    live = tmp_path / f"ray-trainer-rollout-{os.getpid()}-abcd1234"
+    other = tmp_path / "ray-trainer-rollout-notapid-x"
+    for folder in (dead, live, other):
+        (folder / "adapter-v1").mkdir(parents=True)
+    assert remove_stale(tmp_path, "ray-trainer-rollout") == [dead]
+    assert not dead.exists() and live.exists() and other.exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from support_paths import pythonpath
+from waiting import wait_until
 
 from callbacks import TrainerCallback
 
@@ -124,5 +125,12 @@ def test_grpo_trains_on_vllm_completions_with_adapter_only_syncs(models, ray_ses
     lines = [json.loads(line) for line in rollouts.open()]
     assert {r["step"] for r in lines} == set(range(1, STEPS + 1))
     assert all(r["version"] == r["step"] - 1 for r in lines)
-    # The engine's sync files went with it (its actor ended with the worker group).
-    assert not list(Path("/dev/shm").glob(f"ray-trainer-rollout-{engines[0]['pid']}-*"))
+    # The engine's /dev/shm folder: its actor was killed with the worker group and its child
+    # with it (Ray ends a dead worker's children), so no one removed it; the next engine's
+    # start does (`shm.remove_stale`), once the actor's process is gone.
+    from ray_trainer._rollout.shm import shm_folder
+
+    left = f"ray-trainer-rollout-{engines[0]['pid']}-*"
+    wait_until(lambda: not os.path.exists(f"/proc/{engines[0]['pid']}"), 60, "the engine's end")
+    shm_folder().rmdir()  # a new engine's folder
+    assert not list(Path("/dev/shm").glob(left))
