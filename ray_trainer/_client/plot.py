@@ -15,6 +15,9 @@ docs. Two sources:
 
 The evaluation panel repeats: one frame per evaluation metric (the ``val_metrics`` keys of the
 ``on_evaluate`` records; in Prometheus, the ``ray_trainer_eval_*`` names that carry the run).
+A row's panels (GRPO's RL row: the reward curve, with a line for ``reward`` and one per
+``rewards/<fn>/mean``, completions, rollout timings) are drawn for a run that has any of their
+data, and left out of the others'.
 
 Exit codes: 0 the PNG was written, 2 bad input (no such run or file, Prometheus unreachable or
 without the run, matplotlib missing): one line naming the path or URL and the fix.
@@ -43,6 +46,7 @@ from ray_trainer._monitoring.panels import (
     PANELS,
     RUN_VARIABLE,
     Panel,
+    jsonl_fields,
     promql_string,
     substitute,
 )
@@ -182,7 +186,11 @@ def frames_from_jsonl(records: list[dict[str, Any]]) -> list[Frame]:
     by_event: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_event.setdefault(str(r.get("event")), []).append(r)
+    fields = {f: None for r in records for f in r}
+    filled = {p.row for p in PANELS if any(_drawn(s, fields) for s in p.series)}
     for panel in PANELS:
+        if panel.row is not None and panel.row not in filled:
+            continue  # a row of what this run does not log (GRPO's, for an SFT run)
         if panel.repeat == EVAL_VARIABLE:
             names = _eval_names(records)
             evaluations = by_event.get("on_evaluate", [])
@@ -204,15 +212,23 @@ def frames_from_jsonl(records: list[dict[str, Any]]) -> list[Frame]:
             frame.lines.append(_step_over_time(records))
         else:
             for s in panel.series:
-                if s.jsonl is not None:
-                    frame.lines.append(_jsonl_line(s.legend, by_event.get(s.event, []), s.jsonl))
+                for name in jsonl_fields(s, fields) if "*" in (s.jsonl or "") else [s.jsonl]:
+                    if name is not None:
+                        legend = name if "*" in (s.jsonl or "") else s.legend
+                        frame.lines.append(_jsonl_line(legend, by_event.get(s.event, []), name))
         frames.append(_noted(frame, _missing(panel, by_event)))
     return frames
+
+
+def _drawn(series: Any, fields: dict[str, None]) -> bool:
+    """Whether the records' `fields` hold a field of `series`."""
+    return bool(jsonl_fields(series, list(fields)))
 
 
 def _missing(panel: Panel, by_event: dict[str, list[dict[str, Any]]]) -> str:
     """The note of a panel with no data in metrics.jsonl: which fields are absent, or null."""
     fields = [(s.jsonl, s.event) for s in panel.series if s.jsonl is not None]
+    fields = [(f, e) for f, e in fields if "*" not in f]  # a pattern's fields: drawn if any
     if not fields:
         return PROMETHEUS_ONLY
     present = [f for f, event in fields if any(f in r for r in by_event.get(event, []))]
@@ -317,6 +333,7 @@ def frames_from_prometheus(
     step = step or _auto_step(end - start)
     other = {n for p in PANELS if not p.repeat for s in p.series for n in _names(s.expr)}
     frames = []
+    by_row: dict[str, list[Frame]] = {}
     for panel in PANELS:
         if panel.repeat == EVAL_VARIABLE:
             match = f'{{__name__=~"{promql_string(EVAL_PREFIX)}.+", {substitute(_RUN_MATCH, run)}}}'
@@ -328,8 +345,13 @@ def frames_from_prometheus(
                 title = panel.title.replace(f"${EVAL_VARIABLE}", "(none)")
                 frames.append(Frame(title, panel.unit, note="no ray_trainer_eval_* series"))
             continue
-        frames.append(_prometheus_frame(prom, panel, panel.title, run, None, start, end, step))
-    return frames
+        frame = _prometheus_frame(prom, panel, panel.title, run, None, start, end, step)
+        frames.append(frame)
+        if panel.row is not None:
+            by_row.setdefault(panel.row, []).append(frame)
+    # A row with no series for this run in any of its panels (GRPO's, for an SFT run): left out.
+    unused = [id(f) for fs in by_row.values() if not any(f.lines for f in fs) for f in fs]
+    return [f for f in frames if id(f) not in unused]
 
 
 _RUN_MATCH = f'run=~"${RUN_VARIABLE}"'

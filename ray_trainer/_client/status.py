@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -298,6 +299,28 @@ def format_workers(status: dict[str, Any]) -> list[str]:
     return [line]
 
 
+def format_objective_metrics(own: dict[str, Any], per_line: int = 4) -> list[str]:
+    """The lines under the loss of the objective's metrics of the last log (DPO's and GRPO's
+    are TRL's): GRPO's reward first, on a line of its own with its std and each reward
+    function's mean; then the others, sorted, `per_line` a line."""
+    rest = {k: v for k, v in own.items() if isinstance(v, (int, float))}
+    lines = []
+    if "reward" in rest:  # GRPO: the reward of the last log, then each function's mean
+        parts = [f"reward      {rest.pop('reward'):.4f}"]
+        if "reward_std" in rest:
+            parts.append(f"std {rest.pop('reward_std'):.4f}")
+        for name in sorted(rest):
+            fn = re.fullmatch(r"rewards/(.+)/mean", name)
+            if fn:
+                parts.append(f"{fn.group(1)} {rest.pop(name):.4f}")
+        lines.append("  " + "   ".join(parts))
+    names = sorted(rest)
+    for at in range(0, len(names), per_line):
+        chunk = names[at : at + per_line]
+        lines.append("  " + "   ".join(f"{k} {rest[k]:.4f}" for k in chunk))
+    return lines
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A readable summary of a ``CallbackActor.status()`` dict."""
 
@@ -318,9 +341,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"   lr {num(status.get('learning_rate'), '.2e')}"
         f"   {num(status.get('throughput'), '.0f')} tokens/s",
     ]
-    own = status.get("objective_metrics") or {}
-    if own:  # DPO: TRL's metrics of the last log
-        lines.append("  " + "   ".join(f"{k} {v:.4f}" for k, v in sorted(own.items())))
+    lines += format_objective_metrics(status.get("objective_metrics") or {})
     lines += format_workers(status)
     evals = status.get("evaluations") or []
     in_flight = status.get("evaluations_in_flight") or 0

@@ -16,6 +16,9 @@ variable offers every Prometheus datasource. Variables:
 * ``eval_metric``: ``metrics(ray_trainer_eval_.+)`` (the Prometheus datasource's query for
   metric names by regex), multi-value with "All"; the evaluation panel repeats over it.
 
+The panels of a row (`Panel.row`: GRPO's) follow the others under that row's header (a Grafana
+``row`` panel), so a run of another objective leaves only that row empty.
+
 No library: grafana-foundation-sdk (a release per Grafana version, versioned
 ``<timestamp>!<grafana version>``) and grafanalib (in maintenance) would be a dependency of
 the package for a dict that a unit test checks against the model instead.
@@ -26,7 +29,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ray_trainer._monitoring.panels import EVAL_PREFIX, EVAL_VARIABLE, PANELS, RUN_VARIABLE, Panel
+from ray_trainer._monitoring.panels import (
+    EVAL_PREFIX,
+    EVAL_VARIABLE,
+    PANELS,
+    RUN_VARIABLE,
+    Panel,
+)
 
 __all__ = ["DASHBOARD_UID", "SCHEMA_VERSION", "build_dashboard", "dashboard_json"]
 
@@ -45,9 +54,15 @@ _WIDTH, _HEIGHT, _PER_ROW = 12, 8, 2  # Grafana's grid is 24 columns wide
 
 def build_dashboard() -> dict[str, Any]:
     """The dashboard model: one time-series panel per `Panel`, two per row, the repeating
-    panel on a row of its own."""
-    panels, x, y = [], 0, 0
+    panel on a row of its own, the panels of a `Panel.row` under a row panel of that title."""
+    panels: list[dict[str, Any]] = []
+    x, y, row = 0, 0, None
     for number, panel in enumerate(PANELS, start=1):
+        if panel.row != row:  # a row panel (id after every Panel's) heads them
+            row = panel.row
+            y, x = y + (_HEIGHT if x else 0), 0
+            panels.append(_row(len(PANELS) + len(panels) + 1, row or "Training", y))
+            y += 1
         if panel.repeat and x:  # a repeating panel starts a row (its copies fill it)
             x, y = 0, y + _HEIGHT
         panels.append(_panel(number, panel, {"h": _HEIGHT, "w": _WIDTH, "x": x, "y": y}))
@@ -59,7 +74,7 @@ def build_dashboard() -> dict[str, Any]:
         "uid": DASHBOARD_UID,
         "title": "ray-trainer",
         "description": "Training runs of ray-trainer (RayMetrics): progress, evaluations, "
-        "callbacks, checkpoints.",
+        "callbacks, checkpoints; GRPO's rewards, completions and rollouts.",
         "tags": ["ray", "ray-trainer"],
         "schemaVersion": SCHEMA_VERSION,
         "version": 1,
@@ -78,6 +93,13 @@ def build_dashboard() -> dict[str, Any]:
 def dashboard_json() -> str:
     """The dashboard as the JSON Grafana imports or provisions from a file."""
     return json.dumps(build_dashboard(), indent=2) + "\n"
+
+
+def _row(number: int, title: str, y: int) -> dict[str, Any]:
+    """A Grafana row: the full-width header of the panels under it (open, so they show)."""
+    grid = {"h": 1, "w": _WIDTH * _PER_ROW, "x": 0, "y": y}
+    return {"id": number, "type": "row", "title": title, "collapsed": False, "gridPos": grid,
+            "panels": []}  # fmt: skip
 
 
 def _panel(number: int, panel: Panel, grid: dict[str, int]) -> dict[str, Any]:

@@ -4,7 +4,11 @@ The Grafana dashboard (`dashboard.py`), `ray-trainer plot` and the Prometheus in
 all read `PANELS`: a panel's PromQL is what Grafana runs and what the test evaluates against a
 real Prometheus; its `jsonl` fields are what `ray-trainer plot` draws from a run's
 ``metrics.jsonl`` when it has no Prometheus. A metric renamed in `RayMetrics` but not here fails
-that test.
+that test (and, for the RL row's panels, the unit test of the names a GRPO run exports).
+
+A panel on a row of its own (`Panel.row`: GRPO's, `RL_ROW`) shows what only some runs log: the
+dashboard draws those panels under that row's header, and `plot` leaves a row's panels out of a
+run that has none of their data.
 
 Exported names (``RayMetrics``' default prefix ``ray_trainer``; every series has a ``run``
 label), following Prometheus's naming: counters end in ``_total``, units are base units in the
@@ -17,8 +21,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "EVAL_PREFIX", "EVAL_VARIABLE", "PANELS", "RUN_VARIABLE", "Panel", "Series", "promql_string",
-    "substitute",
+    "EVAL_PREFIX", "EVAL_VARIABLE", "PANELS", "RL_ROW", "RUN_VARIABLE", "Panel", "Series",
+    "jsonl_fields", "promql_string", "substitute",
 ]  # fmt: skip
 
 #: The dashboard variable holding the run (a Grafana multi-value variable, hence ``=~``).
@@ -37,7 +41,8 @@ _EVAL_SELECTOR = f'{{__name__=~"${EVAL_VARIABLE}", {_RUN}}}'
 class Series:
     """One line of a panel: its legend, its PromQL (with ``$run``), and the ``metrics.jsonl``
     field that holds the same figure (None: only Prometheus has it), read from the records of
-    `event`."""
+    `event`. A field with ``*`` (``rewards/*/mean``) is a pattern: one line per field that
+    matches it, ``*`` standing for one name without ``/`` (a reward function's)."""
 
     legend: str
     expr: str
@@ -48,17 +53,28 @@ class Series:
 @dataclass(frozen=True)
 class Panel:
     """One panel: title, Grafana unit id, description, its series; `repeat` names the variable
-    it repeats over (one copy of the panel per value)."""
+    it repeats over (one copy of the panel per value); `row` is the title of the dashboard row
+    it sits under (None: the rows on top, which every run fills)."""
 
     title: str
     unit: str
     description: str
     series: tuple[Series, ...]
     repeat: str | None = None
+    row: str | None = None
 
 
 def _gauge(name: str) -> str:
     return f"ray_trainer_{name}{{{_RUN}}}"
+
+
+#: The row of GRPO's panels: what only an ``objective="grpo"`` run logs.
+RL_ROW = 'RL: GRPO (objective="grpo")'
+
+
+def _gauges(pattern: str) -> str:
+    """Every gauge whose name matches `pattern` (a PromQL regex after the prefix)."""
+    return f'{{__name__=~"ray_trainer_{pattern}", {_RUN}}}'
 
 
 def _counter(name: str, by: str | None = None) -> str:
@@ -153,7 +169,86 @@ PANELS: tuple[Panel, ...] = (
         "Checkpoints saved so far (complete on storage).",
         (Series("checkpoints", _counter("checkpoints_saved"), "checkpoint_path", "on_save"),),
     ),
+    # ---- GRPO (objective="grpo"): RayMetrics exports the objective's metrics, "/" as "_" ----
+    Panel(
+        "Reward",
+        "none",
+        "GRPO: the mean reward of each step's completions (the reward functions' weighted "
+        "sum), its standard deviation, and each reward function's mean.",
+        (
+            Series("reward", _gauge("reward"), "reward"),
+            Series("reward std", _gauge("reward_std"), "reward_std"),
+            Series("{{__name__}}", _gauges("rewards_.+_mean"), "rewards/*/mean"),
+        ),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Completion length",
+        "none",
+        "GRPO: the mean length in tokens of each step's sampled completions.",
+        (Series("mean length", _gauge("completions_mean_length"), "completions/mean_length"),),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Truncated completions",
+        "percentunit",
+        "GRPO: the share of each step's completions cut at max_completion_length without an "
+        "end token (TRL's completions/clipped_ratio).",
+        (
+            Series(
+                "clipped ratio", _gauge("completions_clipped_ratio"), "completions/clipped_ratio"
+            ),
+        ),
+        row=RL_ROW,
+    ),
+    Panel(
+        "KL",
+        "none",
+        "GRPO with beta > 0: the KL of the policy against the model as it started, over the "
+        "step's completion tokens.",
+        (Series("kl", _gauge("kl"), "kl"),),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Rollout tokens/s",
+        "none",
+        "GRPO: completion tokens sampled per second of the step's rollout (its slowest worker's).",
+        (Series("rollout tokens/s", _gauge("rollout_tokens_per_s"), "rollout/tokens_per_s"),),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Rollout, reward and sync seconds",
+        "s",
+        "GRPO: each step's seconds sampling completions (the slowest worker's), scoring them "
+        "(the reward tasks) and syncing the weights into the engines (a step with a sync).",
+        (
+            Series("rollout", _gauge("rollout_seconds"), "rollout/seconds"),
+            Series("reward", _gauge("reward_seconds"), "reward/seconds"),
+            Series("sync", _gauge("sync_seconds"), "sync/seconds"),
+        ),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Engine against trainer log-probs",
+        "none",
+        "GRPO: after each weight sync, the largest per-token difference between the engine's "
+        "log-probs of a fixed probe completion and the trainer's (0 for hf in fp32; a jump "
+        "means a sync missed a weight or the engine's numbers drifted).",
+        (Series("logprob diff", _gauge("rollout_logprob_diff"), "rollout/logprob_diff"),),
+        row=RL_ROW,
+    ),
 )
+
+
+def jsonl_fields(series: Series, fields: set[str] | list[str]) -> list[str]:
+    """The ``metrics.jsonl`` fields among `fields` that `series` draws: its field, or each that
+    matches its pattern (sorted)."""
+    if series.jsonl is None:
+        return []
+    if "*" not in series.jsonl:
+        return [series.jsonl] if series.jsonl in fields else []
+    pattern = re.compile("[^/]+".join(re.escape(p) for p in series.jsonl.split("*")))
+    return sorted(f for f in fields if pattern.fullmatch(f))
 
 
 def promql_string(text: str) -> str:

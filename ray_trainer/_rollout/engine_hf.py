@@ -2,10 +2,13 @@
 
 Samples with transformers' ``generate`` from a model built as the trainer builds it (its
 `ModelSpec`, the same LoRA wrapping), left-padded batches of ``batch_size`` sequences, under a
-sampling seed. The log-probs a `Completion` records come from one teacher-forced forward of
-prompt and completion (right-padded, so every position keeps its own), at the sampling
-temperature, as TRL 1.16's trainer computes them: on the same weights they equal the trainer's
-own forward. A LoRA engine keeps its base and loads each version's adapter, unmerged.
+sampling seed. The log-probs a `Completion` records are taken from ``generate``'s own logits as
+it samples (`StepLogprobs`: ``log_softmax(logits / temperature)`` of each step, before top-k and
+top-p, at the token sampled there), so sampling costs no second forward; on the same weights they
+equal a teacher-forced forward's, the trainer's, to float rounding (within 1e-5 in fp32: the
+cached decode adds in another order). The probe (`HfEngine.logprobs`) is a teacher-forced
+forward, as the trainer's, so ``rollout/logprob_diff`` is exact in fp32. A LoRA engine keeps its
+base and loads each version's adapter, unmerged.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class HfEngine(RolloutEngine):
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
         import torch
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         self._check_ready()
         rows = sample_rows(prompts, params, prompt_indices)
@@ -101,6 +104,7 @@ class HfEngine(RolloutEngine):
         )
         ends = set(self.eos_token_ids)
         sampled: list[tuple[list[int], bool]] = []
+        logprobs: list[list[float]] = []
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(params.seed)  # the same seed, weights and prompts: the same samples
@@ -109,16 +113,18 @@ class HfEngine(RolloutEngine):
                 width = max(len(ids) for ids in batch)
                 pad = [[self.pad_token_id] * (width - len(ids)) + ids for ids in batch]
                 mask = [[0] * (width - len(ids)) + [1] * len(ids) for ids in batch]
+                steps = StepLogprobs(params.temperature)
                 out = self.model.generate(
                     input_ids=torch.tensor(pad, device=self.device),
                     attention_mask=torch.tensor(mask, device=self.device),
                     generation_config=config,
+                    logits_processor=LogitsProcessorList([steps]),
                 )
-                sampled += [_until_end(row, ends) for row in out[:, width:].tolist()]
-        logprobs = self.sequence_logprobs(
-            [(ids, completion) for (_, ids), (completion, _) in zip(rows, sampled, strict=True)],
-            params.temperature,
-        )
+                picked = steps.of(out[:, width:]).tolist()
+                for row, lps in zip(out[:, width:].tolist(), picked, strict=True):
+                    completion, truncated = _until_end(row, ends)
+                    sampled.append((completion, truncated))
+                    logprobs.append(lps[: len(completion)])
         return [
             Completion(index, ids, completion, lp, truncated, self.version)
             for (index, ids), (completion, truncated), lp in zip(
@@ -188,6 +194,44 @@ class HfEngine(RolloutEngine):
                 f"the weights of version {self._receiver.pending} are being synced (or their "
                 "sync failed half way): finish that sync, or start a new one, before sampling"
             )
+
+
+class StepLogprobs:
+    """A logits processor for ``generate`` (in its list, ahead of its warpers): each step's
+    ``log_softmax(logits / temperature)``, kept until the next step shows which token was
+    sampled from it; `of` gathers the last one. One step's distribution is held at a time."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.picked: list[Any] = []  # per step, [rows]: the log-prob of the token sampled there
+        self._pending: Any = None  # the last step's log-probs [rows, vocab], token not yet seen
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        if self._pending is not None:  # input_ids ends with the token sampled from it
+            self.picked.append(self._pending.gather(-1, input_ids[:, -1:])[:, 0])
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def of(self, sampled: Any) -> Any:
+        """``[rows, steps]``: the log-prob of each token of `sampled` (``generate``'s new
+        tokens); a step ``generate`` undid after sampling is left out."""
+        import torch
+
+        steps = sampled.shape[1]
+        if len(self.picked) < steps and self._pending is not None:
+            at = len(self.picked)
+            self.picked.append(self._pending.gather(-1, sampled[:, at : at + 1])[:, 0])
+            self._pending = None
+        if len(self.picked) < steps:
+            raise RuntimeError(
+                f"generate sampled {steps} tokens a row but its logits processor saw "
+                f"{len(self.picked)} steps: the log-probs of the rest are unknown"
+            )
+        if steps == 0:
+            return torch.zeros((sampled.shape[0], 0))
+        return torch.stack(self.picked[:steps], dim=1)
 
 
 def _eos_ids(model: Any, spec: EngineSpec) -> list[int]:

@@ -99,6 +99,7 @@ class VllmEngine(RolloutEngine):
         lora_config: Any = None,
         folders: list[Path] | None = None,
         start_seconds: float = 0.0,
+        shm: Path | None = None,
     ) -> None:
         self.child = child
         self.spec = spec
@@ -108,8 +109,9 @@ class VllmEngine(RolloutEngine):
         self.device = spec.device or "cpu"
         self.start_seconds = start_seconds
         self.folders = list(folders or [])
-        self.shm = shm_folder()
-        self.folders.append(self.shm)
+        self.shm = shm if shm is not None else shm_folder()
+        if self.shm not in self.folders:
+            self.folders.append(self.shm)
         what = "the LoRA adapter" if self.lora else "every weight"
         self._receiver = ShmReceiver(shapes, what)
         self._adapter: list[tuple[str, str, list[int], Any]] = []
@@ -157,15 +159,21 @@ class VllmEngine(RolloutEngine):
             named = {n: p for n, p in wrapped.named_parameters() if ".lora_" in n}
         shapes = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in named.items()}
         del model, named
+        shm = shm_folder()
+        folders.append(shm)
         child = ChildProcess(python, spec.timeout_s, who="the 'vllm' rollout engine")
         try:
-            answer = _ask(child, start_request(spec, folder, rank))
+            # The child removes them too when it ends: this actor may be killed (a run's
+            # engines end with their worker group) and never reach `close`.
+            answer = _ask(child, start_request(spec, folder, rank, remove_at_exit=folders))
         except BaseException:
             child.close()
             for f in folders:
                 shutil.rmtree(f, ignore_errors=True)
             raise
-        return cls(child, spec, shapes, eos, lora_config, folders, answer.get("seconds", 0.0))
+        return cls(
+            child, spec, shapes, eos, lora_config, folders, answer.get("seconds", 0.0), shm=shm
+        )
 
     # ---- sampling ------------------------------------------------------------------------------
 
@@ -271,14 +279,18 @@ class VllmEngine(RolloutEngine):
 # ---- the request lines and their answers (pure; tests/unit/test_rollout_engine_vllm.py) ---------
 
 
-def start_request(spec: EngineSpec, folder: Path, lora_rank: int | None) -> dict[str, Any]:
-    """The ``rollout_start`` line: the model folder, vLLM's settings, the LoRA rank."""
+def start_request(
+    spec: EngineSpec, folder: Path, lora_rank: int | None, remove_at_exit: list[Path] = ()
+) -> dict[str, Any]:
+    """The ``rollout_start`` line: the model folder, vLLM's settings, the LoRA rank, and the
+    engine's folders that the child removes when it ends, however it ends."""
     import torch
 
     device = spec.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = {"dtype": spec.dtype, "device": "cpu" if device == "cpu" else "cuda", **spec.vllm}
     return {"op": "rollout_start", "model": str(folder), "engine": engine,
-            "max_lora_rank": lora_rank, "seed": 0}  # fmt: skip
+            "max_lora_rank": lora_rank, "seed": 0,
+            "remove_at_exit": [str(f) for f in remove_at_exit]}  # fmt: skip
 
 
 def sample_request(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -39,13 +40,38 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 def shm_folder(prefix: str = "ray-trainer-rollout") -> Path:
     """A new folder for one engine's sync files: in ``/dev/shm`` (memory, not disk) where the
-    machine has it, else in the temporary folder."""
+    machine has it, else in the temporary folder; the folders of engines whose process has
+    ended are removed first (`remove_stale`)."""
     root = Path("/dev/shm")
     if not (root.is_dir() and os.access(root, os.W_OK)):
         root = Path(tempfile.gettempdir())
+    remove_stale(root, prefix)
     folder = root / f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     folder.mkdir(mode=0o700)
     return folder
+
+
+def remove_stale(root: Path, prefix: str) -> list[Path]:
+    """Remove the folders ``<prefix>-<pid>-*`` under `root` whose process has ended: a run's
+    engine actors are killed with their worker group (and the generation child with them), so
+    no one removed them; the next engine on the machine does. Returns those removed."""
+    removed = []
+    for folder in root.glob(f"{prefix}-*-*"):
+        pid = folder.name[len(prefix) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def safetensors_header(tensors: list[tuple[str, str, list[int], int]]) -> bytes:

@@ -20,6 +20,7 @@ from bench_grpo import (
     runner_fields,
     step_figures,
     summarise,
+    tree_cpu,
 )
 
 from ray_trainer._objectives.grpo import GrpoConfig
@@ -42,10 +43,29 @@ def test_step_figures_time_from_the_skipped_steps_to_the_last_begin():
     assert (out["step_s"], out["steps_timed"]) == (2.0, 3)
     assert out["tokens_per_step"] == pytest.approx(400 / 3)
     assert out["shares"] == {"training": 1.0}  # no phase timed: all of it is training
+    # No process tree (TRL's side): its one process's CPU per step.
+    assert out["cpu_per_step"] == pytest.approx(4 / 3)
+    assert out["cpu_parts"] == {"training process": pytest.approx(4 / 3)}
     with pytest.raises(ValueError, match="leave none"):
         step_figures(_clock(), skip=4)
     with pytest.raises(ValueError, match="completion tokens of 2 steps for 4"):
         step_figures({**_clock(), "tokens": [1, 2]}, skip=1)
+
+
+def test_the_runners_cpu_per_step_counts_every_ray_process_over_the_timed_steps():
+    before = {"1": ["ray::RayTrainWorker", 10.0], "2": ["ray::RolloutActor.generate", 5.0],
+              "3": ["raylet", 1.0], "4": ["ray::CallbackActor", 2.0]}  # fmt: skip
+    after = {"1": ["ray::RayTrainWorker", 13.0], "2": ["ray::RolloutActor", 8.0],
+             "3": ["raylet", 1.5], "5": ["ray::IDLE", 0.3]}  # fmt: skip
+    # pid 4 ended (not counted), pid 5 is new (all of its own CPU).
+    assert tree_cpu(before, after) == pytest.approx(
+        {"training worker": 3.0, "rollout engine": 3.0, "other Ray processes": 0.8}
+    )
+    clock = {**_clock(), "tree": {"1": before, "4": after}}
+    out = step_figures(clock, skip=1)
+    assert out["cpu_per_step"] == pytest.approx(6.8 / 3)
+    assert out["cpu_parts"]["rollout engine"] == pytest.approx(1.0)
+    assert out["tokens_per_cpu_s"] == pytest.approx(400 / 4)  # still the training process's
 
 
 def test_the_shares_of_a_step_are_the_median_of_each_phase_over_its_step():
@@ -96,12 +116,13 @@ def test_the_runner_does_the_work_of_trls_side():
     assert fields["reward_fns"] == [letters_share] and fields["log_every_steps"] == 1
 
 
-def _run(steps_per_s, tokens_per_s=None, shares=None):
+def _run(steps_per_s, tokens_per_s=None, shares=None, cpu=1.0, parts=None):
     tokens_per_s = 100 * steps_per_s if tokens_per_s is None else tokens_per_s
     return {
         "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s,
         "tokens_per_cpu_s": tokens_per_s, "step_s": 1 / steps_per_s, "tokens_per_step": 100.0,
         "torch_threads": 1, "shares": shares or {"rollout": 0.5, "training": 0.5},
+        "cpu_per_step": cpu, "cpu_parts": parts or {"training process": cpu},
     }  # fmt: skip
 
 
@@ -109,9 +130,10 @@ def test_the_report_gives_ratios_to_trl_the_shares_and_the_target():
     rows = {
         "trl": [_run(0.9), _run(1.1)],  # median 1.0
         "runner": [
-            _run(0.9, shares={"rollout": 0.6, "reward": 0.05, "sync": 0.05, "training": 0.3})
+            _run(0.9, shares={"rollout": 0.6, "reward": 0.05, "sync": 0.05, "training": 0.3},
+                 cpu=1.25, parts={"training worker": 0.75, "rollout engine": 0.5})
         ],
-    }
+    }  # fmt: skip
     opts = argparse.Namespace(prompts=16, batch_prompts=2, generations=4, completion_length=8,
                               steps=6, skip=1, hidden_size=32, layers=1, threads=1, rounds=2)  # fmt: skip
     out = summarise(rows, opts)
@@ -123,6 +145,9 @@ def test_the_report_gives_ratios_to_trl_the_shares_and_the_target():
         "| 0.600 | 0.050 | 0.050 | 0.300 | 1.111 | 0.667 | 0.056 | 0.056 | 0.333 |" in out["table"]
     )
     assert "| 0.500 | - | - | 0.500 |" in out["table"]
+    # CPU-s per step: TRL's 1.0 against the runner's 1.25 (0.8x), and the runner's parts.
+    assert "| 1.111 | 1.250 | 0.800 |" in out["table"]
+    assert "| 0.500 | 0.000 | 0.750 |" in out["table"]  # engine, training process, worker
     slow = summarise({**rows, "runner": [_run(0.5)]}, opts)
     assert not slow["target_met"] and "(>= 0.9: MISSED)" in slow["table"]
 

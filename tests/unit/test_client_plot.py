@@ -1,5 +1,6 @@
 """`ray-trainer plot`: every panel drawn from a metrics.jsonl or from a (canned) Prometheus,
-the evaluation panel repeated per metric, and one clear line with exit 2 on bad input."""
+the evaluation panel repeated per metric, GRPO's panels (the reward curve: ``reward`` and each
+``rewards/<fn>/mean``) for a GRPO run only, and one clear line with exit 2 on bad input."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from ray_trainer._client import plot
-from ray_trainer._monitoring.panels import PANELS
+from ray_trainer._monitoring.panels import PANELS, RL_ROW
 from ray_trainer.cli import main
 
 pytest.importorskip("matplotlib")
 
 EVAL_TITLE = next(p.title for p in PANELS if p.repeat)
-OTHER_TITLES = [p.title for p in PANELS if not p.repeat]
+OTHER_TITLES = [p.title for p in PANELS if not p.repeat and p.row is None]
+RL_TITLES = [p.title for p in PANELS if p.row == RL_ROW]
 
 
 def write_run(folder, records):
@@ -103,6 +105,47 @@ def test_frames_titled_as_the_panels_with_the_evaluation_panel_repeated():
     assert [t.get_text() for t in events.texts] == [plot.PROMETHEUS_ONLY]
 
 
+def grpo_records():
+    """A GRPO run's logs: TRL's metric names, two reward functions, no KL (beta 0)."""
+    return [
+        {"event": "on_log", "step": step, "time": 1_767_225_600.0 + step, "loss": 0.01,
+         "learning_rate": 1e-3, "reward": 0.2 + step / 100, "reward_std": 0.3,
+         "rewards/exact/mean": step / 100, "rewards/exact/std": 0.4,
+         "rewards/brevity/mean": 0.2, "rewards/brevity/std": 0.1,
+         "completions/mean_length": 7.5, "completions/clipped_ratio": 0.25,
+         "rollout/tokens_per_s": 300.0, "rollout/seconds": 0.4, "reward/seconds": 0.05,
+         "sync/seconds": 0.1, "rollout/logprob_diff": 0.0}
+        for step in (1, 2, 3)
+    ]  # fmt: skip
+
+
+def test_a_grpo_run_draws_the_reward_curve_and_the_rl_panels(tmp_path):
+    frames = {f.title: f for f in plot.frames_from_jsonl(grpo_records())}
+    assert set(RL_TITLES) <= set(frames)
+    reward = frames["Reward"]
+    assert [line.legend for line in reward.lines] == [
+        "reward", "reward std", "rewards/brevity/mean", "rewards/exact/mean"
+    ]  # fmt: skip
+    assert reward.lines[0].xs == [1, 2, 3] and reward.lines[0].ys == pytest.approx(
+        [0.21, 0.22, 0.23]
+    )
+    assert reward.lines[3].ys == pytest.approx([0.01, 0.02, 0.03])
+    timings = frames["Rollout, reward and sync seconds"]
+    assert [line.legend for line in timings.lines] == ["rollout", "reward", "sync"]
+    assert frames["Truncated completions"].lines[0].ys == [0.25] * 3
+    assert frames["KL"].lines == [] and frames["KL"].note == "no kl in metrics.jsonl"
+    # The PNG: the training panels, the evaluation note and the 7 RL panels.
+    write_run(tmp_path / "runs" / "grpo-1", grpo_records())
+    out = tmp_path / "p.png"
+    assert main(["plot", str(tmp_path / "runs" / "grpo-1"), "-o", str(out), "--dpi", "20"]) == 0
+    count = len(OTHER_TITLES) + 1 + len(RL_TITLES)
+    assert png_size(out)[1] == round((math.ceil(count / plot.COLUMNS) * 2.6 + 0.4) * 20)
+
+
+def test_an_sft_run_draws_no_rl_panel():
+    assert not {f.title for f in plot.frames_from_jsonl(demo_records())} & set(RL_TITLES)
+
+
 # ---- Prometheus ---------------------------------------------------------------------------
 
 
@@ -112,6 +155,7 @@ class CannedPrometheus(BaseHTTPRequestHandler):
     queries: list[dict[str, list[str]]] = []
     answer_status = 200
     empty = False
+    no_series_for: tuple[str, ...] = ()  # queries naming one of these: no series
 
     def do_GET(self):  # http.server calls do_<METHOD>
         url = urllib.parse.urlparse(self.path)
@@ -126,7 +170,9 @@ class CannedPrometheus(BaseHTTPRequestHandler):
         else:
             metric = {"run": "r1", "event": "on_log"}
             values = [[now - 60, "1.5"], [now - 30, "2.5"]]
-            result = [] if self.empty else [{"metric": metric, "values": values}]
+            query = params.get("query", [""])[0]
+            none = self.empty or any(n in query for n in self.no_series_for)
+            result = [] if none else [{"metric": metric, "values": values}]
             body = {"status": "success", "data": {"resultType": "matrix", "result": result}}
         data = json.dumps(body).encode()
         self.send_response(self.answer_status)
@@ -170,7 +216,7 @@ def test_prometheus_queries_have_the_run_and_the_lines_carry_their_values(promet
     assert '{__name__=~"ray_trainer_eval_accuracy", run=~"r1"}' in sent
 
     evals = [EVAL_TITLE.replace("$eval_metric", n) for n in ("accuracy", "val_loss")]
-    assert titles(fig) == OTHER_TITLES[:6] + evals + OTHER_TITLES[6:]
+    assert titles(fig) == OTHER_TITLES[:6] + evals + OTHER_TITLES[6:] + RL_TITLES
     for ax in fig.axes[: len(frames)]:
         for line in ax.get_lines():
             assert list(line.get_ydata()) == [1.5, 2.5]
@@ -179,6 +225,18 @@ def test_prometheus_queries_have_the_run_and_the_lines_carry_their_values(promet
     assert legends == ["handled on_log", "dropped on_log", "callback errors"]
     accuracy = {f.title: f for f in frames}[evals[0]]
     assert accuracy.lines[0].legend == "ray_trainer_eval_accuracy"
+
+
+def test_prometheus_leaves_out_the_rl_panels_of_a_run_without_their_series(prometheus):
+    handler, url = prometheus
+    rl = {
+        n for p in PANELS if p.row for s in p.series for n in re.findall(r"ray_trainer_\w+", s.expr)
+    }
+    handler.no_series_for = tuple(rl)
+    end = time.time()
+    frames = plot.frames_from_prometheus(plot.Prometheus(url), "r1", end - 3600, end)
+    assert not {f.title for f in frames} & set(RL_TITLES)
+    assert {f.title for f in frames} >= set(OTHER_TITLES)
 
 
 def test_prometheus_png_goes_to_the_working_folder_by_default(prometheus, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""The Grafana dashboard: its JSON against Grafana's dashboard model, and against `PANELS`."""
+"""The Grafana dashboard: its JSON against Grafana's dashboard model, and against `PANELS`; an
+objective's panels (GRPO's RL row) under a row of their own."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from ray_trainer._monitoring.dashboard import (
     build_dashboard,
     dashboard_json,
 )
-from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, RUN_VARIABLE
+from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, RL_ROW, RUN_VARIABLE
 
 GRID_COLUMNS = 24  # Grafana's grid
+
+
+def _charts(board):
+    """The board's panels that draw (not its row headers)."""
+    return [p for p in board["panels"] if p["type"] != "row"]
 
 
 def _variables(board):
@@ -51,8 +57,8 @@ def test_panels_have_unique_ids_and_grid_places_that_do_not_overlap():
 
 def test_every_panel_queries_prometheus_through_the_datasource_variable():
     board = build_dashboard()
-    assert len(board["panels"]) == len(PANELS)
-    for panel, spec in zip(board["panels"], PANELS, strict=True):
+    assert len(_charts(board)) == len(PANELS)
+    for panel, spec in zip(_charts(board), PANELS, strict=True):
         assert panel["title"] == spec.title and panel["type"] == "timeseries"
         assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert panel["fieldConfig"]["defaults"]["unit"] == spec.unit
@@ -91,8 +97,25 @@ def test_one_panel_repeats_over_the_eval_metric_and_every_variable_used_is_defin
     assert repeating[0]["repeatDirection"] in ("h", "v")
     defined = set(_variables(board))
     used = set()
-    for panel in board["panels"]:
+    for panel in _charts(board):
         text = panel["title"] + " ".join(t["expr"] for t in panel["targets"])
         used |= set(re.findall(r"\$(\w+)", text))
     assert used <= defined, used - defined
     assert EVAL_VARIABLE in used and RUN_VARIABLE in used
+
+
+def test_the_rl_panels_sit_under_a_row_of_their_own_after_the_others():
+    panels = build_dashboard()["panels"]
+    rows = [p for p in panels if p["type"] == "row"]
+    assert [r["title"] for r in rows] == [RL_ROW]
+    row = rows[0]
+    assert row["collapsed"] is False and row["panels"] == []  # open: its panels follow it
+    assert row["gridPos"] == {"h": 1, "w": GRID_COLUMNS, "x": 0, "y": row["gridPos"]["y"]}
+    under = panels[panels.index(row) + 1 :]
+    grpo = [p.title for p in PANELS if p.row == RL_ROW]
+    assert [p["title"] for p in under] == grpo and len(grpo) >= 7
+    above = panels[: panels.index(row)]
+    assert all(p["gridPos"]["y"] < row["gridPos"]["y"] for p in above)
+    assert all(p["gridPos"]["y"] > row["gridPos"]["y"] for p in under)
+    assert {"Reward", "Completion length", "Truncated completions", "KL", "Rollout tokens/s",
+            "Rollout, reward and sync seconds", "Engine against trainer log-probs"} <= set(grpo)  # fmt: skip

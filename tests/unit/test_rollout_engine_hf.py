@@ -1,6 +1,7 @@
 """The ``hf`` rollout engine (`_rollout/engine_hf.py`, `engines.py`, `probe.py`) in this process
-on the tiny chat model: reproducible sampling under a seed; the recorded log-probs equal a
-teacher-forced forward's at the temperature; a padded batch samples what each prompt alone
+on the tiny chat model: reproducible sampling under a seed; the recorded log-probs (taken from
+``generate``'s own logits, before top-k and top-p) equal a teacher-forced forward's at the
+temperature within 1e-5, and the probe's teacher-forced ones too; a padded batch samples what each prompt alone
 would; completions end at their first end token or are truncated; a full sync and a LoRA sync
 (adapter only) make the engine sample and score exactly as a fresh engine holding the new
 weights, recorded under the new version, and the probe's difference to the trainer's forward
@@ -70,7 +71,8 @@ def test_sampling_is_reproducible_with_a_seed_and_grouped_by_prompt(spec):
 def test_the_logprobs_are_a_teacher_forced_forwards_at_the_temperature(spec):
     engine = build_engine("hf", spec)
     trainer = spec.model.build_model().eval()
-    completions = _sampled(engine, temperature=0.7)
+    # Taken while sampling, before the filters: top-p and top-k shape the sampling only.
+    completions = _sampled(engine, temperature=0.7, top_p=0.6, top_k=20)
     for c in completions:
         probe = Probe.of(c, temperature=0.7)
         expected = trainer_logprobs(trainer, probe)

@@ -8,6 +8,7 @@ which backend ``"auto"`` picks; the child's refusals. The engine on real vLLM: t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,8 @@ def test_the_request_lines():
     spec = EngineSpec(ModelSpec(model="m"), device="cpu", vllm={"max_model_len": 128})
     start = start_request(spec, Path("/models/m"), 16)
     assert start == {"op": "rollout_start", "model": "/models/m", "max_lora_rank": 16, "seed": 0,
-                     "engine": {"dtype": "float32", "device": "cpu", "max_model_len": 128}}  # fmt: skip
+                     "engine": {"dtype": "float32", "device": "cpu", "max_model_len": 128},
+                     "remove_at_exit": []}  # fmt: skip
     kwargs = llm_kwargs(start)  # the child's side of it
     assert kwargs["skip_tokenizer_init"] and kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["kv_cache_memory_bytes"] == 1 << 30 and kwargs["max_lora_rank"] == 16
@@ -270,3 +272,48 @@ def test_the_probe_at_a_temperature_from_every_tokens_log_probs():
         expected = torch.log_softmax(logits / temperature, -1)
         got = [at_temperature(dict(enumerate(raw.tolist())), t, temperature) for t in (0, 17, 49)]
         assert got == pytest.approx(expected[[0, 17, 49]].tolist(), abs=1e-12)
+
+
+def test_the_child_removes_the_engines_folders_when_it_ends(tmp_path, monkeypatch):
+    """The rollout actor may be killed (a run's engines end with their worker group) and never
+    close its engine: the child, which outlives it for a moment (its input's end, the SIGTERM
+    of its parent's death), removes the folders `rollout_start` named."""
+    import sys
+    import types
+
+    from callbacks.builtin.generation.child.generation_child import rollout
+
+    folders = [tmp_path / "ray-trainer-rollout-1-x", tmp_path / "ray-trainer-vllm-model-y"]
+    for folder in folders:
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "f.safetensors").write_bytes(b"x")
+    start = start_request(EngineSpec(ModelSpec(model="m"), device="cpu"), folders[1], None,
+                          remove_at_exit=folders)  # fmt: skip
+    assert start["remove_at_exit"] == [str(f) for f in folders]
+    # The child's side, with a stand-in for vllm.LLM (no vLLM in this environment).
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: object()))
+    monkeypatch.setattr(rollout, "AT_EXIT", [])
+    engine = rollout.RolloutLLM(start)
+    assert [str(f) for f in folders] == rollout.AT_EXIT and all(f.exists() for f in folders)
+    engine.close()
+    assert not any(f.exists() for f in folders) and rollout.AT_EXIT == []
+    rollout.remove_at_exit()  # again (the SIGTERM after the input's end): nothing left to do
+
+
+def test_a_new_engine_removes_the_folders_of_engines_whose_process_ended(tmp_path):
+    """Killed with its worker group, a run's engine never removes its /dev/shm folder, and its
+    child may be killed too (Ray ends a dead worker's children): the next engine does."""
+    import subprocess
+    import sys
+
+    from ray_trainer._rollout.shm import remove_stale
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f"ray-trainer-rollout-{ended.stdout.strip()}-abcd1234"
+    live = tmp_path / f"ray-trainer-rollout-{os.getpid()}-abcd1234"
+    other = tmp_path / "ray-trainer-rollout-notapid-x"
+    for folder in (dead, live, other):
+        (folder / "adapter-v1").mkdir(parents=True)
+    assert remove_stale(tmp_path, "ray-trainer-rollout") == [dead]
+    assert not dead.exists() and live.exists() and other.exists()

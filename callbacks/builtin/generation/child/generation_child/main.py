@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from .rollout import remove_at_exit
 from .session import Session
 
 
@@ -17,6 +18,7 @@ def _end_group_on_sigterm() -> None:
     import signal
 
     def end(signum: int, frame: Any) -> None:
+        remove_at_exit()  # a rollout engine's folders: its actor may have been killed
         _kill_own_group()
         os._exit(128 + signum)
 
@@ -60,5 +62,6 @@ def main() -> int:
     if not asked_to_exit:
         # Its input ended without an "exit": the parent is gone. Its death's SIGTERM may come
         # after this EOF, too late to run the handler above: the group goes here instead.
+        remove_at_exit()
         _kill_own_group()
     return 0

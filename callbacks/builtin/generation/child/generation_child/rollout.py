@@ -5,8 +5,11 @@ engine of ray-trainer's ``_rollout/engine_vllm.py``, which runs in the rollout a
 prompts as token ids. One ``vllm.LLM``, started once, is kept for the run: new weights are
 loaded into it in place, never by starting another.
 
-- ``{"op": "rollout_start", "model", "engine", "max_lora_rank", "seed"}``: start the engine on a
-  Hugging Face folder (no tokenizer needed: ids in, ids out) -> ``{"seconds"}``.
+- ``{"op": "rollout_start", "model", "engine", "max_lora_rank", "seed", "remove_at_exit"}``:
+  start the engine on a Hugging Face folder (no tokenizer needed: ids in, ids out) ->
+  ``{"seconds"}``; the folders of ``remove_at_exit`` (the engine's shared-memory folder, a model
+  it saved) are removed when this child ends, however it ends (`remove_at_exit`): the rollout
+  actor may be killed without closing its engine.
 - ``{"op": "sample", "prompts": [[ids], ...], "seeds", "max_tokens", "temperature", "top_p",
   "top_k", "stop_token_ids"}``: one completion per row, each with its seed -> ``{"completions":
   [{"ids", "logprobs", "finish_reason"}]}``; the log-probs are vLLM's sampling log-probs at the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from typing import Any
 
@@ -47,6 +51,17 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: The folders this child removes when it ends (the engine's, from ``rollout_start``).
+AT_EXIT: list[str] = []
+
+
+def remove_at_exit() -> None:
+    """Remove the folders of `AT_EXIT` (at this child's end: its close, its input's end, or
+    the SIGTERM its parent's death sends)."""
+    while AT_EXIT:
+        shutil.rmtree(AT_EXIT.pop(), ignore_errors=True)
+
+
 class RolloutLLM:
     """Runs in the generation subprocess: one ``vllm.LLM`` for a run's rollouts."""
 
@@ -56,6 +71,7 @@ class RolloutLLM:
         # collective_rpc (below) sends functions to vLLM's engine process by reference, which
         # vLLM allows only with this set (the processes are this child's own).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        AT_EXIT.extend(str(f) for f in request.get("remove_at_exit") or [])
         started = time.perf_counter()
         self.lora_id = 0  # 0: no adapter (vLLM's LoRA ids start at 1)
         self.adapter: str | None = None
@@ -170,11 +186,15 @@ class RolloutLLM:
         return LoRARequest(f"rollout-{self.lora_id}", self.lora_id, self.adapter)
 
     def close(self) -> None:
-        """Shut the engine process down now rather than at garbage collection."""
+        """Shut the engine process down now rather than at garbage collection; remove the
+        engine's folders."""
         llm, self.llm = self.llm, None
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        try:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        finally:
+            remove_at_exit()
 
 
 def llm_kwargs(request: dict[str, Any]) -> dict[str, Any]:
