@@ -15,8 +15,14 @@ The pytest process never joins the cluster: the drivers are subprocesses
   and the best checkpoint kept by its score. Rank 0 holds the run at step 6 until the test has
   asked ``ray-trainer status`` through the GCS address and through the dashboard URL (so the
   answers do not race the run's end), while the metrics endpoint is polled all along.
+- Storage (`storage_driver.py` on the head, the bucket's endpoint and keys in its job's
+  environment): a local ``storage_path`` the worker nodes cannot see is refused; a run lives
+  in a bucket (moto's S3 server) with a worker on each worker node, a killed rank resumed from
+  it, every save evaluated, and a new call continues it through a filesystem object.
 
-One cluster serves every test: starting one costs about as much as a short run here.
+One cluster serves every test: starting one costs about as much as a short run here. The bucket
+run was `test_storage.py`'s, in the session's Ray, beside a second bucket run here: one run on
+this cluster now shows both (issue 47).
 """
 
 from __future__ import annotations
@@ -407,41 +413,123 @@ def test_status_of_an_unknown_run_exits_1_and_lists_live_runs(cluster, how):
 # ---- storage that a node cannot see -------------------------------------------------------
 
 
-def test_a_local_storage_path_a_node_cannot_see_is_refused_and_a_bucket_works(
-    cluster, chat, s3, tmp_path
-):
+TEXTS = [f"the quick brown fox jumps over the lazy dog number {i}" for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def bucket_runs(cluster, chat, s3, tmp_path_factory):
+    """One driver on the head (`storage_driver.py`), its job's environment carrying the bucket's
+    endpoint and keys to every worker, the callback actor and every evaluation task, as a
+    cluster's instance profile would: a run whose `storage_path` is a local folder the worker
+    nodes cannot see (refused), then a run in the bucket with a worker on each worker node
+    (data from the bucket, rank 1 killed once, every save evaluated, `status` asked), then a new
+    call of that run through a filesystem object. Was `test_storage.py`'s run in the session's
+    Ray plus a second bucket run here: one run now shows both."""
+    tmp = tmp_path_factory.mktemp("bucket-runs")
+    cwd, records = tmp / "cwd", tmp / "records"
+    cwd.mkdir()
+    body = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()
+    s3.client().put_object(Bucket=BUCKET, Key="data/train.jsonl", Body=body)
     hidden = os.path.join(chat["hidden"], "storage")  # the worker nodes see an empty folder
     os.makedirs(hidden)
     data = os.path.join(hidden, "train.jsonl")  # only the driver sees it: shipped with the run
     with open(data, "w") as f:
         f.write("".join(json.dumps({"text": f"the quick brown fox number {i}"}) + "\n"
                         for i in range(200)))  # fmt: skip
-    records = tmp_path / "records"
     common = {
-        "data": data, "batch_size": 4, "num_workers": 2, "max_steps": 4, "save_every_steps": 2,
+        "batch_size": 4, "num_workers": 2, "log_every_steps": 2, "save_every_steps": 2,
         "placement_strategy": "SPREAD",  # one worker on each worker node
         "demo": {"d_model": 32, "n_layers": 1, "n_heads": 2}, "max_length": 32,
-        "callbacks": [{"class": "AllRanksRecorder", "folder": str(records)}],
     }  # fmt: skip
+    in_bucket = {
+        **common,
+        "run_name": "in-a-bucket",
+        "storage_path": f"s3://{BUCKET}/runs",
+        "data": f"s3://{BUCKET}/data/train.jsonl",
+    }
     scenario = {
         "env": s3.env(),
         "runs": [
-            {**common, "run_name": "local-storage", "storage_path": os.path.join(hidden, "runs")},
-            {**common, "run_name": "bucket-storage", "storage_path": f"s3://{BUCKET}/two"},
+            {**common, "data": data, "max_steps": 4, "run_name": "local-storage",
+             "storage_path": os.path.join(hidden, "runs")},
+            {
+                **in_bucket,
+                "max_steps": 6,
+                "max_failures": 1,
+                "callbacks": [
+                    {"class": "AllRanksRecorder", "folder": str(records)},
+                    {"class": "KillRank1Once", "step": 3},  # the restart reads the bucket
+                    {"class": "EvalOnSave", "eval_fn": "eval_local_checkpoint", "num_gpus": 0},
+                    {"class": "StatusProbe", "folder": str(records), "step": 5, "attempt": 1},
+                    {"class": "JsonlLogger"},
+                ],
+            },
+            # A new call with the same run_name continues it, here through a filesystem object
+            # (`storage_filesystem`, as for a custom endpoint) and a path on it.
+            {**in_bucket, "max_steps": 8, "storage_path": f"{BUCKET}/runs",
+             "s3_filesystem_object": True},
             # A local path that every node sees passes: the submitted job's run keeps its
             # checkpoints in one, from workers on two nodes.
         ],
-    }
+        "load_model_of": 1,
+    }  # fmt: skip
     env = {**cluster.env(), **s3.env()}
-    refused, trained = scenario_outcome(
-        "storage_driver.py", cluster.gcs_address, scenario, env, tmp_path
+    refused, first, second = scenario_outcome(
+        "storage_driver.py", cluster.gcs_address, scenario, env, cwd
     )
+    return {"refused": refused, "first": first, "second": second, "hidden": hidden,
+            "records": records, "cwd": cwd}  # fmt: skip
+
+
+def test_a_local_storage_path_a_node_cannot_see_is_refused_and_a_bucket_works(bucket_runs, s3):
+    refused, trained = bucket_runs["refused"], bucket_runs["first"]
     assert "StorageNotShared" in refused["error"], refused
     assert all(ip in refused["error"] for ip in NODES) and "s3://" in refused["error"]
-    assert not os.path.exists(os.path.join(hidden, "runs", "local-storage"))  # nothing written
+    # nothing written
+    assert not os.path.exists(os.path.join(bucket_runs["hidden"], "runs", "local-storage"))
     assert "error" not in trained, trained
-    assert trained["global_step"] == 4
-    mine = [r for r in read_records(str(records), "all_ranks") if r["event"] == "on_step_end"]
+    assert trained["global_step"] == 6
+    records = read_records(str(bucket_runs["records"]), "all_ranks")
+    mine = [r for r in records if r["event"] == "on_step_end"]
     assert {r["rank"] for r in mine} == {0, 1}
     assert len({r["node"] for r in mine}) == 2  # one worker on each worker node
-    assert "two/bucket-storage/checkpoint_00000004/rank1.complete" in s3.keys(BUCKET)
+    assert "runs/in-a-bucket/checkpoint_00000004/rank1.complete" in s3.keys(BUCKET)
+
+
+def test_a_run_lives_in_a_bucket(bucket_runs, s3):
+    first, second = bucket_runs["first"], bucket_runs["second"]
+    default_storage = os.path.expanduser("~/ray_trainer_runs/in-a-bucket")
+    run = f"s3://{BUCKET}/runs/in-a-bucket"
+    assert "error" not in first, first
+    assert (first["global_step"], first["attempts"]) == (6, 2)
+    assert first["checkpoint_path"] == f"{run}/checkpoint_00000006"
+    # One evaluation per checkpoint (step 2 from before the crash), each given a local folder.
+    evals = first["evaluations"]
+    assert [e["step"] for e in evals] == [2, 4, 6], evals
+    for e in evals:
+        m = e["metrics"]
+        assert m["local_is_dir"] and m["local_has_manifest"]
+        assert m["checkpoint_step"] == e["step"]
+        assert m["uri"] == e["checkpoint_path"] == f"{run}/checkpoint_{e['step']:08d}"
+    # load_model from the bucket, in the driver, gives the weights the task evaluated.
+    assert first["loaded_param_sum"] == pytest.approx(evals[-1]["metrics"]["param_sum"])
+    # `ray-trainer status` answered for the live run (asked from rank 0, on a worker node).
+    [probe] = read_records(str(bucket_runs["records"]), "status")
+    assert probe["returncode"] == 0, probe["stderr"]
+    status = json.loads(probe["stdout"])
+    assert status["run_name"] == "in-a-bucket" and status["events"]["on_save"] >= 1
+    # The continued run resumed from the bucket (named by its path on the filesystem object).
+    assert "error" not in second, second
+    assert second["global_step"] == 8
+    assert second["checkpoint_path"] == f"{BUCKET}/runs/in-a-bucket/checkpoint_00000008"
+    keys = s3.keys(BUCKET)
+    for step in (2, 4, 6, 8):
+        for name in ("rank0.complete", "rank1.complete", "model.pt", "model_spec.json"):
+            assert f"runs/in-a-bucket/checkpoint_{step:08d}/{name}" in keys
+    assert "runs/in-a-bucket/checkpoint_00000006/actor_state.pt" in keys
+    assert "runs/in-a-bucket/run.json" in keys and "runs/in-a-bucket/metrics.jsonl" in keys
+    logged = s3.client().get_object(Bucket=BUCKET, Key="runs/in-a-bucket/metrics.jsonl")
+    steps = [json.loads(x)["step"] for x in logged["Body"].read().decode().splitlines()]
+    assert {2, 4, 6} <= set(steps)
+    # Nothing of the run on the local disk: not in the working dir, not in the default storage.
+    assert list(bucket_runs["cwd"].iterdir()) == [] and not os.path.exists(default_storage)

@@ -248,6 +248,53 @@ def test_callbacks_import_nothing_of_ray_trainer():
     assert [e for e in _imports_of("callbacks") if e[1].startswith("ray_trainer")] == []
 
 
+# Libraries that only some runs need, and that cost every process importing them: transformers
+# alone is ~3 CPU-seconds, and it imports torchao whenever torchao is installed (0.33-0.45 s,
+# ~0.8 s on a loaded machine: `modeling_utils` -> `integrations.finegrained_fp8` ->
+# `quantizers.auto` -> `quantizer_torchao`). A run of a plain torch model starts a driver, a
+# controller, a callback actor and its workers: none of them should pay for these.
+RUN_ONLY_WHEN_NEEDED = ("transformers", "peft", "torchao", "liger_kernel", "datasets", "vllm")
+
+
+def test_importing_the_package_and_each_process_door_loads_no_optional_library():
+    # In a fresh interpreter (what each Ray worker, actor and task is): `import ray_trainer`
+    # (the driver, `ray-trainer status`) loads no torch either; the driver's launch, the
+    # actor and the worker's loop load none of the optional libraries above, which are imported
+    # where a run needs them (an HF model, LoRA, QLoRA, liger kernels, a `datasets.Dataset`).
+    import os
+    import subprocess
+    import sys
+
+    probe = textwrap.dedent(f"""
+        import json, sys
+        heavy = {(*RUN_ONLY_WHEN_NEEDED, "torch")!r}
+        def loaded():
+            return sorted({{m.split(".")[0] for m in sys.modules}} & set(heavy))
+        import callbacks, ray_trainer
+        top = loaded()
+        import ray_trainer._actor.actor, ray_trainer._driver.launch, ray_trainer._worker.step.loop
+        print(json.dumps({{"top": top, "doors": loaded()}}))
+    """)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["top"] == [], found
+    assert found["doors"] == ["torch"], found  # the worker's loop stands on torch, nothing more
+
+
 @pytest.mark.parametrize(
     "path", _modules(PACKAGE) + _modules(CALLBACKS), ids=lambda p: str(p.relative_to(ROOT))
 )

@@ -1,6 +1,7 @@
 """The storage layer and what reads through it, on this machine's disk and on a custom pyarrow
 filesystem (a `SubTreeFileSystem`: paths on it are not paths on the disk), and the driver's
-decision of which data files travel with a run. S3 itself is in tests/integration/test_storage.py.
+decision of which data files travel with a run. S3 itself is in tests/integration/test_multinode.py
+(a run in a bucket, on its cluster).
 """
 
 from __future__ import annotations
