@@ -15,6 +15,12 @@ The pytest process never joins the cluster: the drivers are subprocesses
   and the best checkpoint kept by its score. Rank 0 holds the run at step 6 until the test has
   asked ``ray-trainer status`` through the GCS address and through the dashboard URL (so the
   answers do not race the run's end), while the metrics endpoint is polled all along.
+- A GRPO job submitted with ``ray-trainer submit --wait`` (issue 50): prompts from the head's
+  local file, one training worker that fills a worker node, so its ``hf`` rollout engine and its
+  reward tasks run on the other node (Ray's state API says where the engine is); LoRA, the
+  adapter synced each step through the object store across nodes, ``beta > 0``. A real
+  Prometheus scrapes the cluster while the run is held at its last step, and every panel of the
+  dashboard's RL row returns the run's series (``prometheus_support.py``).
 - Storage (`storage_driver.py` on the head, the bucket's endpoint and keys in its job's
   environment): a local ``storage_path`` the worker nodes cannot see is refused; a run lives
   in a bucket (moto's S3 server) with a worker on each worker node, a killed rank resumed from
@@ -42,10 +48,13 @@ import pytest
 import yaml
 from driver_process import outcome_in, scenario_outcome
 from local_cluster import LocalCluster
+from prometheus_support import Prometheus, prometheus_binary
 from rt_support import read_records
 from s3_server import S3Server
 from support_paths import SUPPORT
 from waiting import wait_until
+
+from ray_trainer._monitoring.panels import PANELS, RL_ROW, substitute
 
 HEAD, NODES = "127.0.0.2", ("127.0.0.3", "127.0.0.4")
 RUN = "multinode"
@@ -408,6 +417,130 @@ def test_status_of_an_unknown_run_exits_1_and_lists_live_runs(cluster, how):
     assert done.returncode == 1, done.stderr
     # The query runs beside the cluster either way and names the cluster it asked.
     assert f"no live run named no-such-run on {cluster.gcs_address}; live runs:" in done.stderr
+
+
+# ---- a GRPO job: engines on another node than the workers, its RL row in Prometheus ------
+
+GRPO_RUN, GRPO_STEPS = "grpo-multinode", 3
+
+
+@pytest.fixture(scope="module")
+def grpo_job(cluster, chat):
+    """`ray-trainer submit --wait` of a GRPO run whose prompts are in a file only the head sees:
+    one training worker that takes a whole worker node (2 CPUs), so its rollout engine (1 CPU)
+    and its reward tasks go to the other one; `RayMetrics` on, a real Prometheus scraping the
+    cluster, and the run held at its last step while every panel of the dashboard's RL row is
+    asked through Prometheus for the run's series."""
+    root = chat["root"]
+    workdir, where, hold = root / "grpo_job", root / "grpo_where", root / "grpo_hold"
+    workdir.mkdir()
+    prompts = os.path.join(chat["hidden"], "prompts.jsonl")  # on the head's disk only
+    with open(prompts, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i}."}]}) + "\n")
+    fields = {
+        "objective": "grpo",
+        "model": chat["model"],
+        "data": prompts,
+        "reward_fns": ["multinode_job:odd_first_token"],
+        "grpo": {"num_generations": 2, "max_completion_length": 6, "beta": 0.04},  # KL's panel
+        "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "rollout_backend": "hf",
+        "rollout_resources": {"CPU": 1},
+        "resources_per_worker": {"CPU": 2},
+        "num_workers": 1,
+        "batch_size": 2,
+        "max_length": 48,
+        "max_steps": GRPO_STEPS,
+        "log_every_steps": 1,
+        "learning_rate": 1e-3,
+        "storage_path": str(root / "runs"),
+        "run_name": GRPO_RUN,
+        "callbacks": [
+            {"class": "multinode_job:EnginesWhere", "folder": str(where)},
+            {"class": "multinode_job:HoldAt", "folder": str(hold), "step": GRPO_STEPS},
+            {"class": "callbacks:RayMetrics", "report_every_s": 1.0},
+            "callbacks:JsonlLogger",
+        ],
+    }
+    config = workdir / "grpo.yaml"
+    config.write_text(yaml.safe_dump(fields))
+    for name in ("multinode_job.py", "waiting.py"):
+        shutil.copy(os.path.join(SUPPORT, name), workdir / name)
+    (root / "prometheus").mkdir()
+    prometheus = Prometheus(prometheus_binary(), cluster, str(root / "prometheus"))
+    submit = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ray_trainer.cli", "submit", str(config)),
+            *("--address", cluster.dashboard_url, "--working-dir", str(workdir), "--wait"),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env(),
+        cwd=workdir,
+    )  # fmt: skip
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(submit.stdout), daemon=True)
+    reader.start()
+    queries = [
+        (f"{panel.title} / {series.legend}", substitute(series.expr, GRPO_RUN, None))
+        for panel in PANELS
+        if panel.row == RL_ROW
+        for series in panel.series
+    ]
+    empty: list[str] = [what for what, _ in queries]
+    try:
+        with contextlib.suppress(AssertionError):  # judged below, with the job's output
+            wait_until(
+                lambda: (hold / "held").exists() or submit.poll() is not None,
+                JOB_TIMEOUT_S,
+                "the GRPO run's last step",
+            )
+        if (hold / "held").exists():
+
+            def every_rl_panel_has_the_run() -> bool:
+                nonlocal empty
+                empty = [
+                    what
+                    for what, expr in queries
+                    if not any(r["metric"].get("run") == GRPO_RUN for r in prometheus.query(expr))
+                ]
+                return not empty
+
+            with contextlib.suppress(AssertionError):  # judged by the test
+                wait_until(every_rl_panel_has_the_run, 60, "the RL row's series", interval=1)
+            (hold / "release").write_text("go")
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: submit.poll() is not None, JOB_TIMEOUT_S, "the GRPO job to end")
+    finally:
+        prometheus.stop()
+        if submit.poll() is None:
+            submit.kill()
+        reader.join(30)
+    out = "".join(output)
+    assert submit.returncode == 0, f"submit exited {submit.returncode}:\n{out[-6000:]}"
+    logged = [
+        json.loads(x) for x in (root / "runs" / GRPO_RUN / "metrics.jsonl").read_text().splitlines()
+    ]
+    placement = json.loads((where / "engines.json").read_text())
+    return {"out": out, "logged": logged, "placement": placement, "queries": queries,
+            "empty": empty}  # fmt: skip
+
+
+def test_a_submitted_grpo_job_samples_on_another_node_than_its_worker(grpo_job):
+    assert f"job {GRPO_RUN} SUCCEEDED" in grpo_job["out"], grpo_job["out"][-4000:]
+    placement = grpo_job["placement"]
+    assert placement["worker"] in NODES, placement
+    # The engine (1 CPU) could only go where the worker (both CPUs of its node) is not.
+    assert placement["engines"] == [n for n in NODES if n != placement["worker"]], placement
+    logs = [r for r in grpo_job["logged"] if r["event"] == "on_log"]
+    assert sorted(r["step"] for r in logs) == list(range(1, GRPO_STEPS + 1))
+    for r in logs:  # the adapter synced each step; the engine's probe agrees (fp32)
+        assert 0.0 <= r["reward"] <= 1.0 and r["sync/bytes"] > 0, r
+        assert r["rollout/logprob_diff"] < 1e-5 and r["kl"] >= 0.0, r
+
+
+def test_every_panel_of_the_rl_row_shows_the_grpo_run_from_a_real_prometheus(grpo_job):
+    assert grpo_job["queries"], "the dashboard has no RL row"
+    assert not grpo_job["empty"], f"RL panels without a series for {GRPO_RUN}: {grpo_job['empty']}"
 
 
 # ---- storage that a node cannot see -------------------------------------------------------

@@ -15,21 +15,17 @@ or the test is skipped with the reason.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
-import yaml
 from driver_process import outcome_in
-from local_cluster import HOST, LocalCluster, _free_port
+from local_cluster import LocalCluster
+from prometheus_support import Prometheus, prometheus_binary
 from support_paths import SUPPORT
 from waiting import wait_until
 
@@ -37,8 +33,9 @@ from ray_trainer._monitoring.dashboard import EVAL_QUERY, RUN_QUERY
 from ray_trainer._monitoring.panels import EVAL_VARIABLE, PANELS, substitute
 
 RUN = "promrun"
-#: The panels this (SFT) run exports: the rows of what it does not log (GRPO's RL row) are
-#: checked against the gauges a GRPO run's logs export in tests/unit/test_monitoring_panels.py.
+#: The panels this (SFT) run exports: GRPO's RL row is asked of a real Prometheus on
+#: test_multinode.py's GRPO job, and checked against the gauges a GRPO run's logs export in
+#: tests/unit/test_monitoring_panels.py.
 SFT_PANELS = [p for p in PANELS if p.row is None]
 #: The evaluation metrics the repeating panel must find: the in-loop one, and EvalOnSave's.
 WANTED_EVALS = {"ray_trainer_eval_val_loss", "ray_trainer_eval_score"}
@@ -61,24 +58,6 @@ EXPORTED = {
 }
 
 
-def _prometheus_binary() -> str:
-    """Debian's prometheus, installed here when missing (skip, with the reason, if it cannot)."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        pytest.skip("prometheus is not installed, and apt-get as root is not available to add it")
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-    for cmd in (install, ["apt-get", "update", "-q"], install):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if cmd is install and done.returncode == 0:
-            break
-    found = shutil.which("prometheus")
-    if not found:
-        pytest.skip(f"could not install prometheus with apt-get: {done.stderr[-500:]}")
-    return found
-
-
 @pytest.fixture(scope="module")
 def cluster():
     head = LocalCluster(num_cpus=3)
@@ -87,61 +66,6 @@ def cluster():
         yield head
     finally:
         head.stop()
-
-
-class Prometheus:
-    """`prometheus` on Ray's scrape configuration, with a 1 s interval, on a free port."""
-
-    def __init__(self, binary: str, cluster: LocalCluster, folder: str) -> None:
-        session = os.path.join(cluster.temp_dir, "session_latest")
-        ray_config = os.path.join(session, "metrics", "prometheus", "prometheus.yml")
-        wait_until(lambda: os.path.isfile(ray_config), 60, f"Ray's {ray_config}", interval=0.2)
-        with open(ray_config) as f:
-            config = yaml.safe_load(f)
-        config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-        [discovery] = config["scrape_configs"][0]["file_sd_configs"][0]["files"]
-        wait_until(lambda: os.path.isfile(discovery), 60, f"Ray's {discovery}", interval=0.2)
-        path = os.path.join(folder, "prometheus.yml")
-        with open(path, "w") as f:
-            yaml.safe_dump(config, f)
-        self.url = f"http://{HOST}:{_free_port(set(cluster.ports.values()))}"
-        self.log = open(os.path.join(folder, "prometheus.log"), "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [binary, f"--config.file={path}", f"--storage.tsdb.path={folder}/data",
-             f"--web.listen-address={self.url[len('http://'):]}"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        wait_until(self._ready, 60, f"Prometheus at {self.url}", interval=0.2)
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            with open(self.log.name) as f:
-                raise RuntimeError(f"prometheus exited: {f.read()[-2000:]}")
-        with (
-            contextlib.suppress(OSError),
-            urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as r,
-        ):
-            return r.status == 200
-        return False
-
-    def get(self, path: str, **params: str) -> object:
-        url = f"{self.url}{path}?{urllib.parse.urlencode(params, doseq=True)}"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            body = json.load(r)
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def query(self, expr: str) -> list[dict]:
-        return self.get("/api/v1/query", query=expr)["result"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def _variable_values(prometheus: Prometheus) -> tuple[list[str], list[str]]:
@@ -169,7 +93,7 @@ def _panel_queries(evals: list[str]) -> list[tuple[str, str]]:
 
 
 def test_every_panel_returns_the_runs_series_from_a_real_prometheus(cluster, tmp_path):
-    binary = _prometheus_binary()
+    binary = prometheus_binary()
     began = time.monotonic()
     prometheus = Prometheus(binary, cluster, str(tmp_path))
     held, release = tmp_path / "held", tmp_path / "release"

@@ -90,3 +90,41 @@ class WhereAndWhat(TrainerCallback):
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, f"rank-{context.rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+# ---- the GRPO job --------------------------------------------------------------------------
+
+
+def odd_first_token(prompts, completions, completion_ids, **kwargs):
+    """The GRPO job's reward function (a Ray task on a worker node, named in the config as
+    "multinode_job:odd_first_token"): 1 for a completion whose first token id is odd."""
+    return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
+
+
+class EnginesWhere(TrainerCallback):
+    """Rank 0, end of step 1: the node of this worker and of every live rollout engine actor
+    (``RolloutActor``, from Ray's state API), into ``<folder>/engines.json``."""
+
+    runs_on = "rank0"
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_step_end(self, context: Any, **kwargs: Any) -> None:
+        """Called at the end of every step: records step 1's placement."""
+        if context.global_step != 1 or context.attempt:
+            return
+        import ray
+        from ray.util.state import list_actors
+
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        engines = list_actors(
+            filters=[("class_name", "=", "RolloutActor"), ("state", "=", "ALIVE")]
+        )
+        record = {
+            "worker": ray.util.get_node_ip_address(),
+            "engines": sorted(ips.get(a.node_id, a.node_id) for a in engines),
+        }
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, "engines.json"), "w") as f:
+            json.dump(record, f)
