@@ -103,14 +103,18 @@ def _grpo_report() -> dict:
 
     import bench_grpo
 
-    def run(steps_per_s: float, shares: dict[str, float]) -> dict:
+    def run(steps_per_s: float, shares: dict[str, float], parts: dict[str, float]) -> dict:
         return {"steps_per_s": steps_per_s, "tokens_per_s": 30 * steps_per_s,
                 "tokens_per_cpu_s": 40 * steps_per_s, "step_s": 1 / steps_per_s,
-                "tokens_per_step": 30.0, "torch_threads": 1, "shares": shares}  # fmt: skip
+                "tokens_per_step": 30.0, "torch_threads": 1, "shares": shares,
+                "cpu_per_step": sum(parts.values()), "cpu_parts": parts}  # fmt: skip
 
-    rows = {"trl": [run(0.5, {"rollout": 0.4, "reward": 0.01, "training": 0.59})],
+    rows = {"trl": [run(0.5, {"rollout": 0.4, "reward": 0.01, "training": 0.59},
+                        {"training process": 0.8})],
             "runner": [run(0.47, {"rollout": 0.5, "reward": 0.1, "sync": 0.05,
-                                  "training": 0.35})]}  # fmt: skip
+                                  "training": 0.35},
+                           {"training worker": 0.45, "rollout engine": 0.35,
+                            "other Ray processes": 0.07})]}  # fmt: skip
     opts = argparse.Namespace(prompts=8, batch_prompts=2, generations=2, completion_length=4,
                               steps=3, skip=1, hidden_size=32, layers=1, threads=1, rounds=1)  # fmt: skip
     return bench_grpo.summarise(rows, opts)
