@@ -314,9 +314,11 @@ class TrainingArgs(BaseModel):
     def _check_resources(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v is None:
             return v
-        negative = {k: x for k, x in v.items() if x < 0}
+        negative = {k: x for k, x in v.items() if not 0 <= x < float("inf")}
         if negative:
-            raise ValueError(f"{negative}: a worker cannot ask for a negative amount")
+            raise ValueError(
+                f"{negative}: a worker cannot ask for a negative or a non-finite amount"
+            )
         if v and not any(x > 0 for x in v.values()):
             raise ValueError(
                 f"{v} asks for nothing, and Ray would place any number of workers on one node; "

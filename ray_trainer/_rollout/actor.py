@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
+from math import inf
 from typing import Any
 
 from ray_trainer._rollout.engine import EngineSpec, SamplingParams
@@ -82,7 +83,7 @@ def actor_options(resources: dict[str, float] | None) -> dict[str, Any]:
     resources), fractions allowed; a resource left out is not taken."""
     rest = dict(resources if resources is not None else {"CPU": 1})
     for key, value in rest.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < inf:
             raise ValueError(
                 f"rollout_resources[{key!r}] must be a number >= 0, got {value!r} "
                 '(e.g. {"CPU": 1} or {"GPU": 0.3})'

@@ -227,7 +227,11 @@ def _check_signature(fn: Any, name: str, i: int, columns: Sequence[str]) -> None
 
 def _check_resources(value: Any, name: str) -> dict[str, float]:
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        isinstance(k, str)
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and v >= 0
         for k, v in value.items()
     ):
         raise TrainingArgsError(

@@ -230,3 +230,16 @@ def test_reward_resources_reach_each_functions_task_options_and_the_fit_check():
             TrainingArgs.coerce(**fits, reward_resources={"_judge": {"CPU": 0.5, "GPU": 1}}),
             nodes=[{"CPU": 2.0}],
         )
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0])
+def test_every_resources_field_refuses_a_non_finite_or_negative_amount_before_ray(bad):
+    from ray_trainer._rollout.actor import actor_options
+
+    base = dict(objective="grpo", data="p.jsonl", model="m", reward_fns=[_reward])
+    with pytest.raises((TrainingArgsError, ValueError), match="reward_resources"):
+        TrainingArgs(**base, reward_resources={"CPU": bad})
+    with pytest.raises(ValueError, match="resources_per_worker"):
+        TrainingArgs(**base, resources_per_worker={"CPU": bad})
+    with pytest.raises(ValueError, match="rollout_resources"):
+        actor_options({"CPU": bad})
