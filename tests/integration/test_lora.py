@@ -137,7 +137,8 @@ def qlora_run(ray_session, tmp_path_factory):
         async_checkpoint=True, num_workers=2, batch_size=4, max_length=16, learning_rate=1e-2,
         lr_schedule="constant", mixed_precision="no", log_every_steps=1, max_steps=5,
         save_every_steps=2, max_failures=1, seed=7, storage_path=str(tmp / "storage"),
-        run_name="qlora", callbacks=[AllRanksRecorder(folder, prefix="qlora"), KillRank1Once(4)],
+        run_name="qlora",
+        callbacks=[AllRanksRecorder(folder, prefix="qlora"), KillRank1Once(2, in_save=True)],
     )  # fmt: skip
     return {"model": model, "result": result, "records": read_records(folder, "qlora")}
 

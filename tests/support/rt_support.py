@@ -228,16 +228,30 @@ class StepCounter(TrainerCallback):
 
 
 class KillRank1Once(TrainerCallback):
-    """Kills the rank-1 worker process at one step of the first attempt (a hard crash)."""
+    """Kills the rank-1 worker process at one step of the first attempt (a hard crash).
+
+    With ``in_save``, in the `on_save` of the checkpoint of `step` instead: an asynchronous save
+    is published at a later boundary, once every rank has written it, so a kill at a fixed step
+    could land while it is still being written (and the restart would start from the save
+    before). In `on_save` the checkpoint is complete and registered: the restart resumes from it.
+    """
 
     runs_on = "all_ranks"
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, in_save: bool = False) -> None:
+        self.step, self.in_save = step, in_save
 
-    def on_step_end(self, context, **kwargs):
+    def _kill(self, context) -> None:
         if context.rank == 1 and context.attempt == 0 and context.global_step == self.step:
             os._exit(1)
+
+    def on_step_end(self, context, **kwargs):
+        if not self.in_save:
+            self._kill(context)
+
+    def on_save(self, context, **kwargs):
+        if self.in_save:
+            self._kill(context)
 
 
 class HeldActorHook(TrainerCallback):
