@@ -40,8 +40,26 @@ def wait_for_run(driver, reached: Callable[[], bool], what: str, timeout_s: floa
     with contextlib.suppress(AssertionError):  # judged below, with the driver's output
         wait_until(lambda: reached() or driver.poll() is not None, timeout_s, what, interval=0.2)
     if not reached():
+        stacks = train_stacks()  # before the kill: where its workers are stuck
         driver.kill()
-        pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}")
+        pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}\n{stacks}")
+
+
+def train_stacks(limit: int = 12000) -> str:
+    """The Python stacks (py-spy) of this machine's Ray Train processes (workers and
+    controllers of every test cluster): what a hang's message shows."""
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    found = subprocess.run(["pgrep", "-f", "ray::(RayTrainWorker|TrainController)"],
+                           capture_output=True, text=True)  # fmt: skip
+    dumps = []
+    for pid in found.stdout.split():
+        try:
+            dump = subprocess.run([py_spy, "dump", "--pid", pid], capture_output=True,
+                                  text=True, timeout=20)  # fmt: skip
+            dumps.append(dump.stdout or dump.stderr)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            dumps.append(f"{pid}: no stack ({e})")
+    return ("stacks of the Ray Train processes:\n" + "\n".join(dumps))[:limit]
 
 
 def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str, Any], str]:
@@ -52,8 +70,9 @@ def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str
     try:
         out, _ = driver.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        stacks = train_stacks()
         driver.kill()
-        pytest.fail(f"the run hung after {after}")
+        pytest.fail(f"the run hung after {after}\n{stacks}")
     found = outcome_in(out)
     assert found is not None, out[-4000:]
     return found, out
