@@ -59,6 +59,7 @@ def setup(spec: RunSpec) -> WorkerState:
     set_seed(args.seed)  # same initial weights on every rank (FSDP shards each rank's copy)
     # The objective first (its registry entry names its module): the workload is built around it.
     objective = worker_objective(args)
+    objective.begin(spec, rank, attempt)  # GRPO: its engines start loading beside this rank
     prompts = {f: ray.get(ref) for f, ref in spec.prompts.items()}  # GRPO's, encoded
     workload = build_workload(
         args, objective, spec.data_caches, spec.chat_template, spec.references, prompts

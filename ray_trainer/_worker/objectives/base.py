@@ -31,6 +31,10 @@ class WorkerObjective:
 
     # ---- the workload: once per worker-group start, before the model is placed -----------
 
+    def begin(self, spec: Any, rank: int, attempt: int) -> None:
+        """Called first, before the model is built: start here what takes long and needs no
+        model of this rank (GRPO's rollout engines load while the rank loads its model)."""
+
     def prepare(self, model: torch.nn.Module, adaptation: Any) -> None:
         """Called once the model is built (LoRA added, not yet placed on its device)."""
 

@@ -51,7 +51,12 @@ from ray_trainer._worker.objectives.grpo_batch import (
     ledger_record,
     token_logps,
 )
-from ray_trainer._worker.objectives.grpo_engines import Engines, agree_any
+from ray_trainer._worker.objectives.grpo_engines import (
+    Engines,
+    agree_any,
+    create_engines,
+    starts_early,
+)
 from ray_trainer._worker.objectives.grpo_loss import CompletionTokens, grpo_sums, importance_ratio
 from ray_trainer._worker.objectives.grpo_metrics import (
     append_run_file,
@@ -86,6 +91,7 @@ class GrpoObjective(WorkerObjective):
         self.state: Any = None
         self.prompts: PromptDataset | None = None
         self.engines: Engines | None = None
+        self._started: dict[int, Any] | None = None  # rank 0's engines made by `begin`
         self._sums: torch.Tensor | None = None
         self._maxima: torch.Tensor | None = None
         self._rollout: list[float] = []  # this step's rollout sums (host)
@@ -99,6 +105,17 @@ class GrpoObjective(WorkerObjective):
         self._old: list[torch.Tensor] = []  # per micro-batch, the first pass's log-probs
 
     # ---- the workload ------------------------------------------------------------------
+
+    def begin(self, spec: Any, rank: int, attempt: int) -> None:
+        """Rank 0 creates this worker-group start's engines now, so that each loads its model
+        while the ranks load theirs (unless it shares their GPU: ``starts_early``)."""
+        if rank == 0 and starts_early(self.args.rollout_resources):
+            self._started = create_engines(
+                self.args, self._engine_spec(), spec.actor_name, attempt, spec.actor_namespace
+            )
+
+    def _engine_spec(self) -> EngineSpec:
+        return EngineSpec(model=_model_spec(self.args), lora=self.args.lora, device=None)
 
     def prepare(self, model: torch.nn.Module, adaptation: Any) -> None:
         """Dropout off (as TRL), and the model kept for the KL's reference (LoRA: its
@@ -163,9 +180,9 @@ class GrpoObjective(WorkerObjective):
                 raise ValueError(why)
             first = self.prompts[0].prompt_ids
             probe = Probe(tuple(first), tuple(first[: min(8, len(first))]), self.config.temperature)
-            spec = EngineSpec(model=_model_spec(self.args), lora=self.args.lora, device=None)
-            self.engines = Engines(s, spec, probe)
-            self.engines.start()
+            self.engines = Engines(s, self._engine_spec(), probe)
+            self.engines.start(started=self._started)
+            self._started = None
 
     def _ledger(self, s: Any) -> dict[str, Any]:
         p = s.progress

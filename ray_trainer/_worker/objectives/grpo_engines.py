@@ -42,6 +42,39 @@ def agree_any(flag: bool, world: int) -> bool:
     return bool(value.item() > 0)
 
 
+def engine_name(actor_name: str, attempt: int, generation: int, index: int) -> str:
+    """The Ray actor name of engine `index` of a worker-group start (its `attempt`)."""
+    return f"{actor_name}:rollout:{attempt}:{generation}:{index}"
+
+
+def create_engines(
+    args: Any,
+    spec: EngineSpec,
+    actor_name: str,
+    attempt: int,
+    namespace: str,
+    generation: int = 0,
+    only: Any = None,
+) -> dict[int, RemoteEngine]:
+    """Rank 0: the engines `only` (default: all ``rollout_workers``) of a worker-group start,
+    created (Ray starts each actor and returns at once: its model loads in the background)."""
+    engines = {}
+    for i in range(args.rollout_workers) if only is None else only:
+        name = engine_name(actor_name, attempt, generation, i)
+        engines[i] = RemoteEngine(
+            args.rollout_backend, spec, args.rollout_resources, name=name, namespace=namespace
+        )
+    return engines
+
+
+def starts_early(resources: dict[str, float] | None) -> bool:
+    """Whether an engine may start loading while the ranks load their model: not when it
+    shares a GPU with them (a fraction of one): vLLM sizes its memory from what is free when
+    it starts, which the ranks' load would change under it."""
+    gpus = (resources or {}).get("GPU", 0)
+    return not 0 < gpus < 1
+
+
 class Engines:
     """The run's rollout engines, as one rank sees them.
 
@@ -64,8 +97,11 @@ class Engines:
 
     # ---- creating --------------------------------------------------------------------------
 
-    def start(self, only: list[int] | None = None) -> None:
-        """Rank 0 creates the engines (`only`: those indices again, under a new generation);
+    def start(
+        self, only: list[int] | None = None, started: dict[int, RemoteEngine] | None = None
+    ) -> None:
+        """Rank 0 creates the engines (`only`: those indices again, under a new generation;
+        `started`: those it created already, `create_engines` at the worker-group start);
         then every rank finds them by name (every rank computes the same names)."""
         import ray
 
@@ -75,14 +111,15 @@ class Engines:
             self.names = [""] * count
         todo = range(count) if only is None else only
         for i in todo:
-            self.names[i] = f"{s.spec.actor_name}:rollout:{s.ctx.attempt}:{self.generation}:{i}"
+            self.names[i] = engine_name(s.spec.actor_name, s.ctx.attempt, self.generation, i)
         if s.rank == 0:
             engines = list(self.engines) or [None] * count
+            made = started or create_engines(
+                args, self.spec, s.spec.actor_name, s.ctx.attempt, s.spec.actor_namespace,
+                self.generation, todo,
+            )  # fmt: skip
             for i in todo:
-                engines[i] = RemoteEngine(
-                    args.rollout_backend, self.spec, args.rollout_resources,
-                    name=self.names[i], namespace=s.spec.actor_namespace,
-                )  # fmt: skip
+                engines[i] = made[i]
             self.engines = engines
         _barrier(s.world_size)  # every engine's name is registered before the others look
         if s.rank != 0:
@@ -168,4 +205,11 @@ class Engines:
             self.sync()
 
 
-__all__ = ["Engines", "RolloutEngineDied", "agree_any"]
+__all__ = [
+    "Engines",
+    "RolloutEngineDied",
+    "agree_any",
+    "create_engines",
+    "engine_name",
+    "starts_early",
+]
