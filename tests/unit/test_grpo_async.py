@@ -283,3 +283,14 @@ def test_zero_is_the_synchronous_step_and_the_queue_refuses_it():
                                              reward_fns=[_zero])).queue is None  # fmt: skip
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         RolloutQueue(0)
+
+
+def test_the_queues_metrics_are_named_for_the_trackers_only_when_asynchronous():
+    from ray_trainer._objectives.grpo import ASYNC_METRICS, run_metrics
+
+    def args(**grpo):
+        return TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m",
+                                   reward_fns=[_zero], grpo=grpo)  # fmt: skip
+
+    assert set(ASYNC_METRICS) <= set(run_metrics(args(max_staleness=2)))
+    assert not set(ASYNC_METRICS) & set(run_metrics(args()))
