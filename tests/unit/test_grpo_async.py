@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -118,10 +119,11 @@ def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, **grpo):
     per step, the metrics per step)."""
     trained: list[list[int]] = []
     versions: list[list[int]] = []
+    scored_on: dict[frozenset[int], list[str]] = {}  # the threads that scored each set of rows
 
-    def scoring(completions, *args, **kwargs):  # rewards in this process, noted as trained
-        trained.append(list(dict.fromkeys(c.prompt_index for c in completions)))
-        versions.append([c.version for c in completions])
+    def scoring(completions, *args, **kwargs):  # rewards in this process (no Ray)
+        rows = frozenset(c.prompt_index for c in completions)
+        scored_on.setdefault(rows, []).append(threading.current_thread().name)
         return score_step(completions, *args, on_ray=False, **kwargs)
 
     monkeypatch.setattr(grpo_module, "score_step", scoring)
@@ -153,6 +155,14 @@ def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, **grpo):
     now = [0.0]  # the loop's clock: each step trains for 10 s
     objective.queue.clock = lambda: now[0]
     objective.engines = _Engines(state, objective.queue.clock)  # made: _start leaves them
+    note = objective._note_rollout
+
+    def noted(scored, *args, **kwargs):  # the step's scored completions: what it trains on
+        trained.append(sorted({c.prompt_index for c in scored.completions}))
+        versions.append([c.version for c in scored.completions])
+        return note(scored, *args, **kwargs)
+
+    objective._note_rollout = noted
     model, metrics, depths, saved = _Toy(), [], [], []
     for batches in objective.steps(state, loader_steps(0, start)):
         depths.append(len(objective.queue))
@@ -167,9 +177,10 @@ def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, **grpo):
         saved.append(dict(progress.extra[LEDGER]))  # what a checkpoint now would record
         if session is not None and len(metrics) == session:  # a crash after this step
             break
-    steps = [order[i * per_step : (i + 1) * per_step] for i in range(rows // per_step)]
+    steps = [sorted(order[i * per_step : (i + 1) * per_step]) for i in range(rows // per_step)]
     return SimpleNamespace(objective=objective, engine=objective.engines.engine, trained=trained,
                            versions=versions, metrics=metrics, depths=depths, steps=steps,
+                           scored_on=[set(scored_on.get(frozenset(r), ())) for r in trained],
                            saved=saved)  # fmt: skip
 
 
@@ -194,6 +205,11 @@ def test_stale_completions_are_dropped_counted_and_their_prompts_trained_once(mo
     stale = [(r, v) for r, v in run.engine.sampled if r in again]
     assert sorted({v for _, v in stale}) == [0, 2, 4]  # old ones dropped, new ones trained
     assert max(run.depths) == 1 and run.depths[-1] == 0  # at most k in flight; drained at the end
+    # A request taken whole was scored in the background as soon as it came (the reward tasks
+    # ran while the step before trained); a step that sampled prompts again scores them now.
+    main, background = threading.main_thread().name, "grpo-rewards"
+    assert [run.scored_on[s] for s in (0, 1, 3, 5)] == [{main}] + [{background}] * 3
+    assert all(main in run.scored_on[s] for s in (2, 4))  # (the stale request's, wasted)
 
 
 def test_the_version_of_every_completion_gives_its_age_and_the_queue_stays_bounded(monkeypatch):
@@ -214,6 +230,7 @@ def test_the_version_of_every_completion_gives_its_age_and_the_queue_stays_bound
     assert [m["rollout/overlap_seconds"] for m in run.metrics] == [0, 2, 2, 2, 2, 2, 2]
     assert run.metrics[1]["rollout/seconds"] == pytest.approx(2.0, abs=0.5)  # the engine's time
     assert all(not math.isnan(m["reward"]) for m in run.metrics)
+    assert run.scored_on == [{threading.main_thread().name}] + [{"grpo-rewards"}] * 6
 
 
 def test_a_resume_samples_again_the_prompts_whose_requests_were_in_flight(monkeypatch):
@@ -222,8 +239,8 @@ def test_a_resume_samples_again_the_prompts_whose_requests_were_in_flight(monkey
     samples steps 4 and 5 again and every prompt of the epoch is trained exactly once."""
     first = _run(monkeypatch, rows=16, max_staleness=2, session=4)
     assert first.saved[-1]["step_in_epoch"] == 4  # trained steps only
-    in_flight = [r for req in first.objective.queue.requests for r in req.rows]
-    assert in_flight == first.steps[4] + first.steps[5]  # sampled, never trained
+    in_flight = [sorted(req.rows) for req in first.objective.queue.requests]
+    assert in_flight == [first.steps[4], first.steps[5]]  # sampled, never trained
     second = _run(monkeypatch, rows=16, max_staleness=2, start=4)
     assert first.trained + second.trained == first.steps  # each once, in order, across both
     assert second.versions[0] == [4] * (2 * GENERATIONS)  # sampled again by the restored policy
@@ -237,18 +254,37 @@ def test_a_request_whose_engine_died_has_its_prompts_sampled_again():
     engine.die_at = {1}
     params = SimpleNamespace(num_generations=2)
     queue = RolloutQueue(2)
-    queue.submit(engine, [5, 6], [[1], [2]], params)
-    queue.submit(engine, [7], [[3]], params)
+
+    def score(completions):
+        return [c.prompt_index for c in completions]
+
+    queue.submit(engine, [5, 6], [[1], [2]], params, score)
+    queue.submit(engine, [7], [[3]], params, score)
     with pytest.raises(RuntimeError, match="in flight already"):
         queue.submit(engine, [8], [[4]], params)
     lost = queue.take([5, 6], trainer_version=4)
     assert lost.died and lost.missing == [5, 6] and lost.kept == [] and lost.dropped == 0
+    assert lost.scored is None  # nothing to score: the step samples and scores them itself
     kept = queue.take([7], trainer_version=4)
     assert kept.missing == [] and [c.prompt_index for c in kept.kept] == [7, 7]
+    assert kept.scored == [7, 7] and kept.reward_s >= 0  # scored in the background
     assert queue.take([9], trainer_version=4).missing == [9]  # nothing requested: sample now
     with pytest.raises(RuntimeError, match="lost the loader's order"):
         queue.submit(engine, [1], [[1]], params)
         queue.take([2], trainer_version=4)
+
+
+def test_a_reward_functions_error_in_the_background_fails_the_step_that_takes_it():
+    from ray_trainer._rollout.rewards import RewardError
+
+    def score(completions):
+        raise RewardError("reward function 'exact' raised on completion 1 (prompt 4)")
+
+    queue, engine = RolloutQueue(1), _Engine()
+    engine.version = 0
+    queue.submit(engine, [4], [[1]], SimpleNamespace(num_generations=2), score)
+    with pytest.raises(RewardError, match="'exact' raised on completion 1"):
+        queue.take([4], trainer_version=1)
 
 
 def test_split_stale_drops_whole_groups_by_prompt():

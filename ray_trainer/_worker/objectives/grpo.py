@@ -24,6 +24,7 @@ MAX all-reduce; ``grpo_metrics.py`` turns them into TRL's names and writes ``rol
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -233,14 +234,12 @@ class GrpoObjective(WorkerObjective):
             self._request_ahead(s, upcoming, step)
         rollout_s = time.perf_counter() - started  # asynchronous: the engine's time added
         rollout_s += taken.generation_s if taken is not None else 0.0
-        started = time.perf_counter()
-        scored = score_step(
-            completions, self.prompts, self.fns, num_generations=c.num_generations,
-            decode=self._decode, scale_rewards="none" if c.scale_rewards == "batch" else
-            c.scale_rewards, weights=self.args.reward_weights,
-            state=RewardState(step, s.total_steps),
-        )  # fmt: skip
-        reward_s = time.perf_counter() - started
+        if taken is not None and taken.scored is not None:  # scored while the step before trained
+            scored, reward_s = taken.scored, taken.reward_s
+        else:
+            started = time.perf_counter()
+            scored = self._score(s, step, completions)
+            reward_s = time.perf_counter() - started
         advantages = scored.advantages
         if c.scale_rewards == "batch":
             advantages = batch_advantages(
@@ -264,6 +263,17 @@ class GrpoObjective(WorkerObjective):
         if c.log_completions and s.rank == 0:
             self._log_completions(s, scored, advantages, step)
         return out
+
+    def _score(self, s: Any, step: int, completions: list[Any]) -> Any:
+        """Step `step`'s completions scored (the reward functions as Ray tasks); in the main
+        thread, or on the queue's background thread for a request sent ahead."""
+        c = self.config
+        return score_step(
+            completions, self.prompts, self.fns, num_generations=c.num_generations,
+            decode=self._decode, scale_rewards="none" if c.scale_rewards == "batch" else
+            c.scale_rewards, weights=self.args.reward_weights,
+            state=RewardState(step, s.total_steps),
+        )  # fmt: skip
 
     def _sync_if_due(self) -> dict[str, float]:
         """The engines take the trainer's weights when due (every ``sync_every`` steps, and
@@ -289,7 +299,9 @@ class GrpoObjective(WorkerObjective):
         for j in range(len(queue), min(len(upcoming), queue.max_staleness)):
             rows = _rows(upcoming[j])
             prompt_ids = [self.prompts[r].prompt_ids for r in rows]
-            queue.submit(self.engines.of_rank(), rows, prompt_ids, self._params(s, step + 1 + j))
+            ahead = step + 1 + j
+            score = functools.partial(self._score, s, ahead)
+            queue.submit(self.engines.of_rank(), rows, prompt_ids, self._params(s, ahead), score)
 
     def _generate(
         self, s: Any, rows: list[int], step: int, completions: list[Any] | None = None

@@ -6,13 +6,15 @@ sent its engine for the loader's next steps, oldest first, at most k of them whi
 (with the step's own, k + 1 steps of rollouts held: memory does not grow with the run). A step:
 
 1. takes the request of its own prompts (:meth:`RolloutQueue.take`: the trainer waits only if
-   the engine has not answered yet);
+   the engine has not answered yet, or its rewards are not in): each request's completions are
+   scored as soon as the engine answers, on a thread of the worker's own (the reward
+   functions' Ray tasks run while the step before trains);
 2. the engines take the trainer's weights when due (``grpo_engines.Engines.sync``: an engine
    actor runs its calls one at a time, so a sync lands between two requests, never inside one);
 3. keeps the completions sampled at most k versions behind the trainer's, and drops the rest,
    counted (``rollout/stale_dropped``): their prompts are sampled again at once by the policy
    as it is, for this same step, so no prompt is skipped or repeated; so are the prompts of a
-   request whose engine died;
+   request whose engine died (the step's completions are then scored again, together);
 4. requests the rollouts of the steps ahead, up to k of them (:meth:`RolloutQueue.submit`),
    sampled by the weights just synced while this step's rewards and training run.
 
@@ -24,6 +26,7 @@ queue starts empty). Pure bookkeeping: an engine is anything with ``submit``, ``
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,15 +36,44 @@ from typing import Any
 from ray_trainer._rollout.actor import RolloutEngineDied
 
 
+class Background:
+    """One job on a daemon thread of its own (it never holds the process at its exit): its
+    result, or its error raised again, when :meth:`result` is asked."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        thread.name = "grpo-rewards"
+        thread.start()
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # raised again in the step that takes it
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 @dataclass
 class Request:
     """A rollout request in flight: the prompt rows of the step it is for, the engine it went
-    to and that engine's reference for the answer, and when it was sent (``time.time()``)."""
+    to and that engine's reference for the answer, when it was sent (``time.time()``), and
+    its scoring in the background (None: scored when taken)."""
 
     rows: list[int]
     engine: Any
     ticket: Any
     submitted: float
+    scoring: Background | None = None
 
 
 @dataclass
@@ -49,7 +81,8 @@ class Taken:
     """What a step got from its request: the completions it keeps, the rows to sample again
     now (stale, or their engine died), how many completions were dropped as too old, whether
     the answer was there when the trainer asked, the engine's time on the request and, of it,
-    the part that ran before the trainer asked (hidden behind the previous step)."""
+    the part that ran before the trainer asked (hidden behind the previous step); with no
+    completion missing, the step's scoring done in the background and its time."""
 
     kept: list[Any] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
@@ -58,6 +91,19 @@ class Taken:
     generation_s: float = 0.0
     overlap_s: float = 0.0
     died: bool = False
+    scored: Any = None  # the completions scored in the background (None: score them now)
+    reward_s: float = 0.0  # the background's scoring time
+
+
+def _score_when_answered(request: Request, score: Callable[[list[Any]], Any]) -> Any:
+    """On the background thread: `request`'s completions, once the engine answers, scored;
+    with the scoring's seconds (None: the engine died, the step samples the rows again)."""
+    try:
+        completions, _, _ = request.engine.result(request.ticket)
+    except RolloutEngineDied:
+        return None
+    started = time.perf_counter()
+    return score(completions), time.perf_counter() - started
 
 
 def split_stale(
@@ -101,16 +147,25 @@ class RolloutQueue:
         return self.max_staleness - len(self.requests)
 
     def submit(
-        self, engine: Any, rows: list[int], prompt_ids: list[list[int]], params: Any
+        self,
+        engine: Any,
+        rows: list[int],
+        prompt_ids: list[list[int]],
+        params: Any,
+        score: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        """Send the rollout of the next step's prompts (`rows`) to `engine`, without waiting."""
+        """Send the rollout of the next step's prompts (`rows`) to `engine`, without waiting;
+        with `score`, its completions are scored by it in the background once they come."""
         if self.room() <= 0:
             raise RuntimeError(
                 f"grpo: {len(self.requests)} rollout requests in flight already, the most that "
                 f"max_staleness={self.max_staleness} allows"
             )
         ticket = engine.submit(prompt_ids, params, rows)
-        self.requests.append(Request(list(rows), engine, ticket, self.clock()))
+        request = Request(list(rows), engine, ticket, self.clock())
+        if score is not None:
+            request.scoring = Background(_score_when_answered, request, score)
+        self.requests.append(request)
 
     def take(self, rows: list[int], trainer_version: int) -> Taken:
         """The answer of the oldest request, which must be for `rows` (this step's prompts),
@@ -132,15 +187,20 @@ class RolloutQueue:
         except RolloutEngineDied:
             return Taken(missing=list(rows), ready=ready, died=True)
         kept, missing, dropped = split_stale(completions, trainer_version, self.max_staleness)
-        return Taken(
+        taken = Taken(
             kept=kept, missing=missing, dropped=dropped, ready=ready,
             generation_s=max(ended - started, 0.0),
             overlap_s=max(min(ended, asked) - max(started, request.submitted), 0.0),
         )  # fmt: skip
+        if request.scoring is not None and not missing:  # a reward function's error: raised
+            outcome = request.scoring.result()
+            if outcome is not None:
+                taken.scored, taken.reward_s = outcome
+        return taken
 
     def clear(self) -> None:
         """Forget every request in flight (their answers are never read)."""
         self.requests.clear()
 
 
-__all__ = ["Request", "RolloutQueue", "Taken", "ages", "split_stale"]
+__all__ = ["Background", "Request", "RolloutQueue", "Taken", "ages", "split_stale"]
