@@ -165,13 +165,6 @@ class RemoteEngine:
         sync sent after this request lands after it: between requests."""
         return self.actor.generate_timed.remote(prompts, params, prompt_indices)
 
-    def done(self, ref: Any) -> bool:
-        """Whether the request `ref` has its answer now (never waits)."""
-        import ray
-
-        ready, _ = ray.wait([ref], timeout=0)
-        return bool(ready)
-
     def result(self, ref: Any) -> tuple[list[Completion], float, float]:
         """A submitted request's completions and times (waits up to the call timeout)."""
         return self._get(ref)

@@ -49,7 +49,7 @@ class _Prompt:
 
 class _Engine:
     """An engine in this process, as the trainer side drives one: ``generate`` now, or
-    ``submit`` (answered at once, by the weights it holds then: the actor runs its calls in
+    ``submit`` and ``result`` (answered at once, by the weights it holds then: the actor runs its calls in
     order, so a request sent after a sync is sampled by the synced version)."""
 
     def __init__(self, clock=lambda: 10.0) -> None:
@@ -74,9 +74,6 @@ class _Engine:
             return None
         started = self.clock()  # sampled at once, in 2 s of the loop's clock
         return self.generate(prompt_ids, params, rows), started, started + 2.0
-
-    def done(self, ticket):
-        return True
 
     def result(self, ticket):
         if ticket is None:

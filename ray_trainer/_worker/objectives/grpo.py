@@ -15,6 +15,11 @@ into its micro-batches, one step at a time, on every rank:
    never spans ranks; ``scale_rewards="batch"`` agrees the batch's std over the ranks);
 4. one micro-batch of completions per micro-batch of prompts (``grpo_batch.py``).
 
+With ``grpo.max_staleness`` k >= 1 the rollouts (and their rewards) of the next k steps are
+requested while a step trains, and a step takes its own from the rank's queue, keeping the
+completions at most k versions old (``grpo_async.py``); the loss then takes the engine's
+log-probs as the old ones.
+
 The loss of each micro-batch is TRL 1.16's (``grpo_loss.grpo_sums``), a token sum whose
 denominator is the micro-batches' ``targets`` summed over the step: the loop's scaling makes it
 exact for any split. The step's metrics (rewards, completions, the loss's, the rollout's

@@ -20,7 +20,7 @@ sent its engine for the loader's next steps, oldest first, at most k of them whi
 
 The queue follows the loader's order of steps, which is the prompt ledger: a checkpoint records
 the steps trained, so a resume requests again every step whose rollout was in flight (and the
-queue starts empty). Pure bookkeeping: an engine is anything with ``submit``, ``done`` and
+queue starts empty). Pure bookkeeping: an engine is anything with ``submit`` and
 ``result`` (``_rollout/actor.RemoteEngine``; a fake in the unit tests), so no Ray here.
 """
 
@@ -79,15 +79,14 @@ class Request:
 @dataclass
 class Taken:
     """What a step got from its request: the completions it keeps, the rows to sample again
-    now (stale, or their engine died), how many completions were dropped as too old, whether
-    the answer was there when the trainer asked, the engine's time on the request and, of it,
-    the part that ran before the trainer asked (hidden behind the previous step); with no
-    completion missing, the step's scoring done in the background and its time."""
+    now (stale, or their engine died), how many completions were dropped as too old, the
+    engine's time on the request and, of it, the part that ran before the trainer asked
+    (hidden behind the previous step); with no completion missing, the step's scoring done in
+    the background and its time."""
 
     kept: list[Any] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
     dropped: int = 0
-    ready: bool = False
     generation_s: float = 0.0
     overlap_s: float = 0.0
     died: bool = False
@@ -180,15 +179,14 @@ class RolloutQueue:
                 f"grpo: the rollout request in flight is for prompts {request.rows[:4]}..., the "
                 f"step's are {list(rows)[:4]}...; the queue lost the loader's order"
             )
-        ready = bool(request.engine.done(request.ticket))
         asked = self.clock()
         try:
             completions, started, ended = request.engine.result(request.ticket)
         except RolloutEngineDied:
-            return Taken(missing=list(rows), ready=ready, died=True)
+            return Taken(missing=list(rows), died=True)
         kept, missing, dropped = split_stale(completions, trainer_version, self.max_staleness)
         taken = Taken(
-            kept=kept, missing=missing, dropped=dropped, ready=ready,
+            kept=kept, missing=missing, dropped=dropped,
             generation_s=max(ended - started, 0.0),
             overlap_s=max(min(ended, asked) - max(started, request.submitted), 0.0),
         )  # fmt: skip
