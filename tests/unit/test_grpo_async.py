@@ -110,7 +110,7 @@ class _Toy(nn.Module):
         return {"logits": self.head(self.emb(input_ids))}
 
 
-def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, **grpo):
+def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, total=None, **grpo):
     """The loop's part over one epoch of the objective's steps, from loader step `start`:
     returns the session (objective, engine, the rows trained and their completions' versions
     per step, the metrics per step)."""
@@ -143,7 +143,7 @@ def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, **grpo):
 
     progress = SimpleNamespace(epoch=0, step_in_epoch=start, global_step=start, extra={})
     state = SimpleNamespace(
-        progress=progress, rank=0, world_size=1, total_steps=rows // per_step,
+        progress=progress, rank=0, world_size=1, total_steps=total or rows // per_step,
         args=SimpleNamespace(seed=3, packing=False, reward_weights=None),
         workload=SimpleNamespace(pad_id=0, tokenizer=SimpleNamespace(decode=lambda ids, **k: "x")),
         loader=SimpleNamespace(steps=loader_steps, per_step=per_step, pad_to=1, layout=False),
@@ -173,6 +173,8 @@ def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, **grpo):
         now[0] += 10.0
         saved.append(dict(progress.extra[LEDGER]))  # what a checkpoint now would record
         if session is not None and len(metrics) == session:  # a crash after this step
+            break
+        if progress.global_step >= state.total_steps:  # the loop's end: max_steps
             break
     steps = [sorted(order[i * per_step : (i + 1) * per_step]) for i in range(rows // per_step)]
     return SimpleNamespace(objective=objective, engine=objective.engines.engine, trained=trained,
@@ -241,6 +243,14 @@ def test_a_resume_samples_again_the_prompts_whose_requests_were_in_flight(monkey
     second = _run(monkeypatch, rows=16, max_staleness=2, start=4)
     assert first.trained + second.trained == first.steps  # each once, in order, across both
     assert second.versions[0] == [4] * (2 * GENERATIONS)  # sampled again by the restored policy
+
+
+def test_no_rollout_is_requested_past_the_runs_last_step(monkeypatch):
+    """max_steps inside an epoch: the steps after it are never requested (nor scored)."""
+    run = _run(monkeypatch, rows=14, max_staleness=2, total=4)
+    assert run.trained == run.steps[:4]
+    assert {r for r, _ in run.engine.sampled} == {r for rows in run.steps[:4] for r in rows}
+    assert run.depths == [2, 2, 1, 0]
 
 
 def test_a_request_whose_engine_died_has_its_prompts_sampled_again():

@@ -299,9 +299,11 @@ class GrpoObjective(WorkerObjective):
 
     def _request_ahead(self, s: Any, upcoming: list[list[MicroBatch]], step: int) -> None:
         """Request the rollouts of the `upcoming` steps not yet requested (up to
-        ``max_staleness`` in flight), from this rank's engine, by the weights it holds now."""
+        ``max_staleness`` in flight, none past the run's last step), from this rank's engine,
+        by the weights it holds now."""
         queue = self.queue
-        for j in range(len(queue), min(len(upcoming), queue.max_staleness)):
+        last = min(len(upcoming), queue.max_staleness, s.total_steps - step - 1)
+        for j in range(len(queue), last):
             rows = _rows(upcoming[j])
             prompt_ids = [self.prompts[r].prompt_ids for r in rows]
             ahead = step + 1 + j
