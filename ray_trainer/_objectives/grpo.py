@@ -63,6 +63,19 @@ ROLLOUT_TIMINGS = (
     "sync/bytes",
     "rollout/logprob_diff",
 )
+#: What an asynchronous run (``grpo.max_staleness`` >= 1) logs besides: the rollout requests
+#: in flight after the step's (its queue depth, in steps), the age of the trained completions
+#: (the trainer's version minus the one that sampled each), the completions dropped as too old,
+#: the trainer's wait for its rollout and the generation hidden behind the previous step.
+ASYNC_METRICS = (
+    "rollout/queue_depth",
+    "rollout/age_min",
+    "rollout/age_mean",
+    "rollout/age_max",
+    "rollout/stale_dropped",
+    "rollout/wait_seconds",
+    "rollout/overlap_seconds",
+)
 
 #: TRL ``GRPOConfig`` names that ray-trainer calls otherwise, and the name to use.
 _RENAMED = {
@@ -118,6 +131,11 @@ class GrpoConfig(BaseModel):
             ratio outside them, ``*_truncate`` modes clamp it.
         sync_every: the trainer's weights reach the rollout engines every this many
             optimizer steps (1: before every rollout, on-policy; ours, not TRL's).
+        max_staleness: how many policy versions a trained completion may lag the trainer
+            (0: synchronous GRPO). With k >= 1 the rollouts of the next k steps are sampled
+            while a step trains; a completion more than k versions behind is dropped, counted
+            (``rollout/stale_dropped``) and its prompt sampled again; the engine's log-probs are
+            the old ones (TRL's ``AsyncGRPOTrainer``). Ours, as TRL's async trainer names it.
         log_completions: write sampled completions (prompt, completion, rewards, advantage) to
             ``<run>/rollouts.jsonl``; ``num_completions_to_print`` of each step (None: all).
 
@@ -147,6 +165,7 @@ class GrpoConfig(BaseModel):
     importance_sampling_cap: float | None = Field(3.0, gt=0)
     importance_sampling_min: float | None = Field(None, ge=0)
     sync_every: int = Field(1, ge=1)
+    max_staleness: int = Field(0, ge=0)
     log_completions: bool = False
     num_completions_to_print: int | None = Field(None, gt=0)
 
@@ -162,6 +181,7 @@ class GrpoConfig(BaseModel):
         "top_k",
         "num_iterations",
         "sync_every",
+        "max_staleness",
         mode="before",
     )
     @classmethod
@@ -185,6 +205,12 @@ class GrpoConfig(BaseModel):
                 f"importance_sampling={self.importance_sampling!r} clamps the ratio to "
                 "[importance_sampling_min, importance_sampling_cap], and both are None; set "
                 "importance_sampling_cap (TRL's default is 3.0)"
+            )
+        if self.max_staleness and self.num_iterations > 1:
+            raise ValueError(
+                f"grpo.max_staleness={self.max_staleness} with grpo.num_iterations="
+                f"{self.num_iterations}: asynchronous rollouts take one optimizer step per "
+                "rollout; set num_iterations=1, or max_staleness=0 (synchronous)"
             )
         return self
 
@@ -320,12 +346,13 @@ def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
 
 def run_metrics(args: Any) -> tuple[str, ...]:
     """GRPO's metrics in a run: the description's, each reward function's mean and std, and
-    the count of rollout engines started again after they died."""
+    the count of rollout engines started again after they died (and, asynchronous, its own)."""
     from ray_trainer._rollout.rewards import resolve_reward_fns
 
     per_fn = [f"rewards/{f.name}/{m}" for f in resolve_reward_fns(args.reward_fns)
               for m in ("mean", "std")]  # fmt: skip
-    return (*GRPO.metrics, *per_fn, "rollout/engine_restarts")
+    more = ASYNC_METRICS if config_of(args).max_staleness else ()
+    return (*GRPO.metrics, *per_fn, "rollout/engine_restarts", *more)
 
 
 def _needs_reference(args: Any) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable
 from math import inf
 from typing import Any
@@ -49,6 +50,18 @@ class RolloutActor:
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
         return self.engine.generate(prompts, params, prompt_indices)
+
+    def generate_timed(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_indices: list[int] | None = None,
+    ) -> tuple[list[Completion], float, float]:
+        """`generate`, with the wall-clock times (``time.time()``) it began and ended: an
+        asynchronous rollout's caller sees how much of it ran while it trained."""
+        started = time.time()
+        completions = self.engine.generate(prompts, params, prompt_indices)
+        return completions, started, time.time()
 
     def logprobs(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
@@ -140,6 +153,21 @@ class RemoteEngine:
     ) -> list[Completion]:
         """The engine's completions (see `RolloutEngine.generate`)."""
         return self._get(self.actor.generate.remote(prompts, params, prompt_indices))
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_indices: list[int] | None = None,
+    ) -> Any:
+        """Request a rollout without waiting: the reference of ``generate_timed``'s answer
+        (take it with :meth:`result`). The actor runs its calls one at a time, in order, so a
+        sync sent after this request lands after it: between requests."""
+        return self.actor.generate_timed.remote(prompts, params, prompt_indices)
+
+    def result(self, ref: Any) -> tuple[list[Completion], float, float]:
+        """A submitted request's completions and times (waits up to the call timeout)."""
+        return self._get(ref)
 
     def sync(
         self,

@@ -2,16 +2,19 @@
 ``hf`` rollout engine on a fractional CPU, a reward function run as a Ray task.
 
 One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off), the
-completions packed (``packing=True``) and the reward task on a quarter CPU
-(``reward_resources``): the engine actor is killed once (after step 1: the next sync finds it
-dead, restarts it and syncs again), and rank 1 is killed once (after step 3: the run resumes
-from its step-2 checkpoint, the engines of the new worker group get the restored weights). What it shows: the metrics with TRL's names are logged with finite
+completions packed (``packing=True``), the reward task on a quarter CPU (``reward_resources``)
+and asynchronous rollouts (``grpo.max_staleness=1``, issue 51: a step's rollout is requested
+while the step before trains): the engine actor is killed once (after step 1, a request in
+flight: the next sync finds it dead, restarts it and syncs again), and rank 1 is killed once
+(after step 3: the run resumes from its step-2 checkpoint, the engines of the new worker group
+get the restored weights). What it shows: the metrics with TRL's names are logged with finite
 values, ``kl`` among them (> 0 once the adapters have moved); every completion was sampled by
-the policy of its step (the engine's version advances each step); ``rollout/logprob_diff`` <
-1e-5 (fp32, after every sync); ``rollouts.jsonl`` is written; each reward task ran on the
-resources it was given; and the prompts scored, step by step, are exactly the loader's epoch
-order: none skipped or repeated across the crash, and the second epoch starts over in its own
-order.
+the policy of its step or the one before (the engine's version advances each step), never
+older, none dropped, and a step's rollout was sampled while the step before trained
+(``rollout/overlap_seconds``); ``rollout/logprob_diff`` < 1e-5 (fp32, after every sync);
+``rollouts.jsonl`` is written; each reward task ran on the resources it was given; and the
+prompts scored, step by step, are exactly the loader's epoch order: none skipped or repeated
+across the crash, and the second epoch starts over in its own order.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def run(ray_session, tmp_path_factory):
         objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo",
         reward_fns=[scored_to(str(folder))], lora=LORA, seed=SEED,
         grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True,
-              "beta": BETA},
+              "beta": BETA, "max_staleness": 1},
         reward_resources={"CPU": 0.25}, rollout_backend="hf", rollout_resources={"CPU": 0.5},
         max_length=48, num_workers=2, packing=True,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,
@@ -130,9 +133,22 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
     wait_until(lambda: not _engines(), 30, "the rollout engines to end")
     rollouts = [json.loads(line) for line in (root / "storage" / "grpo" / "rollouts.jsonl").open()]
     assert {r["step"] for r in rollouts} == set(range(1, STEPS + 1))
-    for r in rollouts:  # sampled by the policy of its step: one version per optimizer step
-        assert r["version"] == r["step"] - 1, r
+    for r in rollouts:  # sampled by the policy of its step or the one before (max_staleness=1)
+        assert r["step"] - 1 - r["version"] in (0, 1), r
         assert set(r) >= {"prompt", "completion", "rewards", "advantage"}
+    # Step 3 before the crash trained the rollout requested (by version 1) while step 2 trained.
+    assert any(r["step"] - 1 - r["version"] == 1 for r in rollouts), rollouts
+    # Asynchronous rollouts: within the bound, none dropped (synced every step), at most one
+    # request in flight; an epoch's (or a start's) first step samples its own rollout (age 0).
+    for record in last.values():
+        assert record["rollout/age_max"] <= 1 and record["rollout/stale_dropped"] == 0, record
+        assert record["rollout/queue_depth"] <= 1, record
+    assert last[1]["rollout/age_max"] == 0 and last[4]["rollout/age_max"] == 0
+    # Before the crash, steps 2 and 3 took rollouts requested a step earlier: at least one of
+    # them (the engine was killed after step 1, so step 2's request may have died with it) was
+    # sampled while the step before trained, and is one version old.
+    early = [r for r in logs if r["attempt"] == 0 and r["step"] in (2, 3)]
+    assert any(r["rollout/overlap_seconds"] > 0 and r["rollout/age_max"] == 1 for r in early), early
 
 
 def test_no_prompt_is_skipped_or_repeated_across_the_crash(run):

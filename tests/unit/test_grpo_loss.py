@@ -600,3 +600,88 @@ def test_packed_completions_give_the_padded_loss_and_gradient_for_any_split(tiny
         torch.testing.assert_close(p_grads, grads, atol=1e-6, rtol=0, msg=str(sizes))
         for name in ("entropy", "clip_ratio/region_mean", "trained_tokens", "kl"):
             assert p_metrics[name] == pytest.approx(metrics[name], abs=1e-6), (sizes, name)
+
+
+# -- asynchronous rollouts (grpo.max_staleness >= 1, issue 51) ------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_an_asynchronous_step_takes_the_engines_log_probs_as_old_ones_as_trl(tiny, trl_trainer):
+    """``max_staleness=1`` through the worker objective's `step_loss`: completions sampled by an
+    older policy (their engine log-probs a few steps away from the trainer's) are trained with
+    those log-probs as the old ones, as TRL's ``AsyncGRPOTrainer`` does, and TRL's default
+    importance-sampling correction on (``"sequence_mask"``, its weight ``exp(old - sampling)``
+    then 1): the loss, metrics and gradients equal TRL's `_compute_loss` given the same old
+    log-probs and TRL's own importance-sampling ratio, within 1e-5; the ratio clips."""
+    from types import SimpleNamespace
+
+    from ray_trainer import TrainingArgs
+    from ray_trainer._rollout.types import Completion
+    from ray_trainer._worker.objectives.grpo import GrpoObjective
+    from ray_trainer._worker.objectives.grpo_batch import completion_batch
+
+    path, tokenizer = tiny
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    width = min(map(len, ids))  # prompts of one length: TRL's left padding is no padding
+    inputs = step_inputs(tokenizer)
+    inputs["prompt_ids"] = torch.tensor([p[:width] for p in ids for _ in range(2)])
+    inputs["prompt_mask"] = torch.ones_like(inputs["prompt_ids"])
+    policy = load(path)
+    sampling = off_policy(policy, inputs, seed=3)  # the engine's, by an older version
+    comps = [
+        Completion(i // 2, inputs["prompt_ids"][i].tolist(),
+                   inputs["completion_ids"][i, :n].tolist(), sampling[i, :n].tolist(), False, 0)
+        for i, n in enumerate(LENGTHS)
+    ]  # fmt: skip
+    micro = completion_batch(comps, ADVANTAGES, pad_id=tokenizer.pad_token_id, loss_type="dapo",
+                             max_completion_length=MAX_COMPLETION, mask_truncated=False)  # fmt: skip
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [0.0] * len(completions)
+
+    grpo = dict(num_generations=2, max_completion_length=MAX_COMPLETION, max_staleness=1,
+                temperature=TEMPERATURE, epsilon_high=0.28)  # fmt: skip
+    args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[reward],
+                               grpo=grpo)  # fmt: skip
+    objective = GrpoObjective(args)
+    assert objective.config.importance_sampling == "sequence_mask"  # on by default
+    policy.train()
+    _, loss = objective.step_loss(SimpleNamespace(norm=1.0), policy, micro.batch, micro.targets)
+    loss.backward()
+    objective._rollout, objective._extremes = [0.0] * 12, [0.0] * 12
+    metrics = objective.metrics_from_sums(objective.take_sums().tolist(), micro.targets)
+    loss = loss.item() / micro.targets
+
+    # TRL: the same policy and inputs, the engine's log-probs as its old ones, and its
+    # importance-sampling ratio as its _generate_and_score_completions computes it
+    # (sequence_mask: exp of the completion's summed old - sampling, zeroed above the cap).
+    trainer = trl_trainer
+    trainer.model.load_state_dict(policy.state_dict())
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = "dapo", 0.0, "token"
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    mask = inputs["completion_mask"]
+    old = torch.where(mask.bool(), sampling, torch.zeros_like(sampling))
+    seq_ratio = torch.exp(((old - sampling) * mask).sum(-1, keepdim=True))
+    is_ratio = seq_ratio.masked_fill(seq_ratio > 3.0, 0.0).expand_as(sampling)
+    assert torch.equal(is_ratio, torch.ones_like(is_ratio))  # nothing left to correct
+    theirs = {k: v for k, v in inputs.items() if k != "full_mask"}
+    theirs["old_per_token_logps"] = sampling
+    theirs["importance_sampling_ratio"] = is_ratio
+    trainer.model.train()
+    trl_loss = trainer._compute_loss(trainer.model, theirs)
+    trl_loss.backward()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert loss == pytest.approx(trl_loss.item(), abs=1e-5)
+    for name, value in trl_metrics.items():
+        if math.isnan(value):
+            assert math.isnan(metrics[name]), name
+        else:
+            assert metrics[name] == pytest.approx(value, abs=1e-5), name
+    assert metrics["clip_ratio/region_mean"] > 0  # the stale ratio moved away from 1 and clips
+    theirs_grads = dict(trainer.model.named_parameters())
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(p.grad / micro.targets, theirs_grads[name].grad, atol=1e-5,
+                                   rtol=1e-4, msg=name)  # fmt: skip

@@ -41,6 +41,9 @@ def test_every_setting_has_trls_default():
         if name == "sync_every":  # ours: TRL syncs before every generation
             assert ours.sync_every == 1
             continue
+        if name == "max_staleness":  # ours, as TRL's AsyncGRPOConfig names it: 0 synchronous
+            assert ours.max_staleness == 0 and "max_staleness" not in trl
+            continue
         assert getattr(ours, name) == trl[TRL_NAMES.get(name, name)], name
     assert trl["vllm_importance_sampling_correction"] is True  # ours: a mode, None is off
     assert (ours.epsilon_low, ours.upper_epsilon) == (0.2, 0.2)

@@ -15,6 +15,11 @@ into its micro-batches, one step at a time, on every rank:
    never spans ranks; ``scale_rewards="batch"`` agrees the batch's std over the ranks);
 4. one micro-batch of completions per micro-batch of prompts (``grpo_batch.py``).
 
+With ``grpo.max_staleness`` k >= 1 the rollouts (and their rewards) of the next k steps are
+requested while a step trains, and a step takes its own from the rank's queue, keeping the
+completions at most k versions old (``grpo_async.py``); the loss then takes the engine's
+log-probs as the old ones.
+
 The loss of each micro-batch is TRL 1.16's (``grpo_loss.grpo_sums``), a token sum whose
 denominator is the micro-batches' ``targets`` summed over the step: the loop's scaling makes it
 exact for any split. The step's metrics (rewards, completions, the loss's, the rollout's
@@ -24,6 +29,7 @@ MAX all-reduce; ``grpo_metrics.py`` turns them into TRL's names and writes ``rol
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -41,6 +47,7 @@ from ray_trainer._rollout.rewards import RewardState, resolve_reward_fns, score_
 from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
 from ray_trainer._worker.objectives.dpo import disable_dropout
+from ray_trainer._worker.objectives.grpo_async import RolloutQueue, Taken, ages
 from ray_trainer._worker.objectives.grpo_batch import (
     MODEL_KEYS,
     PromptDataset,
@@ -57,9 +64,15 @@ from ray_trainer._worker.objectives.grpo_engines import (
     create_engines,
     starts_early,
 )
-from ray_trainer._worker.objectives.grpo_loss import CompletionTokens, grpo_sums, importance_ratio
+from ray_trainer._worker.objectives.grpo_loss import (
+    CompletionTokens,
+    engine_old_logps,
+    grpo_sums,
+    importance_ratio,
+)
 from ray_trainer._worker.objectives.grpo_metrics import (
     append_run_file,
+    async_sums,
     completion_lines,
     rollout_extremes,
     rollout_sums,
@@ -103,6 +116,9 @@ class GrpoObjective(WorkerObjective):
         self._pass = 0  # this rollout's pass in progress (0: the first, which reads old_logps)
         self._micro = 0  # the micro-batch of the pass in progress
         self._old: list[torch.Tensor] = []  # per micro-batch, the first pass's log-probs
+        #: ``max_staleness`` k >= 1: this rank's rollout requests in flight (None: synchronous).
+        k = self.config.max_staleness
+        self.queue: RolloutQueue | None = RolloutQueue(k) if k else None
 
     # ---- the workload ------------------------------------------------------------------
 
@@ -156,6 +172,9 @@ class GrpoObjective(WorkerObjective):
         if k > 1:  # the loader's step of this optimizer step, and the passes it has had
             start, first = iteration_start(p.step_in_epoch, k)
             steps = state.loader.steps(p.epoch, start)
+        if self.queue is not None:  # max_staleness >= 1: rollouts requested ahead
+            yield from self._async_steps(state, steps)
+            return
         for prompts in steps:
             batches = self.rollout_step(state, prompts)
             self._old = []
@@ -169,6 +188,30 @@ class GrpoObjective(WorkerObjective):
                     self._extremes = self._extremes[:4] + [-math.inf] * 3  # no sync, no probe
                 yield batches
             first = 0
+
+    def _async_steps(
+        self, state: Any, steps: Iterator[list[MicroBatch]]
+    ) -> Iterator[list[MicroBatch]]:
+        """``max_staleness`` k >= 1: the loader read k steps ahead, whose rollouts are requested
+        while each step trains (``grpo_async.py``); the queue drains at the epoch's end."""
+        ahead: deque[list[MicroBatch]] = deque()
+        k = self.config.max_staleness
+        self.queue.clear()  # a new epoch (or start): nothing requested for its steps yet
+        for prompts in steps:
+            ahead.append(prompts)
+            if len(ahead) > k:
+                yield self._async_step(state, ahead)
+        while ahead:
+            yield self._async_step(state, ahead)
+
+    def _async_step(self, state: Any, ahead: deque[list[MicroBatch]]) -> list[MicroBatch]:
+        """The oldest step of `ahead` rolled out (the others' rollouts requested), its ledger
+        record the step it completes."""
+        batches = self.rollout_step(state, ahead.popleft(), list(ahead))
+        state.progress.extra[LEDGER] = {
+            **self._ledger(state), "step_in_epoch": state.progress.step_in_epoch + 1
+        }  # fmt: skip
+        return batches
 
     def _start(self, s: Any) -> None:
         """At each epoch's first step; once per worker-group start (after the resume): the
@@ -188,27 +231,37 @@ class GrpoObjective(WorkerObjective):
         p = s.progress
         return ledger_record(self.prompts, s.args.seed, s.loader.per_step, p.epoch, p.step_in_epoch)
 
-    def rollout_step(self, s: Any, prompt_batches: list[MicroBatch]) -> list[MicroBatch]:
+    def rollout_step(
+        self, s: Any, prompt_batches: list[MicroBatch], upcoming: list[list[MicroBatch]] = ()
+    ) -> list[MicroBatch]:
         """One step's prompts (this rank's micro-batches of rows) to its micro-batches of
-        completions. Every rank, at the same point (syncs and agreements are collectives)."""
-        c, engines = self.config, self.engines
+        completions; asynchronous (``max_staleness`` >= 1), the rollouts of the `upcoming`
+        steps requested too. Every rank, at the same point (syncs and agreements are
+        collectives)."""
+        c = self.config
         step = s.progress.global_step
-        sync: dict[str, float] = {}
-        if engines.due(c.sync_every):
-            engines.sync()
-            sync = engines.last_sync
-        rows = [r for m in prompt_batches for r in m.batch["prompt_index"].tolist()]
+        rows = _rows(prompt_batches)
+        taken, wait_s = None, 0.0
+        if self.queue is not None:  # the request sent a step (or more) ago, if any
+            started = time.perf_counter()
+            taken = self.queue.take(rows, step)
+            wait_s = time.perf_counter() - started
+        sync = self._sync_if_due()
         started = time.perf_counter()
-        completions = self._generate(s, rows, step)
-        rollout_s = time.perf_counter() - started
-        started = time.perf_counter()
-        scored = score_step(
-            completions, self.prompts, self.fns, num_generations=c.num_generations,
-            decode=self._decode, scale_rewards="none" if c.scale_rewards == "batch" else
-            c.scale_rewards, weights=self.args.reward_weights,
-            state=RewardState(step, s.total_steps),
-        )  # fmt: skip
-        reward_s = time.perf_counter() - started
+        if taken is None:
+            completions = self._generate(s, rows, step)
+        else:  # what was stale, or lost with its engine, sampled again now (no-one else waits)
+            missing = taken.missing
+            completions = taken.kept + self._generate(s, missing, step, None if missing else [])
+            self._request_ahead(s, upcoming, step)
+        rollout_s = time.perf_counter() - started  # asynchronous: the engine's time added
+        rollout_s += taken.generation_s if taken is not None else 0.0
+        if taken is not None and taken.scored is not None:  # scored while the step before trained
+            scored, reward_s = taken.scored, taken.reward_s
+        else:
+            started = time.perf_counter()
+            scored = self._score(s, step, completions)
+            reward_s = time.perf_counter() - started
         advantages = scored.advantages
         if c.scale_rewards == "batch":
             advantages = batch_advantages(
@@ -228,22 +281,61 @@ class GrpoObjective(WorkerObjective):
                 pad_to=s.loader.pad_to, layout=s.loader.layout,
             )  # fmt: skip
             out.append(batch)
-        self._note_rollout(scored, rollout_s, reward_s, sync)
+        self._note_rollout(scored, rollout_s, reward_s, sync, taken, wait_s, step)
         if c.log_completions and s.rank == 0:
             self._log_completions(s, scored, advantages, step)
         return out
 
-    def _generate(self, s: Any, rows: list[int], step: int) -> list[Any]:
-        """This rank's completions of `rows` from its engine; an engine found dead on any rank
-        is restarted and synced, and the rollouts retried once."""
+    def _score(self, s: Any, step: int, completions: list[Any]) -> Any:
+        """Step `step`'s completions scored (the reward functions as Ray tasks); in the main
+        thread, or on the queue's background thread for a request sent ahead."""
         c = self.config
-        params = SamplingParams(
+        return score_step(
+            completions, self.prompts, self.fns, num_generations=c.num_generations,
+            decode=self._decode, scale_rewards="none" if c.scale_rewards == "batch" else
+            c.scale_rewards, weights=self.args.reward_weights,
+            state=RewardState(step, s.total_steps),
+        )  # fmt: skip
+
+    def _sync_if_due(self) -> dict[str, float]:
+        """The engines take the trainer's weights when due (every ``sync_every`` steps, and
+        before a start's first rollout); its metrics, or none."""
+        if not self.engines.due(self.config.sync_every):
+            return {}
+        self.engines.sync()
+        return self.engines.last_sync
+
+    def _params(self, s: Any, step: int) -> SamplingParams:
+        """The sampling of step `step`'s rollout on this rank (its own seed)."""
+        c = self.config
+        return SamplingParams(
             num_generations=c.num_generations, max_completion_length=c.max_completion_length,
             temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             seed=(s.args.seed * 1_000_003 + step * 1_009 + s.rank) % 2**31,
         )  # fmt: skip
+
+    def _request_ahead(self, s: Any, upcoming: list[list[MicroBatch]], step: int) -> None:
+        """Request the rollouts of the `upcoming` steps not yet requested (up to
+        ``max_staleness`` in flight, none past the run's last step), from this rank's engine,
+        by the weights it holds now."""
+        queue = self.queue
+        last = min(len(upcoming), queue.max_staleness, s.total_steps - step - 1)
+        for j in range(len(queue), last):
+            rows = _rows(upcoming[j])
+            prompt_ids = [self.prompts[r].prompt_ids for r in rows]
+            ahead = step + 1 + j
+            score = functools.partial(self._score, s, ahead)
+            queue.submit(self.engines.of_rank(), rows, prompt_ids, self._params(s, ahead), score)
+
+    def _generate(
+        self, s: Any, rows: list[int], step: int, completions: list[Any] | None = None
+    ) -> list[Any]:
+        """This rank's completions of `rows` from its engine (given `completions`: this rank
+        needs none, but takes part in the agreement); an engine found dead on any rank is
+        restarted and synced, and the rollouts retried once."""
+        params = self._params(s, step)
         prompt_ids = [self.prompts[r].prompt_ids for r in rows]
-        completions, error = None, None
+        error = None
         for attempt in (0, 1):
             if completions is None:
                 try:
@@ -276,10 +368,26 @@ class GrpoObjective(WorkerObjective):
             return math.nan
         return math.sqrt(max(sq - total * total / n, 0.0) / (n - 1))
 
-    def _note_rollout(self, scored: Any, rollout_s: float, reward_s: float, sync: dict) -> None:
-        """This step's rollout sums and extremes (rank-local), for :meth:`take_sums`."""
+    def _note_rollout(
+        self,
+        scored: Any,
+        rollout_s: float,
+        reward_s: float,
+        sync: dict,
+        taken: Taken | None = None,
+        wait_s: float = 0.0,
+        step: int = 0,
+    ) -> None:
+        """This step's rollout sums and extremes (rank-local), for :meth:`take_sums`;
+        asynchronous, the queue's after them (``grpo_metrics.async_sums``)."""
         self._rollout = rollout_sums(scored, len(self.fns))
         self._extremes = rollout_extremes(scored, rollout_s, reward_s, sync)
+        if taken is not None:
+            sums, extremes = async_sums(
+                ages(scored.completions, step), taken, wait_s, len(self.queue)
+            )
+            self._rollout += sums
+            self._extremes += extremes
 
     # ---- the loss ----------------------------------------------------------------------
 
@@ -306,10 +414,12 @@ class GrpoObjective(WorkerObjective):
             else:
                 old = self._old[self._micro]
             self._micro += 1
+        sampling = flat_per_token(batch["sampling_logps"], batch["length"])
+        if self.queue is not None:  # asynchronous: the engine's log-probs are the old ones
+            old = engine_old_logps(sampling, logps)
         tokens = CompletionTokens(
             logps=logps, sequence=rows, advantages=batch["advantages"], mask=keep, old_logps=old,
-            sampling_logps=flat_per_token(batch["sampling_logps"], batch["length"]),
-            ref_logps=ref, entropy=entropy,
+            sampling_logps=sampling, ref_logps=ref, entropy=entropy,
         )  # fmt: skip
         ratio = importance_ratio(
             tokens, c.importance_sampling, c.importance_sampling_cap, c.importance_sampling_min
@@ -358,6 +468,11 @@ class GrpoObjective(WorkerObjective):
             scored, advantages, step, self.prompts, self._decode, [f.name for f in self.fns], keep
         )
         self._log_dir = append_run_file(s.run.child("rollouts.jsonl"), lines, self._log_dir)
+
+
+def _rows(prompt_batches: list[MicroBatch]) -> list[int]:
+    """The prompt rows of a step's micro-batches of prompts, in order."""
+    return [r for m in prompt_batches for r in m.batch["prompt_index"].tolist()]
 
 
 def iteration_start(step_in_epoch: int, iterations: int) -> tuple[int, int]:

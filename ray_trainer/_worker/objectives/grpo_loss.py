@@ -124,6 +124,16 @@ def _per_sequence(values: torch.Tensor, sequence: torch.Tensor, n: int) -> torch
     return out.index_add(0, sequence, values)
 
 
+def engine_old_logps(sampling_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """The old log-probs of an asynchronous step (``grpo.max_staleness`` >= 1): the engine's
+    own (``sampling_logps``, of the policy version that sampled each completion), as TRL's
+    ``AsyncGRPOTrainer`` takes them, so the clipped ratio ``exp(logps - old)`` corrects for
+    the completions' staleness; a token the engine gave no log-prob for (NaN) takes the
+    policy's own, detached (ratio 1). The mismatch weight of :func:`importance_ratio`
+    (``exp(old - sampling)``) is then 1 wherever it is defined."""
+    return torch.where(torch.isnan(sampling_logps), logps.detach(), sampling_logps)
+
+
 def importance_ratio(
     tokens: CompletionTokens,
     mode: str | None,

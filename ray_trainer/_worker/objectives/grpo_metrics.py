@@ -34,6 +34,13 @@ MAXIMA = (
     "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
     "sync/bytes", "rollout/logprob_diff",
 )  # fmt: skip
+#: Asynchronous (``grpo.max_staleness`` >= 1): after the per-function sums, these sums ...
+ASYNC_SUMS = ("rollout/stale_dropped", "age_sum")
+#: ... and after :data:`MAXIMA`, these extremes (MAX over the ranks; a min as a negated max).
+ASYNC_MAXIMA = (
+    "rollout/queue_depth", "rollout/age_max", "neg_age_min", "rollout/wait_seconds",
+    "neg_overlap_seconds",
+)  # fmt: skip
 
 
 def rollout_sums(scored: Any, functions: int) -> list[float]:
@@ -67,6 +74,20 @@ def rollout_extremes(
     ]  # fmt: skip
 
 
+def async_sums(
+    ages: Sequence[int], taken: Any, wait_s: float, in_flight: int
+) -> tuple[list[float], list[float]]:
+    """This rank's :data:`ASYNC_SUMS` and :data:`ASYNC_MAXIMA` of an asynchronous step: the
+    ages of its trained completions, what its request gave (``grpo_async.Taken``), the
+    trainer's wait for it and the requests left in flight after the step's."""
+    sums = [float(taken.dropped), float(sum(ages))]
+    extremes = [
+        float(in_flight), float(max(ages, default=0)), -float(min(ages, default=0)), wait_s,
+        -taken.overlap_s,
+    ]  # fmt: skip
+    return sums, extremes
+
+
 def step_metrics(
     values: Sequence[float],
     extremes: Sequence[float],
@@ -83,7 +104,7 @@ def step_metrics(
     )  # fmt: skip
     r = dict(zip(ROLLOUT_SUMS, values[7 : 7 + len(ROLLOUT_SUMS)], strict=True))
     n = max(r["completions"], 1.0)
-    mx = dict(zip(MAXIMA, extremes[2:], strict=True))
+    mx = dict(zip(MAXIMA, extremes[2 : 2 + len(MAXIMA)], strict=True))
     out.update(
         {
             "reward": _mean(r["reward_sum"], r["reward_n"]),
@@ -108,7 +129,27 @@ def step_metrics(
             out[name] = mx[name]
     if restarts:
         out["rollout/engine_restarts"] = float(restarts)
+    if config.max_staleness:
+        out.update(
+            _async_metrics(values[at + 3 * len(functions) :], extremes[2 + len(MAXIMA) :], n)
+        )
     return out
+
+
+def _async_metrics(values: Sequence[float], extremes: Sequence[float], n: float) -> dict:
+    """The queue's metrics of an asynchronous step, from its sums and extremes over the ranks
+    (`n`: the step's trained completions)."""
+    a = dict(zip(ASYNC_SUMS, values, strict=True))
+    mx = dict(zip(ASYNC_MAXIMA, extremes, strict=True))
+    return {
+        "rollout/queue_depth": mx["rollout/queue_depth"],
+        "rollout/age_min": -mx["neg_age_min"],
+        "rollout/age_mean": a["age_sum"] / n,
+        "rollout/age_max": mx["rollout/age_max"],
+        "rollout/stale_dropped": a["rollout/stale_dropped"],
+        "rollout/wait_seconds": mx["rollout/wait_seconds"],
+        "rollout/overlap_seconds": -mx["neg_overlap_seconds"],
+    }
 
 
 def completion_lines(
