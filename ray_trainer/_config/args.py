@@ -114,7 +114,10 @@ class TrainingArgs(BaseModel):
     # the reward functions (callables with TRL's signature, or "module:function" strings) and
     # one weight per function (None: 1.0 each); the resources of each function's Ray task (one
     # dict for all, or one per function name; None: one CPU each); the rollout engines:
-    # backend, the resources of each engine's Ray actor (None: one CPU) and how many engines.
+    # backend, the resources of each engine's Ray actor (None: one CPU) and how many engines;
+    # how many policy versions a trained completion may lag the trainer (0: synchronous, the
+    # engines generate while the trainer waits; k >= 1: the next k steps' rollouts are sampled
+    # while a step trains, older completions dropped and their prompts sampled again).
     grpo: Any = None
     reward_fns: Any = None
     reward_weights: list[float] | None = None
@@ -122,6 +125,7 @@ class TrainingArgs(BaseModel):
     rollout_backend: Literal["hf", "vllm", "auto"] = "auto"
     rollout_resources: dict[str, float] | None = None
     rollout_workers: int | tuple[int, int] = 1
+    max_staleness: int = 0
 
     # How long and how.
     max_steps: int | None = Field(None, gt=0)
@@ -334,6 +338,16 @@ class TrainingArgs(BaseModel):
         from ray_trainer._objectives.grpo import GrpoConfig
 
         return GrpoConfig.coerce(v)
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _check_max_staleness(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(
+                f"max_staleness must be a whole number >= 0 (0: synchronous rollouts; 1: the "
+                f"next step's rollout sampled while a step trains), got {v!r}"
+            )
+        return v
 
     @field_validator("rollout_workers", mode="before")
     @classmethod

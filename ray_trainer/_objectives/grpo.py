@@ -63,7 +63,7 @@ ROLLOUT_TIMINGS = (
     "sync/bytes",
     "rollout/logprob_diff",
 )
-#: What an asynchronous run (``grpo.max_staleness`` >= 1) logs besides: the rollout requests
+#: What an asynchronous run (``max_staleness`` >= 1) logs besides: the rollout requests
 #: in flight after the step's (its queue depth, in steps), the age of the trained completions
 #: (the trainer's version minus the one that sampled each), the completions dropped as too old,
 #: the trainer's wait for its rollout and the generation hidden behind the previous step.
@@ -131,11 +131,6 @@ class GrpoConfig(BaseModel):
             ratio outside them, ``*_truncate`` modes clamp it.
         sync_every: the trainer's weights reach the rollout engines every this many
             optimizer steps (1: before every rollout, on-policy; ours, not TRL's).
-        max_staleness: how many policy versions a trained completion may lag the trainer
-            (0: synchronous GRPO). With k >= 1 the rollouts of the next k steps are sampled
-            while a step trains; a completion more than k versions behind is dropped, counted
-            (``rollout/stale_dropped``) and its prompt sampled again; the engine's log-probs are
-            the old ones (TRL's ``AsyncGRPOTrainer``). Ours, as TRL's async trainer names it.
         log_completions: write sampled completions (prompt, completion, rewards, advantage) to
             ``<run>/rollouts.jsonl``; ``num_completions_to_print`` of each step (None: all).
 
@@ -165,7 +160,6 @@ class GrpoConfig(BaseModel):
     importance_sampling_cap: float | None = Field(3.0, gt=0)
     importance_sampling_min: float | None = Field(None, ge=0)
     sync_every: int = Field(1, ge=1)
-    max_staleness: int = Field(0, ge=0)
     log_completions: bool = False
     num_completions_to_print: int | None = Field(None, gt=0)
 
@@ -181,7 +175,6 @@ class GrpoConfig(BaseModel):
         "top_k",
         "num_iterations",
         "sync_every",
-        "max_staleness",
         mode="before",
     )
     @classmethod
@@ -205,12 +198,6 @@ class GrpoConfig(BaseModel):
                 f"importance_sampling={self.importance_sampling!r} clamps the ratio to "
                 "[importance_sampling_min, importance_sampling_cap], and both are None; set "
                 "importance_sampling_cap (TRL's default is 3.0)"
-            )
-        if self.max_staleness and self.num_iterations > 1:
-            raise ValueError(
-                f"grpo.max_staleness={self.max_staleness} with grpo.num_iterations="
-                f"{self.num_iterations}: asynchronous rollouts take one optimizer step per "
-                "rollout; set num_iterations=1, or max_staleness=0 (synchronous)"
             )
         return self
 
@@ -316,6 +303,12 @@ def check_args(args: Any) -> None:
             "group is not built for GRPO yet; give a fixed number of workers"
         )
     config = config_of(args)
+    if args.max_staleness and config.num_iterations > 1:
+        raise ValueError(
+            f"max_staleness={args.max_staleness} with grpo.num_iterations="
+            f"{config.num_iterations}: asynchronous rollouts take one optimizer step per "
+            "rollout; set grpo.num_iterations=1, or max_staleness=0 (synchronous)"
+        )
     if config.beta > 0 and args.strategy == "fsdp" and args.lora is None:
         raise ValueError(
             f"grpo.beta={config.beta} with strategy='fsdp' and no LoRA: the KL's reference "
@@ -351,7 +344,7 @@ def run_metrics(args: Any) -> tuple[str, ...]:
 
     per_fn = [f"rewards/{f.name}/{m}" for f in resolve_reward_fns(args.reward_fns)
               for m in ("mean", "std")]  # fmt: skip
-    more = ASYNC_METRICS if config_of(args).max_staleness else ()
+    more = ASYNC_METRICS if args.max_staleness else ()
     return (*GRPO.metrics, *per_fn, "rollout/engine_restarts", *more)
 
 
@@ -377,6 +370,7 @@ GRPO = Objective(
         "rollout_backend",
         "rollout_resources",
         "rollout_workers",
+        "max_staleness",
     ),
     check=check_args,
     needs_reference=_needs_reference,

@@ -3,7 +3,7 @@
 
 One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off), the
 completions packed (``packing=True``), the reward task on a quarter CPU (``reward_resources``)
-and asynchronous rollouts (``grpo.max_staleness=1``, issue 51: a step's rollout is requested
+and asynchronous rollouts (``max_staleness=1``, issue 51: a step's rollout is requested
 while the step before trains): the engine actor is killed once (after step 1, a request in
 flight: the next sync finds it dead, restarts it and syncs again), and rank 1 is killed once
 (after step 3: the run resumes from its step-2 checkpoint, the engines of the new worker group
@@ -95,7 +95,8 @@ def run(ray_session, tmp_path_factory):
         objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo",
         reward_fns=[scored_to(str(folder))], lora=LORA, seed=SEED,
         grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True,
-              "beta": BETA, "max_staleness": 1},
+              "beta": BETA},
+        max_staleness=1,
         reward_resources={"CPU": 0.25}, rollout_backend="hf", rollout_resources={"CPU": 0.5},
         max_length=48, num_workers=2, packing=True,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,

@@ -1,13 +1,13 @@
 """Asynchronous GRPO rollouts (issue 51, section 1), their pure parts: no Ray.
 
-The worker objective's own steps (``GrpoObjective.steps`` with ``grpo.max_staleness`` k >= 1)
+The worker objective's own steps (``GrpoObjective.steps`` with ``max_staleness`` k >= 1)
 driven as the loop drives them, against an in-process engine that stamps each completion with
 the policy version it holds (a sync sets it, as ``Engines.sync`` does) and rewards scored
 in-process: the rollouts of the next steps are requested while a step trains, at most k in
 flight; a completion more than k versions old is dropped, counted and its prompt sampled again,
 so every prompt of the epoch is trained exactly once, also across a resume with requests in
 flight; the versions, ages, queue depth and drops reach the step's metrics. The refusals of
-``grpo.max_staleness`` before Ray. (The loss with the engine's log-probs as the old ones against
+``max_staleness`` before Ray (and under another objective). (The loss with the engine's log-probs as the old ones against
 TRL's is in ``test_grpo_loss.py``, beside the other TRL comparisons.)
 """
 
@@ -110,7 +110,17 @@ class _Toy(nn.Module):
         return {"logits": self.head(self.emb(input_ids))}
 
 
-def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, total=None, **grpo):
+def _run(
+    monkeypatch,
+    *,
+    rows=12,
+    per_step=2,
+    start=0,
+    session=None,
+    total=None,
+    max_staleness=1,
+    **grpo,
+):
     """The loop's part over one epoch of the objective's steps, from loader step `start`:
     returns the session (objective, engine, the rows trained and their completions' versions
     per step, the metrics per step)."""
@@ -130,7 +140,7 @@ def _run(monkeypatch, *, rows=12, per_step=2, start=0, session=None, total=None,
 
     grpo = {"num_generations": GENERATIONS, "max_completion_length": 2, **grpo}
     args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[reward],
-                               grpo=grpo, seed=3)  # fmt: skip
+                               grpo=grpo, seed=3, max_staleness=max_staleness)  # fmt: skip
     objective = GrpoObjective(args)
     dataset = PromptDataset([_Prompt(r) for r in range(rows)])
     objective.prompts = dataset
@@ -303,22 +313,24 @@ def test_split_stale_drops_whole_groups_by_prompt():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(-1, "greater than or equal to 0"), (1.5, "fractional part"), (True, "a boolean"),
-     ("two", "valid integer")],
-)  # fmt: skip
+    [(-1, "got -1"), (1.5, "got 1.5"), (True, "got True"), ("two", "got 'two'")],
+)
 def test_max_staleness_is_refused_before_ray_naming_the_field(value, expected):
-    with pytest.raises(TrainingArgsError, match=r"grpo\.max_staleness") as e:
+    with pytest.raises(TrainingArgsError, match=r"max_staleness") as e:
         TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m",
-                            reward_fns=[_zero], grpo={"max_staleness": value})  # fmt: skip
+                            reward_fns=[_zero], max_staleness=value)  # fmt: skip
     assert expected in str(e.value)
 
 
+def test_max_staleness_belongs_to_grpo_and_is_refused_under_another_objective():
+    with pytest.raises(TrainingArgsError, match=r"max_staleness set with objective='sft'"):
+        TrainingArgs.coerce(data="p.jsonl", model="m", max_staleness=1)
+
+
 def test_max_staleness_with_several_passes_is_refused_with_the_fix():
-    with pytest.raises(
-        TrainingArgsError, match=r"grpo\.max_staleness=1 with grpo\.num_iterations=2"
-    ):
+    with pytest.raises(TrainingArgsError, match=r"max_staleness=1 with grpo\.num_iterations=2"):
         TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[_zero],
-                            grpo={"max_staleness": 1, "num_iterations": 2})  # fmt: skip
+                            grpo={"num_iterations": 2}, max_staleness=1)  # fmt: skip
 
 
 def test_zero_is_the_synchronous_step_and_the_queue_refuses_it():
@@ -331,9 +343,9 @@ def test_zero_is_the_synchronous_step_and_the_queue_refuses_it():
 def test_the_queues_metrics_are_named_for_the_trackers_only_when_asynchronous():
     from ray_trainer._objectives.grpo import ASYNC_METRICS, run_metrics
 
-    def args(**grpo):
+    def args(**fields):
         return TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m",
-                                   reward_fns=[_zero], grpo=grpo)  # fmt: skip
+                                   reward_fns=[_zero], **fields)  # fmt: skip
 
     assert set(ASYNC_METRICS) <= set(run_metrics(args(max_staleness=2)))
     assert not set(ASYNC_METRICS) & set(run_metrics(args()))

@@ -602,7 +602,7 @@ def test_packed_completions_give_the_padded_loss_and_gradient_for_any_split(tiny
             assert p_metrics[name] == pytest.approx(metrics[name], abs=1e-6), (sizes, name)
 
 
-# -- asynchronous rollouts (grpo.max_staleness >= 1, issue 51) ------------------------------------
+# -- asynchronous rollouts (max_staleness >= 1, issue 51) ----- ------------------------------------
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -639,10 +639,10 @@ def test_an_asynchronous_step_takes_the_engines_log_probs_as_old_ones_as_trl(tin
     def reward(prompts, completions, completion_ids, **kwargs):
         return [0.0] * len(completions)
 
-    grpo = dict(num_generations=2, max_completion_length=MAX_COMPLETION, max_staleness=1,
+    grpo = dict(num_generations=2, max_completion_length=MAX_COMPLETION,
                 temperature=TEMPERATURE, epsilon_high=0.28)  # fmt: skip
     args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[reward],
-                               grpo=grpo)  # fmt: skip
+                               grpo=grpo, max_staleness=1)  # fmt: skip
     objective = GrpoObjective(args)
     assert objective.config.importance_sampling == "sequence_mask"  # on by default
     policy.train()

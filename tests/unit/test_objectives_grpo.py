@@ -41,9 +41,6 @@ def test_every_setting_has_trls_default():
         if name == "sync_every":  # ours: TRL syncs before every generation
             assert ours.sync_every == 1
             continue
-        if name == "max_staleness":  # ours, as TRL's AsyncGRPOConfig names it: 0 synchronous
-            assert ours.max_staleness == 0 and "max_staleness" not in trl
-            continue
         assert getattr(ours, name) == trl[TRL_NAMES.get(name, name)], name
     assert trl["vllm_importance_sampling_correction"] is True  # ours: a mode, None is off
     assert (ours.epsilon_low, ours.upper_epsilon) == (0.2, 0.2)
@@ -97,7 +94,7 @@ def test_grpo_is_registered_and_owns_its_fields():
     assert GRPO.name == "grpo" and GRPO.takes("prompts") and not GRPO.takes("messages")
     assert GRPO.fields == (
         "grpo", "reward_fns", "reward_weights", "reward_resources", "rollout_backend",
-        "rollout_resources", "rollout_workers",
+        "rollout_resources", "rollout_workers", "max_staleness",
     ) and not GRPO.needs_reference(None)  # fmt: skip
     assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS)
     for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",

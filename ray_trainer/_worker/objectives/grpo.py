@@ -15,7 +15,7 @@ into its micro-batches, one step at a time, on every rank:
    never spans ranks; ``scale_rewards="batch"`` agrees the batch's std over the ranks);
 4. one micro-batch of completions per micro-batch of prompts (``grpo_batch.py``).
 
-With ``grpo.max_staleness`` k >= 1 the rollouts (and their rewards) of the next k steps are
+With ``max_staleness`` k >= 1 the rollouts (and their rewards) of the next k steps are
 requested while a step trains, and a step takes its own from the rank's queue, keeping the
 completions at most k versions old (``grpo_async.py``); the loss then takes the engine's
 log-probs as the old ones.
@@ -117,7 +117,7 @@ class GrpoObjective(WorkerObjective):
         self._micro = 0  # the micro-batch of the pass in progress
         self._old: list[torch.Tensor] = []  # per micro-batch, the first pass's log-probs
         #: ``max_staleness`` k >= 1: this rank's rollout requests in flight (None: synchronous).
-        k = self.config.max_staleness
+        k = self.args.max_staleness
         self.queue: RolloutQueue | None = RolloutQueue(k) if k else None
 
     # ---- the workload ------------------------------------------------------------------
@@ -195,7 +195,7 @@ class GrpoObjective(WorkerObjective):
         """``max_staleness`` k >= 1: the loader read k steps ahead, whose rollouts are requested
         while each step trains (``grpo_async.py``); the queue drains at the epoch's end."""
         ahead: deque[list[MicroBatch]] = deque()
-        k = self.config.max_staleness
+        k = self.args.max_staleness
         self.queue.clear()  # a new epoch (or start): nothing requested for its steps yet
         for prompts in steps:
             ahead.append(prompts)
@@ -456,7 +456,7 @@ class GrpoObjective(WorkerObjective):
         restarts = self.engines.restarts if self.engines is not None else 0
         return step_metrics(
             list(sums), self._agreed_maxima.popleft(), [f.name for f in self.fns], self.config,
-            restarts,
+            restarts, asynchronous=self.queue is not None,
         )  # fmt: skip
 
     # ---- sampled completions -----------------------------------------------------------

@@ -1,6 +1,6 @@
 """Training worker: asynchronous GRPO rollouts, requested ahead and taken within a staleness bound.
 
-Runs in each training worker, for ``grpo.max_staleness`` k >= 1 (k = 0 is the synchronous step
+Runs in each training worker, for ``max_staleness`` k >= 1 (k = 0 is the synchronous step
 and never comes here). Each rank keeps its own :class:`RolloutQueue`: the rollout requests it
 sent its engine for the loader's next steps, oldest first, at most k of them while a step trains
 (with the step's own, k + 1 steps of rollouts held: memory does not grow with the run). A step:
@@ -133,7 +133,7 @@ class RolloutQueue:
 
     def __init__(self, max_staleness: int, clock: Callable[[], float] = time.time) -> None:
         if max_staleness < 1:
-            raise ValueError(f"a rollout queue needs grpo.max_staleness >= 1, got {max_staleness}")
+            raise ValueError(f"a rollout queue needs max_staleness >= 1, got {max_staleness}")
         self.max_staleness = max_staleness
         self.clock = clock
         self.requests: deque[Request] = deque()

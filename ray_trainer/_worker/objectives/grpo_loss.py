@@ -125,7 +125,7 @@ def _per_sequence(values: torch.Tensor, sequence: torch.Tensor, n: int) -> torch
 
 
 def engine_old_logps(sampling_logps: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
-    """The old log-probs of an asynchronous step (``grpo.max_staleness`` >= 1): the engine's
+    """The old log-probs of an asynchronous step (``max_staleness`` >= 1): the engine's
     own (``sampling_logps``, of the policy version that sampled each completion), as TRL's
     ``AsyncGRPOTrainer`` takes them, so the clipped ratio ``exp(logps - old)`` corrects for
     the completions' staleness; a token the engine gave no log-prob for (NaN) takes the

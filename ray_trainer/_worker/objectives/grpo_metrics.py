@@ -34,7 +34,7 @@ MAXIMA = (
     "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
     "sync/bytes", "rollout/logprob_diff",
 )  # fmt: skip
-#: Asynchronous (``grpo.max_staleness`` >= 1): after the per-function sums, these sums ...
+#: Asynchronous (``max_staleness`` >= 1): after the per-function sums, these sums ...
 ASYNC_SUMS = ("rollout/stale_dropped", "age_sum")
 #: ... and after :data:`MAXIMA`, these extremes (MAX over the ranks; a min as a negated max).
 ASYNC_MAXIMA = (
@@ -94,10 +94,12 @@ def step_metrics(
     functions: Sequence[str],
     config: Any,
     restarts: int = 0,
+    asynchronous: bool = False,
 ) -> dict[str, float]:
     """The step's metrics, with TRL's names, from its sums over the ranks (the loss's 7, then
     :data:`ROLLOUT_SUMS`, then 3 per reward function) and its extremes (the loss's 2, then
-    :data:`MAXIMA`); `restarts`: rollout engines started again so far."""
+    :data:`MAXIMA`); `restarts`: rollout engines started again so far; `asynchronous`
+    (``max_staleness`` >= 1): the queue's sums and extremes follow."""
     out = metrics_from_sums(
         list(values[:7]), list(extremes[:2]), beta=config.beta,
         importance_sampling_level=config.importance_sampling_level,
@@ -129,7 +131,7 @@ def step_metrics(
             out[name] = mx[name]
     if restarts:
         out["rollout/engine_restarts"] = float(restarts)
-    if config.max_staleness:
+    if asynchronous:
         out.update(
             _async_metrics(values[at + 3 * len(functions) :], extremes[2 + len(MAXIMA) :], n)
         )
