@@ -237,6 +237,41 @@ PANELS: tuple[Panel, ...] = (
         (Series("logprob diff", _gauge("rollout_logprob_diff"), "rollout/logprob_diff"),),
         row=RL_ROW,
     ),
+    Panel(
+        "Rollout queue (asynchronous)",
+        "none",
+        "GRPO with max_staleness >= 1: the rollout requests still in flight after each step "
+        "(its slowest worker's queue, in steps), and the completions dropped as more than "
+        "max_staleness versions old (their prompts sampled again).",
+        (
+            Series("queue depth", _gauge("rollout_queue_depth"), "rollout/queue_depth"),
+            Series("stale dropped", _gauge("rollout_stale_dropped"), "rollout/stale_dropped"),
+        ),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Completion age (asynchronous)",
+        "none",
+        "GRPO with max_staleness >= 1: how many policy versions the step's trained completions "
+        "lag the trainer (least, mean, most; at most max_staleness).",
+        (
+            Series("age min", _gauge("rollout_age_min"), "rollout/age_min"),
+            Series("age mean", _gauge("rollout_age_mean"), "rollout/age_mean"),
+            Series("age max", _gauge("rollout_age_max"), "rollout/age_max"),
+        ),
+        row=RL_ROW,
+    ),
+    Panel(
+        "Trainer wait and hidden generation (asynchronous)",
+        "s",
+        "GRPO with max_staleness >= 1: the seconds the trainer waited for the step's rollout, "
+        "and the seconds of its generation that ran while the step before trained.",
+        (
+            Series("wait", _gauge("rollout_wait_seconds"), "rollout/wait_seconds"),
+            Series("hidden", _gauge("rollout_overlap_seconds"), "rollout/overlap_seconds"),
+        ),
+        row=RL_ROW,
+    ),
 )
 
 

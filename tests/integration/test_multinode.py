@@ -428,7 +428,8 @@ GRPO_RUN, GRPO_STEPS = "grpo-multinode", 3
 def grpo_job(cluster, chat):
     """`ray-trainer submit --wait` of a GRPO run whose prompts are in a file only the head sees:
     one training worker that takes a whole worker node (2 CPUs), so its rollout engine (1 CPU)
-    and its reward tasks go to the other one; `RayMetrics` on, a real Prometheus scraping the
+    and its reward tasks go to the other one; rollouts asynchronous (``max_staleness=1``: the
+    next step's sampled on that node while a step trains); `RayMetrics` on, a real Prometheus scraping the
     cluster, and the run held at its last step while every panel of the dashboard's RL row is
     asked through Prometheus for the run's series."""
     root = chat["root"]
@@ -447,6 +448,7 @@ def grpo_job(cluster, chat):
         "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
         "rollout_backend": "hf",
         "rollout_resources": {"CPU": 1},
+        "max_staleness": 1,  # asynchronous: the RL row's queue panels get the run's series
         "resources_per_worker": {"CPU": 2},
         "num_workers": 1,
         "batch_size": 2,
@@ -536,6 +538,10 @@ def test_a_submitted_grpo_job_samples_on_another_node_than_its_worker(grpo_job):
     for r in logs:  # the adapter synced each step; the engine's probe agrees (fp32)
         assert 0.0 <= r["reward"] <= 1.0 and r["sync/bytes"] > 0, r
         assert r["rollout/logprob_diff"] < 1e-5 and r["kl"] >= 0.0, r
+        # Asynchronous (max_staleness=1) across nodes: each step's completions are at most one
+        # version old, the first step's sampled by its own policy.
+        assert r["rollout/age_max"] <= 1 and r["rollout/stale_dropped"] == 0, r
+    assert logs[0]["rollout/age_max"] == 0 and max(r["rollout/age_max"] for r in logs) == 1
 
 
 def test_every_panel_of_the_rl_row_shows_the_grpo_run_from_a_real_prometheus(grpo_job):

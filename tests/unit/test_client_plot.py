@@ -106,7 +106,8 @@ def test_frames_titled_as_the_panels_with_the_evaluation_panel_repeated():
 
 
 def grpo_records():
-    """A GRPO run's logs: TRL's metric names, two reward functions, no KL (beta 0)."""
+    """An asynchronous GRPO run's logs: TRL's metric names, two reward functions, no KL (beta
+    0), the rollout queue's."""
     return [
         {"event": "on_log", "step": step, "time": 1_767_225_600.0 + step, "loss": 0.01,
          "learning_rate": 1e-3, "reward": 0.2 + step / 100, "reward_std": 0.3,
@@ -114,7 +115,9 @@ def grpo_records():
          "rewards/brevity/mean": 0.2, "rewards/brevity/std": 0.1,
          "completions/mean_length": 7.5, "completions/clipped_ratio": 0.25,
          "rollout/tokens_per_s": 300.0, "rollout/seconds": 0.4, "reward/seconds": 0.05,
-         "sync/seconds": 0.1, "rollout/logprob_diff": 0.0}
+         "sync/seconds": 0.1, "rollout/logprob_diff": 0.0, "rollout/queue_depth": 1.0,
+         "rollout/stale_dropped": 0.0, "rollout/age_min": 1.0, "rollout/age_mean": 1.0,
+         "rollout/age_max": 1.0, "rollout/wait_seconds": 0.01, "rollout/overlap_seconds": 0.3}
         for step in (1, 2, 3)
     ]  # fmt: skip
 

@@ -25,11 +25,12 @@ def brevity(prompts, completions, completion_ids, **kwargs):
 
 
 def _grpo_log() -> dict:
-    """The args and the batch_metrics of a GRPO run's log (every metric it names, a value)."""
+    """The args and the batch_metrics of a GRPO run's log (every metric it names, a value;
+    asynchronous: the queue's too)."""
     from ray_trainer import TrainingArgs
 
     args = TrainingArgs(
-        model="m", data="d.jsonl", objective="grpo", reward_fns=[exact, brevity]
+        model="m", data="d.jsonl", objective="grpo", reward_fns=[exact, brevity], max_staleness=1
     ).to_public_dict()
     return {"args": args, "batch_metrics": dict.fromkeys(args["objective_metrics"], 0.5)}
 
