@@ -1,6 +1,6 @@
 """pytest plugin (both tiers, loaded by ``-p capability_times`` in pyproject.toml): after the
 run, the seconds each capability's tests took, so that a CI log shows what a capability costs
-(issue 50's and 51's budgets: "CI grows by at most 3 minutes").
+(GRPO's budget, and its asynchronous mode's: "CI grows by at most 3 minutes").
 
 A test belongs to every capability whose pattern its node id matches (a module, a fixture's
 test or a parameter). The seconds are its setup, call and teardown summed; a session fixture's
