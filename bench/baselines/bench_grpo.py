@@ -212,6 +212,7 @@ class GrpoClock(TrainerCallback):
                     "phases": self.phases,
                     "tree": self.tree,
                     "rewards": [m.get("reward") for m in self.logged],
+                    "logged": self.logged,
                     "torch_threads": torch.get_num_threads(),
                 },
                 f,
