@@ -150,4 +150,4 @@ def test_run_all_normalises_the_report_and_reads_both_goals():
     one_seed = {k: v for k, v in _samples(async_steps=1.2).items() if "@43" not in k}
     speed, reward = run_all.async_rl_goals(run_all.normalise("async_rl",
                                                              summarise(one_seed, _opts())))  # fmt: skip
-    assert speed[3] is False and reward[2:] == ("(no seed spread)", False)
+    assert speed[3] is False and reward[2:] == ("a seed spread", False)
