@@ -343,7 +343,7 @@ BENCHES: dict[str, Bench] = {
         "staleness 2 and two engines are reported, without a target",
         goals=async_rl_goals,
         shares_ray=True,
-        smoke_s=60,
+        smoke_s=70,
     ),
     "memory": Bench(
         "memory/bench_memory.py",
