@@ -171,8 +171,8 @@ def tree_cpu(before: dict[str, list], after: dict[str, list]) -> dict[str, float
 class GrpoClock(TrainerCallback):
     """Every rank, in the training worker: each step's begin time and CPU time, at the begin of
     the steps `tree_at` the CPU-seconds of every Ray process (`ray_processes`), and from its
-    log (`log_every_steps=1`) the step's completion tokens and rollout, reward and sync seconds;
-    written to `path` (one file per rank) at the end."""
+    log (`log_every_steps=1`) the step's completion tokens and rollout, reward and sync seconds,
+    and every number it logged (`logged`); written to `path` (one file per rank) at the end."""
 
     runs_on = "all_ranks"
 
@@ -212,6 +212,7 @@ class GrpoClock(TrainerCallback):
                     "phases": self.phases,
                     "tree": self.tree,
                     "rewards": [m.get("reward") for m in self.logged],
+                    "logged": self.logged,
                     "torch_threads": torch.get_num_threads(),
                 },
                 f,

@@ -84,6 +84,7 @@ def _shapes() -> dict[str, dict]:
     }
     shapes["host_step"] = _host_step_report()
     shapes["grpo"] = _grpo_report()
+    shapes["async_rl"] = _async_rl_report()
     return shapes
 
 
@@ -118,6 +119,24 @@ def _grpo_report() -> dict:
     opts = argparse.Namespace(prompts=8, batch_prompts=2, generations=2, completion_length=4,
                               steps=3, skip=1, hidden_size=32, layers=1, threads=1, rounds=1)  # fmt: skip
     return bench_grpo.summarise(rows, opts)
+
+
+def _async_rl_report() -> dict:
+    """bench_async_rl.py's report, from its own `summarise` of the smoke run's two settings."""
+    import argparse
+
+    import bench_async_rl
+
+    def run(steps_per_s: float, reward: float) -> dict:
+        return {"steps_per_s": steps_per_s, "step_s": 1 / steps_per_s, "cpu_per_step": 0.1,
+                "reward": reward, "stale_dropped": 0.0,
+                "timings": dict.fromkeys(bench_async_rl.TIMINGS, 0.01)}  # fmt: skip
+
+    opts = argparse.Namespace(prompts=8, batch_prompts=2, generations=2, completion_length=4,
+                              steps=3, skip=1, reward_step=3, reward_window=1, hidden_size=32,
+                              layers=1, threads=1, rounds=1, learning_rate=1e-5)  # fmt: skip
+    return bench_async_rl.summarise({"1x0@42": [run(10.0, 0.8)], "1x1@42": [run(12.0, 0.8)]},
+                                    opts)  # fmt: skip
 
 
 def test_host_step_ratio_is_the_runners_cpu_time_over_the_bare_loops():
