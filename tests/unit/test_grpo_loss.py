@@ -492,23 +492,9 @@ def test_a_second_pass_takes_the_first_passs_log_probs_as_old_ones_as_trl(tiny, 
     loss, metrics, grads, weights = passes[1]
     trainer = trl_trainer
     trainer.model.load_state_dict(weights)
-    trainer.model.zero_grad(set_to_none=True)
-    trainer._metrics["train"].clear()
-    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = "dapo", 0.0, "token"
-    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
-    trainer.use_vllm = trainer.vllm_importance_sampling_correction = False
-    theirs = {k: v for k, v in inputs.items() if k != "full_mask"}
-    theirs["old_per_token_logps"] = old_padded
-    trainer.model.train()
-    trl_loss = trainer._compute_loss(trainer.model, theirs)
-    trl_loss.backward()
-    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    assert loss == pytest.approx(trl_loss.item(), abs=1e-5)
-    for name, value in trl_metrics.items():
-        if math.isnan(value):
-            assert math.isnan(metrics[name]), name
-        else:
-            assert metrics[name] == pytest.approx(value, abs=1e-5), name
+    trl_loss, trl_metrics = _trl_dapo_loss(trainer, inputs, old_padded)
+    assert loss == pytest.approx(trl_loss, abs=1e-5)
+    _assert_same_metrics(metrics, trl_metrics)
     assert metrics["clip_ratio/region_mean"] > 0  # the ratio moved, and clipping bites
     for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
@@ -657,31 +643,45 @@ def test_an_asynchronous_step_takes_the_engines_log_probs_as_old_ones_as_trl(tin
     # (sequence_mask: exp of the completion's summed old - sampling, zeroed above the cap).
     trainer = trl_trainer
     trainer.model.load_state_dict(policy.state_dict())
-    trainer.model.zero_grad(set_to_none=True)
-    trainer._metrics["train"].clear()
-    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = "dapo", 0.0, "token"
-    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
-    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     mask = inputs["completion_mask"]
     old = torch.where(mask.bool(), sampling, torch.zeros_like(sampling))
     seq_ratio = torch.exp(((old - sampling) * mask).sum(-1, keepdim=True))
     is_ratio = seq_ratio.masked_fill(seq_ratio > 3.0, 0.0).expand_as(sampling)
     assert torch.equal(is_ratio, torch.ones_like(is_ratio))  # nothing left to correct
-    theirs = {k: v for k, v in inputs.items() if k != "full_mask"}
-    theirs["old_per_token_logps"] = sampling
-    theirs["importance_sampling_ratio"] = is_ratio
-    trainer.model.train()
-    trl_loss = trainer._compute_loss(trainer.model, theirs)
-    trl_loss.backward()
-    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    assert loss == pytest.approx(trl_loss.item(), abs=1e-5)
-    for name, value in trl_metrics.items():
-        if math.isnan(value):
-            assert math.isnan(metrics[name]), name
-        else:
-            assert metrics[name] == pytest.approx(value, abs=1e-5), name
+    trl_loss, trl_metrics = _trl_dapo_loss(trainer, inputs, sampling, is_ratio)
+    assert loss == pytest.approx(trl_loss, abs=1e-5)
+    _assert_same_metrics(metrics, trl_metrics)
     assert metrics["clip_ratio/region_mean"] > 0  # the stale ratio moved away from 1 and clips
     theirs_grads = dict(trainer.model.named_parameters())
     for name, p in policy.named_parameters():
         torch.testing.assert_close(p.grad / micro.targets, theirs_grads[name].grad, atol=1e-5,
                                    rtol=1e-4, msg=name)  # fmt: skip
+
+
+def _trl_dapo_loss(trainer, inputs, old_logps, importance_ratio=None):
+    """TRL's `_compute_loss` (dapo, beta 0, token level, epsilon 0.2 / 0.28) of `inputs` with
+    these old log-probs, and with `importance_ratio` its vLLM importance-sampling correction:
+    its loss (backpropagated into the trainer's model) and the metrics it logged."""
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    trainer.loss_type, trainer.beta, trainer.importance_sampling_level = "dapo", 0.0, "token"
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
+    corrected = importance_ratio is not None
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = corrected
+    theirs = {k: v for k, v in inputs.items() if k != "full_mask"}
+    theirs["old_per_token_logps"] = old_logps
+    if corrected:
+        theirs["importance_sampling_ratio"] = importance_ratio
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, theirs)
+    loss.backward()
+    return loss.item(), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def _assert_same_metrics(ours, theirs):
+    """Every metric TRL logged, ours within 1e-5 (NaN where TRL's is NaN)."""
+    for name, value in theirs.items():
+        if math.isnan(value):
+            assert math.isnan(ours[name]), name
+        else:
+            assert ours[name] == pytest.approx(value, abs=1e-5), name
