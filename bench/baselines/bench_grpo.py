@@ -82,6 +82,20 @@ def prompt_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+def write_inputs(work: str, opts: Any) -> tuple[str, str]:
+    """The tiny chat model (`opts.hidden_size`, `opts.layers`) and `opts.prompts` prompt-only
+    records, written into `work`: their paths."""
+    from ray_trainer._demo.chat import make_tiny_chat_model
+
+    model = str(make_tiny_chat_model(os.path.join(work, "model"), hidden_size=opts.hidden_size,
+                                     num_layers=opts.layers))  # fmt: skip
+    data = os.path.join(work, "prompts.jsonl")
+    with open(data, "w") as f:
+        for record in prompt_records(opts.prompts):
+            f.write(json.dumps(record) + "\n")
+    return model, data
+
+
 def letters_share(prompts, completions, completion_ids, **kwargs) -> list[float]:
     """The reward of both sides (TRL's signature): the share of a completion's characters that
     are letters or spaces, so that the rewards of a group differ (never all equal)."""
@@ -382,15 +396,7 @@ def main() -> dict:
     # The training worker and the rollout engine, a CPU or `threads` each, and the reward task.
     init_ray(num_cpus=max(3, 2 * opts.threads + 1))
     try:  # the model, data and storage: removed at the end (the figures are in the report)
-        from ray_trainer._demo.chat import make_tiny_chat_model
-
-        model = str(make_tiny_chat_model(os.path.join(work, "model"),
-                                         hidden_size=opts.hidden_size,
-                                         num_layers=opts.layers))  # fmt: skip
-        data = os.path.join(work, "prompts.jsonl")
-        with open(data, "w") as f:
-            for record in prompt_records(opts.prompts):
-                f.write(json.dumps(record) + "\n")
+        model, data = write_inputs(work, opts)
         storage = os.path.join(work, "storage")
         rows: dict[str, list[dict]] = {side: [] for side in SIDES}
         for r in range(opts.rounds):

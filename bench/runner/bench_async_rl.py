@@ -54,7 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
 import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
-from bench_grpo import GrpoClock, prompt_records, runner_fields, step_figures  # noqa: E402
+from bench_grpo import GrpoClock, runner_fields, step_figures, write_inputs  # noqa: E402
 
 #: The target: one engine at staleness 1 against the synchronous one-engine steps/s.
 TARGET = 1.4
@@ -198,15 +198,7 @@ def main() -> dict:
     # Each setting's workers and engines, `threads` CPUs each, and the reward task.
     init_ray(num_cpus=2 * most * opts.threads + 1)
     try:  # the model, data and storage: removed at the end (the figures are in the report)
-        from ray_trainer._demo.chat import make_tiny_chat_model
-
-        model = str(make_tiny_chat_model(os.path.join(work, "model"),
-                                         hidden_size=opts.hidden_size,
-                                         num_layers=opts.layers))  # fmt: skip
-        data = os.path.join(work, "prompts.jsonl")
-        with open(data, "w") as f:
-            for record in prompt_records(opts.prompts):
-                f.write(json.dumps(record) + "\n")
+        model, data = write_inputs(work, opts)
         storage = os.path.join(work, "storage")
         samples: dict[str, list[dict]] = {}
         for r in range(opts.rounds):
