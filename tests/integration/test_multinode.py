@@ -242,10 +242,34 @@ def _job_config(chat, workdir, ranks, hold) -> str:
             "callbacks:JsonlLogger",
         ],
     }
-    config = workdir / "multinode.yaml"
+    return _job_files(workdir, "multinode.yaml", fields)
+
+
+def _submit_waiting(cluster: LocalCluster, config: str, workdir):
+    """`ray-trainer submit CONFIG --working-dir WORKDIR --wait` from `workdir` (as a user submits
+    from their project: its callbacks import there too): the process, the list its output lines
+    go to, and the thread that reads them (started)."""
+    submit = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "ray_trainer.cli", "submit", config),
+            *("--address", cluster.dashboard_url, "--working-dir", str(workdir), "--wait"),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env(),
+        cwd=workdir,
+    )  # fmt: skip
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(submit.stdout), daemon=True)
+    reader.start()
+    return submit, output, reader
+
+
+def _job_files(workdir, name: str, fields: dict) -> str:
+    """A submitted job's working folder: its config `name` (YAML of `fields`), the job's own
+    module and what it imports; the config's path."""
+    config = workdir / name
     config.write_text(yaml.safe_dump(fields))
-    for name in ("multinode_job.py", "waiting.py"):  # the job's own module, and what it imports
-        shutil.copy(os.path.join(SUPPORT, name), workdir / name)
+    for module in ("multinode_job.py", "waiting.py"):
+        shutil.copy(os.path.join(SUPPORT, module), workdir / module)
     return str(config)
 
 
@@ -279,20 +303,7 @@ def submitted(cluster, chat):
     config = _job_config(chat, workdir, ranks, hold)
     metrics = _MetricsWatcher(cluster.metrics_url, RUN)
     metrics.start()
-    submit = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "ray_trainer.cli", "submit", config),
-            *("--address", cluster.dashboard_url, "--working-dir", str(workdir), "--wait"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=cluster.env(),
-        cwd=workdir,  # as a user submits from their project: its callbacks import here too
-    )
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(submit.stdout), daemon=True)
-    reader.start()
+    submit, output, reader = _submit_waiting(cluster, config, workdir)
 
     def ended() -> bool:
         return submit.poll() is not None
@@ -465,23 +476,10 @@ def grpo_job(cluster, chat):
             "callbacks:JsonlLogger",
         ],
     }
-    config = workdir / "grpo.yaml"
-    config.write_text(yaml.safe_dump(fields))
-    for name in ("multinode_job.py", "waiting.py"):
-        shutil.copy(os.path.join(SUPPORT, name), workdir / name)
+    config = _job_files(workdir, "grpo.yaml", fields)
     (root / "prometheus").mkdir()
     prometheus = Prometheus(prometheus_binary(), cluster, str(root / "prometheus"))
-    submit = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "ray_trainer.cli", "submit", str(config)),
-            *("--address", cluster.dashboard_url, "--working-dir", str(workdir), "--wait"),
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env(),
-        cwd=workdir,
-    )  # fmt: skip
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(submit.stdout), daemon=True)
-    reader.start()
+    submit, output, reader = _submit_waiting(cluster, config, workdir)
     queries = [
         (f"{panel.title} / {series.legend}", substitute(series.expr, GRPO_RUN, None))
         for panel in PANELS
