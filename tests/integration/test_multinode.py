@@ -460,6 +460,10 @@ def grpo_job(cluster, chat):
         "rollout_backend": "hf",
         "rollout_resources": {"CPU": 1},
         "max_staleness": 1,  # asynchronous: the RL row's queue panels get the run's series
+        # Rank 0 sends its buffered events at a push or at a step's all-reduce once the oldest
+        # is this old: asynchronous steps are shorter than the default 0.25 s, and the run is
+        # held at its last step's end, so step 2's log would wait in the buffer through the hold.
+        "event_flush_interval_s": 0.001,
         "resources_per_worker": {"CPU": 2},
         "num_workers": 1,
         "batch_size": 2,
@@ -487,6 +491,7 @@ def grpo_job(cluster, chat):
         for series in panel.series
     ]
     empty: list[str] = [what for what, _ in queries]
+    seen: dict[str, object] = {"held": False}  # what Prometheus had, for a failure's message
     try:
         with contextlib.suppress(AssertionError):  # judged below, with the job's output
             wait_until(
@@ -507,6 +512,9 @@ def grpo_job(cluster, chat):
 
             with contextlib.suppress(AssertionError):  # judged by the test
                 wait_until(every_rl_panel_has_the_run, 60, "the RL row's series", interval=1)
+            if empty:
+                seen.update(held=True, up=prometheus.query("up"), names=prometheus.query(
+                    'count by (__name__, run) ({__name__=~"ray_trainer_.+"})'))  # fmt: skip
             (hold / "release").write_text("go")
         with contextlib.suppress(AssertionError):
             wait_until(lambda: submit.poll() is not None, JOB_TIMEOUT_S, "the GRPO job to end")
@@ -522,7 +530,7 @@ def grpo_job(cluster, chat):
     ]
     placement = json.loads((where / "engines.json").read_text())
     return {"out": out, "logged": logged, "placement": placement, "queries": queries,
-            "empty": empty}  # fmt: skip
+            "empty": empty, "seen": seen}  # fmt: skip
 
 
 def test_a_submitted_grpo_job_samples_on_another_node_than_its_worker(grpo_job):
@@ -544,7 +552,10 @@ def test_a_submitted_grpo_job_samples_on_another_node_than_its_worker(grpo_job):
 
 def test_every_panel_of_the_rl_row_shows_the_grpo_run_from_a_real_prometheus(grpo_job):
     assert grpo_job["queries"], "the dashboard has no RL row"
-    assert not grpo_job["empty"], f"RL panels without a series for {GRPO_RUN}: {grpo_job['empty']}"
+    assert not grpo_job["empty"], (
+        f"RL panels without a series for {GRPO_RUN}: {grpo_job['empty']}; "
+        f"Prometheus had: {grpo_job['seen']}"
+    )
 
 
 # ---- storage that a node cannot see -------------------------------------------------------
