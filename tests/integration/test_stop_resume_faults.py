@@ -1,4 +1,8 @@
-"""Stop requests, continuing a run, and a worker crash with restart (real Ray, 2 workers)."""
+"""Stop requests, continuing a run, and a worker crash with restart (real Ray, 2 workers).
+
+Two calls of one run: the first is stopped at step 4 by a callback's request; the second
+continues it and rank 1 is killed at step 7, so the group restarts from the checkpoint of step
+6 and ends at 9. (The crash was a run of its own; issue 47.)"""
 
 from __future__ import annotations
 
@@ -54,8 +58,11 @@ def stopped_then_continued(ray_session, tmp_path_factory):
         **_args(
             storage,
             second_dir,
+            [KillRank1Once(7)],  # the restart resumes from step 6's checkpoint
             data=tiny_data_4_steps_per_epoch,
-            max_steps=7,
+            max_steps=9,
+            save_every_steps=2,
+            max_failures=1,
             run_name="stop-continue",
         )
     )
@@ -92,19 +99,17 @@ def test_stop_saves_a_final_checkpoint(stopped_then_continued):
 
 
 def test_new_call_continues_from_the_checkpoint(stopped_then_continued):
-    first, second, _, records, storage = stopped_then_continued
-    assert second.global_step == 7 and not second.stopped_early
-    loads = [r for r in records if r["event"] == "on_load_checkpoint"]
+    first, second, _, records, _ = stopped_then_continued
+    assert second.global_step == 9 and not second.stopped_early
+    loads = [r for r in records if r["event"] == "on_load_checkpoint" and r["attempt"] == 0]
     assert {r["rank"] for r in loads} == {0, 1}
     assert all(r["checkpoint_path"] == first.checkpoint_path and r["step"] == 4 for r in loads)
-    steps = [r["step"] for r in records if r["rank"] == 0 and r["event"] == "on_step_end"]
-    assert steps == [5, 6, 7]
-    # StepCounter's state and user_state came back from the checkpoint on both ranks.
-    counts = [c for c in read_records(storage, "counter") if c["global_step"] == 7]
-    assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [
-        (0, 7, 7),
-        (1, 7, 7),
+    steps = [
+        r["step"]
+        for r in records
+        if r["rank"] == 0 and r["event"] == "on_step_end" and r["attempt"] == 0
     ]
+    assert steps == [5, 6, 7]
 
 
 def test_resuming_at_an_epoch_boundary_starts_the_next_epoch(stopped_then_continued):
@@ -115,43 +120,31 @@ def test_resuming_at_an_epoch_boundary_starts_the_next_epoch(stopped_then_contin
         epochs = [
             (r["event"], r["step"], r["epoch"])
             for r in records
-            if r["rank"] == rank and r["event"] in ("on_epoch_begin", "on_epoch_end")
+            if r["rank"] == rank
+            and r["attempt"] == 0
+            and r["event"] in ("on_epoch_begin", "on_epoch_end")
         ]
         assert epochs == [("on_epoch_begin", 4, 1)], f"rank {rank}"
 
 
-def test_worker_crash_restarts_from_latest_checkpoint(ray_session, tmp_path):
-    from ray_trainer import run_training
-
-    storage, folder = str(tmp_path / "storage"), str(tmp_path / "records")
-    result = run_training(
-        **_args(
-            storage,
-            folder,
-            [KillRank1Once(3)],
-            max_steps=6,
-            save_every_steps=2,
-            max_failures=1,
-            run_name="crash",
-        ),
-    )
-    records = read_records(folder, "all_ranks")
-    assert result.global_step == 6
-    assert result.attempts == 2
+def test_worker_crash_restarts_from_latest_checkpoint(stopped_then_continued):
+    _, second, _, records, storage = stopped_then_continued
+    assert second.attempts == 2
     # The surviving rank 0 saw its collective fail: on_exception, then on_train_end, once each.
     first = [r["event"] for r in records if r["rank"] == 0 and r["attempt"] == 0]
     assert first[-2:] == ["on_exception", "on_train_end"]
-    loads = [r for r in records if r["event"] == "on_load_checkpoint"]
-    assert {(r["rank"], r["attempt"], r["step"]) for r in loads} == {(0, 1, 2), (1, 1, 2)}
-    second = [
+    loads = [r for r in records if r["event"] == "on_load_checkpoint" and r["attempt"] == 1]
+    assert {(r["rank"], r["step"]) for r in loads} == {(0, 6), (1, 6)}
+    restarted = [
         r["step"]
         for r in records
         if r["rank"] == 1 and r["attempt"] == 1 and r["event"] == "on_step_end"
     ]
-    assert second == [3, 4, 5, 6]
-    counts = [c for c in read_records(storage, "counter") if c["attempt"] == 1]
-    # 2 steps restored from the checkpoint + 4 taken after the restart, on both ranks.
+    assert restarted == [7, 8, 9]
+    # StepCounter's state and user_state came back from each checkpoint on both ranks: 6 steps
+    # restored (4 of the first call, 2 of this one) + 3 taken after the restart.
+    counts = [c for c in read_records(storage, "counter") if c["global_step"] == 9]
     assert sorted((c["rank"], c["steps"], c["user_steps"]) for c in counts) == [
-        (0, 6, 6),
-        (1, 6, 6),
+        (0, 9, 9),
+        (1, 9, 9),
     ]
