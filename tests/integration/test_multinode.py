@@ -460,10 +460,8 @@ def grpo_job(cluster, chat):
         "rollout_backend": "hf",
         "rollout_resources": {"CPU": 1},
         "max_staleness": 1,  # asynchronous: the RL row's queue panels get the run's series
-        # Rank 0 sends its buffered events at a push or at a step's all-reduce once the oldest
-        # is this old: asynchronous steps are shorter than the default 0.25 s, and the run is
-        # held at its last step's end, so step 2's log would wait in the buffer through the hold.
-        "event_flush_interval_s": 0.001,
+        # The run is held at its last step's end: its last logs reach the callback actor (and
+        # the RL row's gauges) through rank 0's flush timer, the loop being stalled in a hook.
         "resources_per_worker": {"CPU": 2},
         "num_workers": 1,
         "batch_size": 2,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+
+from waiting import wait_until
 
 from callbacks import TrainerControl, TrainingContext
 from ray_trainer._contract import BatchReply
@@ -141,3 +144,26 @@ def test_batches_carry_the_running_count_of_dropped_events_once_there_is_one():
     fwd.push("on_save", ctx, {"checkpoint_path": "/c"})
     assert actor.dropped[-1] == {"on_log": fwd.dropped["on_log"]} and fwd.dropped["on_log"] > 0
     assert actor.dropped[-1] is not fwd.dropped  # a copy: later drops do not change a sent batch
+
+
+def test_an_event_before_the_loop_stalls_is_sent_within_the_interval_by_the_timer():
+    """The loop pushes one `on_log` and then stalls (a long step, a held hook, a rollout): no
+    push and no step boundary follow, yet the batch goes once the interval has passed."""
+    actor = FakeActor()
+    sent = threading.Event()
+    push = actor.push.remote
+    actor.push.remote = lambda batch: (sent.set(), push(batch))[1]
+    fwd = make(actor, max_batch=256, flush_interval_s=0.05)
+    assert fwd._timer is None  # nothing pushed: no thread
+    fwd.push("on_log", TrainingContext(global_step=3), {"logs": {"loss": 1.0}})
+    assert actor.calls == []  # within the interval: kept
+    assert sent.wait(10), "the timer never sent the waiting event"
+    assert [(c[1], [e[0] for e in c[2]]) for c in actor.calls] == [(1, ["on_log"])]
+    # Later events go the same way, in order, and close stops the timer.
+    fwd.push("on_step_end", TrainingContext(global_step=4), {})
+    wait_until(lambda: len(actor.calls) == 2, 10, "the second batch")
+    assert actor.calls[1][1] == 2
+    actor.reply(1)
+    actor.reply(2)
+    fwd.close(timeout=5)
+    assert not fwd._timer.is_alive()

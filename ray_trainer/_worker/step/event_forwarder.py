@@ -1,6 +1,7 @@
 """Training worker, rank 0: batched, never-blocking event forwarding to the callback actor.
 
-Runs in the rank-0 training process only, on the training loop's thread.
+Runs in the rank-0 training process only, on the training loop's thread, and on one daemon
+thread of its own (the flush timer) once an event was pushed.
 
 Policy (documented in docs/behaviour.md, "Forwarding to the callback actor"):
 
@@ -9,7 +10,9 @@ Policy (documented in docs/behaviour.md, "Forwarding to the callback actor"):
 * An event costs rank 0 one `to_wire()` (a small dict of plain fields) and a list append. Events
   are sent in batches, one Ray actor call per batch (~1 ms of the sending process's CPU here,
   its Ray threads included): when `max_batch` (256) events are waiting, when the oldest has
-  waited `flush_interval_s` (250 ms; checked at each event and step), or at once for `on_save`,
+  waited `flush_interval_s` (250 ms; checked at each event and step, and by the flush timer, so
+  an event logged before the loop stalls, in a long step, a held hook or a rollout, still
+  reaches the actor within the interval), or at once for `on_save`,
   `on_evaluate`, `on_train_begin`, `on_train_end`, `on_exception` and `on_load_checkpoint`
   (these even past `max_in_flight`, taking the waiting events with them). So
   rank 0 makes about 4 calls a second for ordinary events, well under 1% of a core, however
@@ -36,6 +39,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any
 
@@ -90,6 +94,13 @@ class EventForwarder:
         self._last_send = time.monotonic()
         self._control: TrainerControl | None = None
         self.dead = False
+        # The loop and the flush timer share the buffer and the batches in flight: one lock,
+        # held for a push (uncontended but for the timer's flush: ~0.1 us an event), and the
+        # timer's wake-up, signalled only when the buffer goes from empty to not.
+        self._lock = threading.Lock()
+        self._due = threading.Condition(self._lock)
+        self._timer: threading.Thread | None = None
+        self._closing = False
         # The actor counts worker-group starts, and their sizes (an elastic run's change).
         self.actor.start_attempt.remote(attempt, world_size)
 
@@ -100,39 +111,43 @@ class EventForwarder:
             return
         wire = context.to_wire()
         shipped = {k: v for k, v in kwargs.items() if k not in LIVE_KWARGS} if kwargs else kwargs
-        if not self._buffer:
-            self._oldest = time.monotonic()
-        self._buffer.append((event, wire, shipped))
-        if event in URGENT_EVENTS:
-            # Past the in-flight bound too: evaluations and the checkpoint ranking hang on an
-            # `on_save`, and a busy actor or a rank-0 callback that holds the loop must not
-            # keep it on rank 0 (the batch takes the waiting events with it; these are rare).
-            self._flush(force=True)
-        elif (
-            len(self._buffer) >= self._flush_at
-            or time.monotonic() - self._oldest >= self.flush_interval_s
-        ):
-            self._flush()
+        with self._lock:
+            if not self._buffer:
+                self._oldest = time.monotonic()
+                self._wake_timer()
+            self._buffer.append((event, wire, shipped))
+            if event in URGENT_EVENTS:
+                # Past the in-flight bound too: evaluations and the checkpoint ranking hang on
+                # an `on_save`, and a busy actor or a rank-0 callback that holds the loop must
+                # not keep it on rank 0 (the batch takes the waiting events with it; rare).
+                self._flush(force=True)
+            elif (
+                len(self._buffer) >= self._flush_at
+                or time.monotonic() - self._oldest >= self.flush_interval_s
+            ):
+                self._flush()
 
     def poll_control(self, context: TrainingContext | None = None) -> TrainerControl | None:
         """Once per step (when the loop starts the step's all-reduce): send what is due (a
         heartbeat with `context`'s progress when nothing went for `HEARTBEAT_S`), collect the
         replies that arrived, without waiting."""
         now = time.monotonic()
-        if self._buffer and now - self._oldest >= self.flush_interval_s:
-            self._flush()
-        elif now - self._last_send >= HEARTBEAT_S and context is not None and not self.dead:
-            self._heartbeat(context, now)
-        if self._in_flight and now - self._last_poll >= self.poll_interval_s:
-            self._last_poll = now
-            self._collect(timeout=0)
-        control, self._control = self._control, None
+        with self._lock:
+            if self._buffer and now - self._oldest >= self.flush_interval_s:
+                self._flush()
+            elif now - self._last_send >= HEARTBEAT_S and context is not None and not self.dead:
+                self._heartbeat(context, now)
+            if self._in_flight and now - self._last_poll >= self.poll_interval_s:
+                self._last_poll = now
+                self._collect(timeout=0)
+            control, self._control = self._control, None
         return control
 
     def close(self, timeout: float, summary: WorkerSummary | None = None) -> None:
         """End of the attempt: send everything and wait for the acknowledgements, then hand
         the actor the attempt's summary; all within `timeout`."""
         deadline = time.monotonic() + timeout
+        self._stop_timer()  # from here on the loop's thread alone
         while self._buffer or self._in_flight:
             self._flush(force=True)
             left = deadline - time.monotonic()
@@ -154,6 +169,43 @@ class EventForwarder:
             )
         except Exception as e:  # the driver then builds the result from the actor's own view
             logger.warning("could not hand the run summary to the callback actor: %s", e)
+
+    # ---- the flush timer -------------------------------------------------------------------
+
+    def _wake_timer(self) -> None:
+        """(Lock held; the buffer just got its first event.) Start the timer on the first
+        event of the attempt, or wake it: it flushes once the event has waited the interval."""
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._watch, name="ray-trainer-events")
+            self._timer.daemon = True  # never holds the process at its exit
+            self._timer.start()
+        else:
+            self._due.notify()
+
+    def _watch(self) -> None:
+        """The timer's thread: sleeps while the buffer is empty; otherwise until its oldest
+        event has waited `flush_interval_s`, then flushes what the loop has not."""
+        with self._lock:
+            while not self._closing:
+                if not self._buffer or self.dead:
+                    self._due.wait()
+                    continue
+                left = self._oldest + self.flush_interval_s - time.monotonic()
+                if left > 0:
+                    self._due.wait(left)
+                    continue
+                try:
+                    self._flush()  # at the in-flight bound: tried again an interval later
+                except Exception as e:  # Ray shutting down: the loop's own flushes carry on
+                    logger.warning("the event flush timer stopped: %s", e)
+                    return
+
+    def _stop_timer(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._due.notify()
+        if self._timer is not None:
+            self._timer.join(timeout=5.0)
 
     # ---- internals -------------------------------------------------------------------------
 
