@@ -29,13 +29,22 @@ hidden behind the step before), `sync/seconds`, and the completions' age and sta
 Rounds rotate the order of the settings; medians. Target (issue 51): one engine at staleness 1
 at least 1.4x the synchronous steps/s, its reward at the fixed step within the seed spread.
 
+The engine-loss run (`--loss-step`, issue 51; 0: none): the two-engine staleness-1 setting
+again on an elastic pool (`rollout_workers=(1, 2)`), rank 1's engine killed at the end of step
+`--loss-step` (a rank-0 callback, `ray.kill` of the actor: what a lost spot node does to it).
+The worker group is not restarted; the ranks go on with the engine left while a replacement
+starts and loads the latest weights. Reported: the median step time with two engines before
+the loss, with one (the dip: steps that logged `rollout/engines` 1) and with two again after
+the replacement joined (the recovery), the steps the pool was short, and the reward at the
+fixed step against the uninterrupted two-engine run of the same seed.
+
 Usage: python bench/runner/bench_async_rl.py [--settings 1x0,1x1,1x2,2x0,2x1] [--seeds 2]
        [--steps 16] [--skip 3] [--rounds 2] [--prompts 64] [--batch-prompts 4]
        [--generations 8] [--completion-length 32] [--hidden-size 256] [--layers 4]
-       [--learning-rate 1e-3] [--threads 1] [--quick | --smoke] [--json OUT]
+       [--learning-rate 1e-3] [--threads 1] [--loss-step 6] [--quick | --smoke] [--json OUT]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): one engine at staleness 0 and 1, one seed, a model of
-width 32, 2 prompts x 2 generations of 4 tokens, 3 steps, one round.
+width 32, 2 prompts x 2 generations of 4 tokens, 3 steps, one round, no engine-loss run.
 """
 
 from __future__ import annotations
@@ -55,6 +64,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every benc
 import _bench_path  # noqa: E402, F401
 from _support import emit, init_ray, machine, table  # noqa: E402
 from bench_grpo import GrpoClock, runner_fields, step_figures, write_inputs  # noqa: E402
+
+from callbacks import TrainerCallback  # noqa: E402
 
 #: The target: one engine at staleness 1 against the synchronous one-engine steps/s.
 TARGET = 1.4
@@ -133,16 +144,61 @@ def run_figures(clock: dict[str, Any], size: dict[str, int], opts: Any) -> dict[
     }
 
 
-def run_setting(fields: dict[str, Any], folder: str, size: dict[str, int], opts: Any) -> dict:
-    """One `run_training` of a setting in this process's Ray; its figures from rank 0."""
+def run_setting(
+    fields: dict[str, Any], folder: str, size: dict[str, int], opts: Any, extra: tuple = ()
+) -> dict:
+    """One `run_training` of a setting in this process's Ray (with the callbacks `extra`); its
+    figures from rank 0, and its clock (``clock``)."""
     from ray_trainer import run_training
 
     out = os.path.join(folder, f"async-{time.time_ns()}.json")
     completions = size["batch_prompts"] // size["engines"] * size["generations"]
     tree_at = (size["skip"], size["steps"] - 1)  # the timed steps' first and last begins
-    run_training(**fields, callbacks=[GrpoClock(out, completions, tree_at)])
+    run_training(**fields, callbacks=[GrpoClock(out, completions, tree_at), *extra])
     with open(f"{out}.0") as f:
-        return run_figures(json.load(f), size, opts)
+        clock = json.load(f)
+    return {**run_figures(clock, size, opts), "clock": clock}
+
+
+# ---- the engine-loss run -----------------------------------------------------------------------
+
+
+class KillEngine(TrainerCallback):
+    """Rank 0, first attempt, end of step `step`: rank 1's rollout engine (slot 1) is killed."""
+
+    runs_on = "rank0"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, context, **kwargs):
+        if context.attempt != 0 or context.global_step != self.step:
+            return
+        import ray
+
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if ":rollout:" in actor["name"] and actor["name"].endswith(":1"):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+
+
+def loss_figures(clock: dict[str, Any], loss_step: int) -> dict[str, Any]:
+    """Step times (s) of an engine-loss run by the pool's size: the steps before the loss (from
+    the first that logged two engines), the dip (steps that logged one engine) and the recovery
+    (two again, after the dip); each the median gap between a step's begin and the next's."""
+    begins, logged = clock["begins"], clock["logged"]
+    gaps = [begins[i + 1] - begins[i] for i in range(len(begins) - 1)]  # step i + 1's time
+    engines = [int(m.get("rollout/engines") or 0) for m in logged[: len(gaps)]]
+    before = [g for i, g in enumerate(gaps) if i + 1 <= loss_step and engines[i] == 2]
+    short = [i for i, n in enumerate(engines) if i + 1 > loss_step and n < 2]
+    after = [g for i, g in enumerate(gaps) if short and i > short[-1] and engines[i] == 2]
+    median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {
+        "before_s": median(before[1:] or before),  # the first step starts the engines
+        "dip_s": median([gaps[i] for i in short]),
+        "after_s": median(after),
+        "short_steps": len(short),
+        "engines": engines,
+    }
 
 
 # ---- the benchmark -----------------------------------------------------------------------------
@@ -169,6 +225,8 @@ def main() -> dict:
     # lagging behind the synchronous run's shows at the fixed step.
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads a process")
+    parser.add_argument("--loss-step", type=int, default=6,
+                        help="the engine-loss run's step that loses an engine (0: no such run)")  # fmt: skip
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, 1 round")
@@ -181,7 +239,9 @@ def main() -> dict:
     if opts.smoke:
         opts.settings, opts.seeds, opts.prompts, opts.steps, opts.skip = "1x0,1x1", 1, 8, 3, 1
         opts.rounds, opts.batch_prompts, opts.generations, opts.completion_length = 1, 2, 2, 4
-        opts.hidden_size, opts.layers, opts.reward_window = 32, 1, 1
+        opts.hidden_size, opts.layers, opts.reward_window, opts.loss_step = 32, 1, 1, 0
+    if opts.loss_step and not 1 < opts.loss_step < opts.steps - 2:
+        parser.error(f"--loss-step {opts.loss_step}: between 2 and {opts.steps - 3}")
     opts.reward_step = opts.reward_step or opts.steps
     settings = [parse_setting(s) for s in opts.settings.split(",")]
     if not 1 <= opts.seeds <= len(SEEDS):
@@ -194,7 +254,7 @@ def main() -> dict:
     # Ray starts its workers at niceness 15: every process of a setting at the same priority
     # (the smoke run's shared Ray sets it too, `run_all.SMOKE_RAY_ENV`).
     os.environ.setdefault("RAY_worker_niceness", "0")
-    most = max(e for e, _ in settings)
+    most = max([e for e, _ in settings] + ([2] if opts.loss_step else []))
     # Each setting's workers and engines, `threads` CPUs each, and the reward task.
     init_ray(num_cpus=2 * most * opts.threads + 1)
     try:  # the model, data and storage: removed at the end (the figures are in the report)
@@ -214,9 +274,25 @@ def main() -> dict:
                 print(f"round {r}, {engines} engine(s), max_staleness={staleness}, seed {seed}: "
                       f"{run['steps_per_s']:.3f} steps/s, reward {run['reward']:.4f}, "
                       f"{_timings_text(run['timings'])}", flush=True)  # fmt: skip
+        losses = []
+        for r in range(opts.rounds if opts.loss_step else 0):
+            size = {"steps": opts.steps, "skip": opts.skip, "engines": 2, "staleness": 1,
+                    "batch_prompts": opts.batch_prompts, "generations": opts.generations,
+                    "completion_length": opts.completion_length}  # fmt: skip
+            fields = {**async_fields(model, data, size, opts, storage, SEEDS[0]),
+                      "rollout_workers": (1, 2)}  # fmt: skip
+            run = run_setting(fields, work, size, opts, (KillEngine(opts.loss_step),))
+            losses.append({**loss_figures(run["clock"], opts.loss_step), "reward": run["reward"]})
+            print(f"round {r}, engine lost at step {opts.loss_step}: {losses[-1]}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for runs_of in samples.values():
+        for run in runs_of:
+            run.pop("clock", None)  # the figures are in the report
     report = summarise(samples, opts)
+    if losses:
+        report["engine_loss"] = summarise_loss(losses, samples, opts)
+        report["table"] += "\n\n" + report["engine_loss"]["table"]
     report["seconds"] = time.perf_counter() - started
     report["machine"] = machine()
     return emit(report, opts.json)
@@ -311,6 +387,35 @@ def summarise(samples: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
         "samples": samples,
         "target_met": met,
     }
+
+
+def summarise_loss(losses: list[dict], samples: dict[str, list[dict]], opts: Any) -> dict:
+    """The engine-loss run's table: the step time before, during and after the dip (medians
+    over the rounds), and its reward against the uninterrupted two-engine run's."""
+
+    def med(key: str) -> float | None:
+        known = [x[key] for x in losses if x[key] is not None]
+        return statistics.median(known) if known else None
+
+    before, dip, after = med("before_s"), med("dip_s"), med("after_s")
+    whole = samples.get(f"2x1@{SEEDS[0]}")
+    rows = [{
+        "run": f"2 engines (rollout_workers=(1, 2)), 2 workers, max_staleness=1, rank 1's "
+               f"engine killed at the end of step {opts.loss_step}",
+        "step before (s)": f"{before:.3f}" if before else "-",
+        "step with 1 engine (s)": f"{dip:.3f}" if dip else "-",
+        "dip (x before)": f"{dip / before:.2f}" if dip and before else "-",
+        "step after the rejoin (s)": f"{after:.3f}" if after else "-",
+        "recovery (x before)": f"{after / before:.2f}" if after and before else "-",
+        "steps short of an engine": f"{statistics.median(x['short_steps'] for x in losses):.0f}",
+        f"reward at step {opts.reward_step}": f"{statistics.median(x['reward'] for x in losses):.4f}",
+        "uninterrupted run's reward": (
+            f"{statistics.median(r['reward'] for r in whole):.4f}" if whole else "-"
+        ),
+    }]  # fmt: skip
+    note = ("Engines by step (rollout/engines, each round): "
+            + "; ".join(" ".join(str(n) for n in x["engines"]) for x in losses))  # fmt: skip
+    return {"table": table(rows) + "\n\n" + note, "runs": losses}
 
 
 if __name__ == "__main__":
