@@ -116,12 +116,12 @@ class EnginePool:
     def vote(self, lost: Sequence[int] = (), need: int = 0) -> list[float]:
         """This rank's vector for the round's MAX all-reduce: ``high`` values of rank 0's view
         (0 elsewhere), ``high`` of the slots this rank saw die (their generation + 1), and
-        rank 0's error flag (1: fewer than `need` engines came up within the wait)."""
+        rank 0's error (its wait's seconds when fewer than `need` engines came up in it, else 0)."""
         view = [0.0] * self.high
         error = 0.0
         if self.rank == 0:
             view, short = self._poll(need)
-            error = 1.0 if short else 0.0
+            error = self.wait_s if short else 0.0
         died = [0.0] * self.high
         for i in lost:
             died[i] = self.slots[i].generation + 1.0
@@ -135,7 +135,7 @@ class EnginePool:
         view, died, error = agreed[:n], agreed[n : 2 * n], agreed[2 * n]
         if error:
             raise EnginesUnavailable(
-                f"grpo: fewer than {need} rollout engine(s) came up in {self.wait_s:g}s "
+                f"grpo: fewer than {need} rollout engine(s) came up in {error:g}s "
                 f"(rollout_workers: {self.low} to {self.high}): the engines' rollout_resources "
                 "fit on no node, or their model does not load (see the engine actors' logs); "
                 "lower rollout_workers' min or rollout_resources, or add nodes"
@@ -201,7 +201,9 @@ class EnginePool:
             states = self._states()
             up = sum(s == UP for s in states)
             left = deadline - self.clock()
-            starting = [s.engine for s, st in zip(self.slots, states) if st == STARTING]
+            starting = [
+                s.engine for s, st in zip(self.slots, states, strict=True) if st == STARTING
+            ]
             if up >= need or left <= 0 or not starting:
                 view = [
                     s.generation + 1.0 if st == UP else 0.0
