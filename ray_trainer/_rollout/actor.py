@@ -5,8 +5,8 @@
 built once; new weights arrive through the object store (``transport.ObjectStoreTransport``),
 never by restarting it. `RemoteEngine` is how the trainer side uses it: generate, sync, probe,
 each waiting with a timeout, and a dead actor raised as `RolloutEngineDied` (or seen by
-`alive`). Ray does not restart it (``max_restarts=0``): restarting and syncing again is the
-training loop's policy.
+`alive`, or by `state` without waiting). Ray does not restart it (``max_restarts=0``): replacing
+it, and syncing the replacement, is the training loop's policy (``grpo_pool.py``).
 """
 
 from __future__ import annotations
