@@ -187,7 +187,8 @@ class GrpoObjective(WorkerObjective):
                     "step_in_epoch": state.progress.step_in_epoch + 1,
                 }
                 if i > first:
-                    self._extremes = self._extremes[:4] + [-math.inf] * 3  # no sync, no probe
+                    no_sync = [-math.inf] * 3  # no sync, no probe (the engines stay)
+                    self._extremes = self._extremes[:4] + no_sync + self._extremes[7:]
                 yield batches
             first = 0
 
