@@ -246,3 +246,28 @@ def test_a_rollout_whose_engine_died_is_sampled_on_another_and_none_left_waits(m
     engines.lost(failed=True)
     assert engines.pool.serving == [0] and engines.of_rank() is made[(0, 1)]
     assert len(clock.waits) == 1 and made[(0, 1)].version == 3
+
+
+def _zero(prompts, completions, completion_ids, **kwargs):
+    return [0.0] * len(completions)
+
+
+def test_the_steps_rollout_is_sampled_again_on_an_engine_left_when_its_engine_dies(monkeypatch):
+    """The worker objective's rollout (``GrpoObjective._generate``): its engine died, so the
+    step's prompts are sampled on the engine left, by the weights the step synced."""
+    from ray_trainer import TrainingArgs
+    from ray_trainer._worker.objectives.grpo import GrpoObjective
+
+    engines, made, clock, log, state = _engines(monkeypatch, 1, 2, up={0, 1})
+    engines.start()
+    state.progress.global_step = 4
+    engines.boundary(every=1)  # both hold version 4
+    args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[_zero])
+    objective = GrpoObjective(args)
+    objective.engines = engines
+    objective.prompts = [SimpleNamespace(prompt_ids=[1, 2]) for _ in range(3)]
+    state.args.seed = 0
+    made[(0, 0)].status = DEAD  # this rank's engine, mid-step
+    assert objective._generate(state, [0, 2], step=4) == [4, 4]
+    assert ("generate", (1, 0), 4) in log and engines.pool.serving == [1]
+    assert clock.waits == [] and made[(0, 1)].status == STARTING  # its replacement, not awaited
