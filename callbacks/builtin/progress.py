@@ -27,7 +27,8 @@ class ProgressBar(TrainerCallback):
 
         [run] step 120/1000 (12%) loss 1.2345 lr 3.0e-04 1,234 tok/s ETA 0:02:13
 
-    (fields without a value are left out). On a TTY the log line is redrawn in place with
+    (fields without a value are left out; a GRPO run adds ``engines N``, its rollout engines
+    serving, before the ETA). On a TTY the log line is redrawn in place with
     ``\\r``; anywhere else (a file, a pipe, Ray's log forwarding) every line is a plain line.
     The ETA comes from the step rate over the last ``RATE_WINDOW`` logs, measured on their
     arrival times when they span at least ``MIN_RATE_SPAN_S`` (events reach the actor in
@@ -116,6 +117,9 @@ class ProgressBar(TrainerCallback):
         throughput = as_float(context.throughput)
         if throughput is not None:
             parts.append(f"{throughput:,.0f} tok/s")
+        engines = as_float((getattr(context, "batch_metrics", None) or {}).get("rollout/engines"))
+        if engines is not None:  # GRPO: the rollout engines serving
+            parts.append(f"engines {engines:g}")
         eta = self.eta(max_steps - step) if max_steps else None
         if eta is not None:
             parts.append(f"ETA {_fmt_duration(eta)}")

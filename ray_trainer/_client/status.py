@@ -301,8 +301,9 @@ def format_workers(status: dict[str, Any]) -> list[str]:
 
 def format_objective_metrics(own: dict[str, Any], per_line: int = 4) -> list[str]:
     """The lines under the loss of the objective's metrics of the last log (DPO's and GRPO's
-    are TRL's): GRPO's reward first, on a line of its own with its std and each reward
-    function's mean; then the others, sorted, `per_line` a line."""
+    are TRL's): GRPO's reward first, on a line of its own with its std, each reward
+    function's mean and the rollout engines serving; then the others, sorted, `per_line` a
+    line."""
     rest = {k: v for k, v in own.items() if isinstance(v, (int, float))}
     lines = []
     if "reward" in rest:  # GRPO: the reward of the last log, then each function's mean
@@ -313,6 +314,8 @@ def format_objective_metrics(own: dict[str, Any], per_line: int = 4) -> list[str
             fn = re.fullmatch(r"rewards/(.+)/mean", name)
             if fn:
                 parts.append(f"{fn.group(1)} {rest.pop(name):.4f}")
+        if "rollout/engines" in rest:  # the rollout engines serving at the last log
+            parts.append(f"engines {rest.pop('rollout/engines'):g}")
         lines.append("  " + "   ".join(parts))
     names = sorted(rest)
     for at in range(0, len(names), per_line):

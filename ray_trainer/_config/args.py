@@ -353,10 +353,19 @@ class TrainingArgs(BaseModel):
     @classmethod
     def _check_rollout_workers(cls, v: Any) -> Any:
         if isinstance(v, (tuple, list)):
-            raise ValueError(
-                f"rollout_workers={list(v)}: an elastic number of rollout engines (min, max) "
-                "is not built yet; give a number of engines, e.g. 1"
-            )
+            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ValueError(
+                    f"rollout_workers takes a number of engines or (min, max), two whole "
+                    f"numbers, got {v!r}"
+                )
+            low, high = v
+            if low < 1 or low > high:
+                raise ValueError(
+                    f"rollout_workers=({low}, {high}): elastic rollout engines need "
+                    "1 <= min <= max; e.g. rollout_workers=(1, 4) asks for 4 engines and "
+                    "starts training once 1 is up"
+                )
+            return (low, high) if low < high else low
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"rollout_workers must be an integer >= 1, got {v!r}")
         return v
@@ -458,6 +467,13 @@ class TrainingArgs(BaseModel):
     def elastic(self) -> bool:
         """Whether the worker count follows the cluster: ``num_workers=(min, max)``."""
         return isinstance(self.num_workers, tuple)
+
+    @property
+    def rollout_range(self) -> tuple[int, int]:
+        """``rollout_workers`` as (min, max): the engines the first step waits for, and the
+        engines asked for (an int n is (n, n))."""
+        v = self.rollout_workers
+        return v if isinstance(v, tuple) else (v, v)
 
     @property
     def min_workers(self) -> int:

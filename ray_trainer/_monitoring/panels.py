@@ -238,6 +238,14 @@ PANELS: tuple[Panel, ...] = (
         row=RL_ROW,
     ),
     Panel(
+        "Rollout engines",
+        "none",
+        "GRPO: the rollout engines serving at each step (rollout_workers=(min, max): a lost "
+        "engine leaves at once and its replacement joins once placed and loaded).",
+        (Series("engines", _gauge("rollout_engines"), "rollout/engines"),),
+        row=RL_ROW,
+    ),
+    Panel(
         "Rollout queue (asynchronous)",
         "none",
         "GRPO with max_staleness >= 1: the rollout requests still in flight after each step "

@@ -62,6 +62,7 @@ ROLLOUT_TIMINGS = (
     "sync/seconds",
     "sync/bytes",
     "rollout/logprob_diff",
+    "rollout/engines",
 )
 #: What an asynchronous run (``max_staleness`` >= 1) logs besides: the rollout requests
 #: in flight after the step's (its queue depth, in steps), the age of the trained completions
@@ -326,13 +327,14 @@ def check_args(args: Any) -> None:
 
 
 def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
-    """The rollout engines (``rollout_workers`` x ``rollout_resources``) and one reward task
-    (``reward_resources``: each resource's largest over the functions; by default one CPU):
-    what a step needs besides the workers."""
+    """The rollout engines (``min`` of ``rollout_workers`` x ``rollout_resources``) and one
+    reward task (``reward_resources``: each resource's largest over the functions; by default
+    one CPU): what a step needs besides the workers."""
     from ray_trainer._rollout.rewards import resolve_reward_fns, task_resources
 
     engine = dict(args.rollout_resources) if args.rollout_resources is not None else {"CPU": 1.0}
-    engines = [(f"rollout engine {i}", engine) for i in range(args.rollout_workers)]
+    # The first step waits for min of them; the others may wait for room (elastic).
+    engines = [(f"rollout engine {i}", engine) for i in range(args.rollout_range[0])]
     task = task_resources(resolve_reward_fns(args.reward_fns, args.reward_resources))
     return [*engines, ("a reward function's task", {k: v for k, v in task.items() if v > 0})]
 

@@ -5,8 +5,8 @@
 built once; new weights arrive through the object store (``transport.ObjectStoreTransport``),
 never by restarting it. `RemoteEngine` is how the trainer side uses it: generate, sync, probe,
 each waiting with a timeout, and a dead actor raised as `RolloutEngineDied` (or seen by
-`alive`). Ray does not restart it (``max_restarts=0``): restarting and syncing again is the
-training loop's policy.
+`alive`, or by `state` without waiting). Ray does not restart it (``max_restarts=0``): replacing
+it, and syncing the replacement, is the training loop's policy (``grpo_pool.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class RolloutActor:
     ) -> None:
         self.backend = resolve_backend(backend, spec)
         self.engine = build_engine(self.backend, spec, state_dict)
+        self.first_version: Any = None  # the policy version of its first request
+        self.requests = 0
 
     def generate(
         self,
@@ -49,6 +51,9 @@ class RolloutActor:
         params: SamplingParams,
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
+        if not self.requests:
+            self.first_version = self.engine.version
+        self.requests += 1
         return self.engine.generate(prompts, params, prompt_indices)
 
     def generate_timed(
@@ -60,7 +65,7 @@ class RolloutActor:
         """`generate`, with the wall-clock times (``time.time()``) it began and ended: an
         asynchronous rollout's caller sees how much of it ran while it trained."""
         started = time.time()
-        completions = self.engine.generate(prompts, params, prompt_indices)
+        completions = self.generate(prompts, params, prompt_indices)
         return completions, started, time.time()
 
     def logprobs(
@@ -78,13 +83,16 @@ class RolloutActor:
         return self.engine.finish_sync(version)
 
     def info(self) -> dict[str, Any]:
-        """Who answers: the backend, the policy version held, the device, the process id."""
+        """Who answers: the backend, the policy version held, the device, the process id, the
+        requests answered and the version that answered the first."""
         device = getattr(self.engine, "device", None)
         return {
             "backend": self.backend,
             "version": self.engine.version,
             "device": None if device is None else str(device),
             "pid": os.getpid(),
+            "requests": self.requests,
+            "first_version": self.first_version,
         }
 
     def close(self) -> None:
@@ -137,13 +145,46 @@ class RemoteEngine:
         )
         self.actor = remote.remote(backend, spec, state_dict)
         self.timeout_s = timeout_s
+        self._up = False
+        self._ping = self.actor.info.remote()  # answered once the engine's model is loaded
 
     @classmethod
     def attach(cls, actor: Any, timeout_s: float = 600.0) -> RemoteEngine:
         """A handle on an engine actor another process created (found by its name)."""
         engine = cls.__new__(cls)
         engine.actor, engine.timeout_s = actor, timeout_s
+        engine._up, engine._ping = True, None
         return engine
+
+    def state(self) -> str:
+        """``"starting"`` (its actor is pending or loading its model), ``"up"`` or ``"dead"``,
+        without waiting: one ``info`` call in flight at a time, read when answered (it queues
+        behind the engine's requests, so a busy engine stays ``"up"``)."""
+        import ray
+
+        if self._ping is None:
+            self._ping = self.actor.info.remote()
+        ready, _ = ray.wait([self._ping], timeout=0)
+        if not ready:
+            return "up" if self._up else "starting"
+        try:
+            ray.get(self._ping)
+        except ray.exceptions.RayError:
+            return "dead"
+        self._up, self._ping = True, self.actor.info.remote()
+        return "up"
+
+    @staticmethod
+    def wait_any(engines: list[RemoteEngine], timeout_s: float) -> None:
+        """Return when one of `engines` may have changed `state` (an ``info`` answered or
+        failed), or after `timeout_s`."""
+        import ray
+
+        pings = [e._ping for e in engines if e._ping is not None]
+        if pings:
+            ray.wait(pings, num_returns=1, timeout=timeout_s)
+        else:
+            time.sleep(min(timeout_s, 0.1))
 
     def generate(
         self,

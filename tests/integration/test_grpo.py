@@ -4,10 +4,12 @@
 One run, with ``grpo.beta > 0`` (the KL against the base with the LoRA adapters off), the
 completions packed (``packing=True``), the reward task on a quarter CPU (``reward_resources``)
 and asynchronous rollouts (``max_staleness=1``, issue 51: a step's rollout is requested
-while the step before trains): the engine actor is killed once (after step 1, a request in
-flight: the next sync finds it dead, restarts it and syncs again), and rank 1 is killed once
-(after step 3: the run resumes from its step-2 checkpoint, the engines of the new worker group
-get the restored weights). What it shows: the metrics with TRL's names are logged with finite
+while the step before trains) from elastic engines (``rollout_workers=(1, 2)``): rank 1's
+engine actor is killed once (after step 1, its request in flight: step 2 goes on with the
+engine left, rank 1's prompts sampled there, with no restart of the worker group; the
+replacement joins at step 3 with the latest weights before its first request), and rank 1 is
+killed once (after step 3: the run resumes from its step-2 checkpoint, the engines of the new
+worker group get the restored weights). What it shows: the metrics with TRL's names are logged with finite
 values, ``kl`` among them (> 0 once the adapters have moved); every completion was sampled by
 the policy of its step or the one before (the engine's version advances each step), never
 older, none dropped, and a step's rollout was sampled while the step before trained
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 import ray
@@ -64,18 +67,59 @@ class Logs(TrainerCallback):
 
 
 class KillEngineOnce(TrainerCallback):
-    """Rank 0, first attempt, end of step 1: the rollout engine's actor is killed."""
+    """Rank 0, first attempt: both engines up before step 1 (so both serve from it); at the end
+    of step 1 rank 1's engine (slot 1) is killed, and this waits until its death is known; at
+    the end of step 2, until its replacement (slot 1, generation 1) answers, so that it joins
+    at step 3; at the end of step 3 the replacement's ``info`` (the version it holds, the
+    requests it answered) is recorded with the seconds these waits held training (prefix
+    "joiner")."""
 
     runs_on = "rank0"
 
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.held_s = 0.0
+
+    def _wait(self, predicate, what: str) -> None:
+        started = time.perf_counter()
+        wait_until(predicate, 60, what)
+        self.held_s += time.perf_counter() - started
+
+    def on_train_begin(self, context, **kwargs):
+        if context.attempt == 0:
+            for index in (0, 1):
+                self._wait(lambda i=index: _answers(i, 0), f"rollout engine {index} up")
+
     def on_step_end(self, context, **kwargs):
-        if context.attempt == 0 and context.global_step == 1:
-            for actor in _engines():
-                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+        if context.attempt != 0:
+            return
+        if context.global_step == 1:
+            ray.kill(_engine(1, 0))
+            self._wait(lambda: _answers(1, 0) is None, "the killed engine's death known")
+        elif context.global_step == 2:
+            self._wait(lambda: _answers(1, 1), "the replacement engine up")
+        elif context.global_step == 3:
+            record = {**_answers(1, 1), "held_s": self.held_s}
+            with open(os.path.join(self.folder, f"joiner-{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 def _engines() -> list[dict]:
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if ":rollout:" in a["name"]]
+
+
+def _engine(index: int, generation: int):
+    """The handle of engine `index`'s `generation` of the first worker-group start."""
+    (found,) = [a for a in _engines() if a["name"].endswith(f":rollout:0:{generation}:{index}")]
+    return ray.get_actor(found["name"], namespace=found["namespace"])
+
+
+def _answers(index: int, generation: int) -> dict | None:
+    """The engine's ``info`` (None: dead, or not started yet)."""
+    try:
+        return ray.get(_engine(index, generation).info.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +140,12 @@ def run(ray_session, tmp_path_factory):
         reward_fns=[scored_to(str(folder))], lora=LORA, seed=SEED,
         grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True,
               "beta": BETA},
-        max_staleness=1,
+        max_staleness=1, rollout_workers=(1, 2),
         reward_resources={"CPU": 0.25}, rollout_backend="hf", rollout_resources={"CPU": 0.5},
         max_length=48, num_workers=2, packing=True,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
-        callbacks=[Logs(str(folder)), KillRank1Once(step=3), KillEngineOnce()],
+        callbacks=[Logs(str(folder)), KillRank1Once(step=3), KillEngineOnce(str(folder))],
     )  # fmt: skip
     return root, folder, result
 
@@ -128,8 +172,18 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
         assert record["rollout/logprob_diff"] < 1e-5, (step, record["rollout/logprob_diff"])
     # Advantages, and a gradient (the loss itself is 0 at ratio 1 when a group's lengths match).
     assert any(r["reward_std"] > 0 and r["grad_norm"] > 0 for r in logs)
-    # The killed engine was started again and synced (its restart is counted from then on).
+    # The killed engine was replaced in the background (counted from then on) while the run
+    # went on without a restart (attempt 0 reached step 3; its one restart is rank 1's kill):
+    # 2 engines served at step 1, 1 at step 2 (rank 1's prompts sampled on the engine left),
+    # 2 again at step 3, the replacement synced to the latest weights (version 2, the step's)
+    # on joining, before any request (step 3 ends the epoch: its first request is step 4's,
+    # after the crash; that a joiner syncs before its first request: test_grpo_pool.py).
     assert any(r.get("rollout/engine_restarts", 0) >= 1 for r in logs if r["attempt"] == 0)
+    first = {r["step"]: r for r in logs if r["attempt"] == 0}
+    assert sorted(first) == [1, 2, 3]
+    assert [first[s]["rollout/engines"] for s in (1, 2, 3)] == [2, 1, 2], first
+    (joiner,) = read_records(str(folder), "joiner")
+    assert joiner["version"] == 2 and joiner["requests"] == 0, joiner
     # The engines ended with their worker group (rank 0 owns them): none is left holding a CPU.
     wait_until(lambda: not _engines(), 30, "the rollout engines to end")
     rollouts = [json.loads(line) for line in (root / "storage" / "grpo" / "rollouts.jsonl").open()]

@@ -57,6 +57,16 @@ def test_log_line_format_on_a_plain_stream():
     assert out.getvalue().endswith("\n")
 
 
+def test_a_grpo_log_line_shows_the_rollout_engines_serving():
+    out = io.StringIO()
+    _, _, m = make(out)
+    m.fire(
+        "on_log",
+        TrainingContext(global_step=7, run_name="r", batch_metrics={"rollout/engines": 2.0}),
+    )
+    assert out.getvalue() == "[r] step 7 engines 2\n"
+
+
 def test_missing_fields_are_left_out():
     out = io.StringIO()
     _, _, m = make(out)

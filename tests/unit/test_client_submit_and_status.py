@@ -537,11 +537,13 @@ def test_format_status_shows_the_last_reward_of_a_grpo_run_first():
         "reward": 0.625, "reward_std": 0.25, "rewards/exact/mean": 0.5,
         "rewards/exact/std": 0.5, "rewards/brevity/mean": -0.125, "kl": 0.01,
         "completions/mean_length": 7.5, "completions/clipped_ratio": 0.25,
-        "rollout/logprob_diff": 0.0, "entropy": 1.5,
+        "rollout/logprob_diff": 0.0, "entropy": 1.5, "rollout/engines": 2.0,
     }  # fmt: skip
     lines = format_status({**STATUS, "objective_metrics": grpo}).splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  loss"))
-    assert lines[at + 1] == "  reward      0.6250   std 0.2500   brevity -0.1250   exact 0.5000"
+    assert lines[at + 1] == (
+        "  reward      0.6250   std 0.2500   brevity -0.1250   exact 0.5000   engines 2"
+    )
     # The rest, sorted, four a line; the functions' means are not repeated.
     assert lines[at + 2] == (
         "  completions/clipped_ratio 0.2500   completions/mean_length 7.5000   entropy 1.5000"

@@ -447,7 +447,7 @@ def test_a_second_pass_takes_the_first_passs_log_probs_as_old_ones_as_trl(tiny, 
     objective.prompts = PromptDataset([SimpleNamespace(prompt_ids=p) for p in ids])
     objective._start = lambda s: None  # no engines: the completions are given
     objective.rollout_step = lambda s, prompts: [micro]
-    objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 7
+    objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 8
     progress = SimpleNamespace(epoch=0, step_in_epoch=0, global_step=0, extra={})
     starts = []
 
@@ -555,7 +555,7 @@ def test_packed_completions_give_the_padded_loss_and_gradient_for_any_split(tiny
         with torch.no_grad():  # the policy a little away from the reference: a KL
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.02)
-        objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 7
+        objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 8
         parts, first, targets, widths = [], 0, 0, []
         for size in sizes:
             micro = completion_batch(
@@ -570,7 +570,7 @@ def test_packed_completions_give_the_padded_loss_and_gradient_for_any_split(tiny
             loss.backward()
             parts.append(loss.item())
             first, targets = first + size, targets + micro.targets
-        objective._agreed_maxima.append([-math.inf] * 9)
+        objective._agreed_maxima.append([-math.inf] * 10)
         sums = objective.take_sums()
         metrics = objective.metrics_from_sums(sums.tolist(), targets)
         grads = torch.cat([p.grad.flatten() / targets for p in model.parameters()])
@@ -634,7 +634,7 @@ def test_an_asynchronous_step_takes_the_engines_log_probs_as_old_ones_as_trl(tin
     policy.train()
     _, loss = objective.step_loss(SimpleNamespace(norm=1.0), policy, micro.batch, micro.targets)
     loss.backward()
-    objective._rollout, objective._extremes = [0.0] * 12, [0.0] * 12
+    objective._rollout, objective._extremes = [0.0] * 12, [0.0] * 13
     metrics = objective.metrics_from_sums(objective.take_sums().tolist(), micro.targets)
     loss = loss.item() / micro.targets
 

@@ -120,7 +120,7 @@ def _objective(**grpo) -> GrpoObjective:
     args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m", reward_fns=[reward],
                                grpo=grpo)  # fmt: skip
     objective = GrpoObjective(args)
-    objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 7
+    objective._rollout, objective._extremes = [0.0] * 10, [0.0] * 8
     return objective
 
 
@@ -175,7 +175,7 @@ def test_the_steps_metrics_come_from_sums_over_the_ranks():
         part += part[4:7]  # the one function's column is the reward itself
         sums += torch.tensor([0.0] * 7 + part)
     objective._agreed_maxima.append([-math.inf, -math.inf, 4.0, -1.0, 2.0, 0.5, 0.1, 10.0,
-                                     3e-7])  # fmt: skip
+                                     3e-7, 2.0])  # fmt: skip
     metrics = objective.metrics_from_sums(sums.tolist(), 6.0)
     every = torch.tensor([1.0, 0.0, 3.0, 2.0, 5.0])
     assert metrics["reward"] == pytest.approx(every.mean().item())
@@ -186,6 +186,7 @@ def test_the_steps_metrics_come_from_sums_over_the_ranks():
     assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (1.0, 4.0)
     assert metrics["rollout/tokens_per_s"] == 6.0 and metrics["rollout/logprob_diff"] == 3e-7
     assert metrics["sync/bytes"] == 10.0 and "kl" not in metrics  # beta=0: no KL, as TRL
+    assert metrics["rollout/engines"] == 2.0  # the engines serving at the step
 
 
 class _Prompt:
@@ -220,7 +221,7 @@ def test_beta_takes_the_kl_against_the_model_as_it_started():
         model.head.bias += 0.5 * torch.arange(VOCAB, dtype=torch.float32)  # the policy moved
     objective._sums = None
     objective.step_loss(_Workload(), model, mb.batch, mb.targets)
-    objective._agreed_maxima.append([-math.inf] * 9)
+    objective._agreed_maxima.append([-math.inf] * 10)
     metrics = objective.metrics_from_sums(objective._sums.tolist() + [0.0] * 10, 9.0)
     assert metrics["kl"] > 1e-3  # beta > 0: TRL's kl, a mean over the completion tokens
 

@@ -120,7 +120,10 @@ def test_grpo_is_registered_and_owns_its_fields():
         ({"reward_fns": None}, "GRPO needs at least one reward function"),
         ({"reward_fns": "no_such_module:f"}, "module 'no_such_module' does not import"),
         ({"reward_weights": [1.0, 2.0]}, "2 weight(s) for 1 reward function(s)"),
-        ({"rollout_workers": (1, 2)}, "rollout_workers=[1, 2]: an elastic number of rollout"),
+        ({"rollout_workers": (2, 1)}, "rollout_workers=(2, 1): elastic rollout engines need"),
+        ({"rollout_workers": (0, 2)}, "rollout_workers=(0, 2): elastic rollout engines need"),
+        ({"rollout_workers": (1, 2, 3)}, "rollout_workers takes a number of engines or (min"),
+        ({"rollout_workers": 0}, "rollout_workers must be an integer >= 1, got 0"),
         ({"rollout_resources": {"CPU": -1}}, "rollout_resources['CPU'] must be a number >= 0"),
         ({"eval_every_steps": 2}, "GRPO has no validation step yet"),
         ({"num_workers": (1, 2)}, "an elastic worker group is not built for GRPO yet"),
@@ -157,6 +160,12 @@ def test_engines_and_a_reward_task_that_cannot_fit_beside_the_workers_are_refuse
     check_resources(TrainingArgs.coerce(**base, **fits), nodes=two_cores)  # 0.5 + 0.5 + 1
     with pytest.raises(ResourceRequestError, match="a reward function's task needs"):
         check_resources(TrainingArgs.coerce(**base, **fits, rollout_workers=2), nodes=two_cores)
+    # Elastic engines (1, 2): the first step waits for 1, the second may wait for room.
+    elastic = TrainingArgs.coerce(**base, **fits, rollout_workers=[1, 2])
+    assert elastic.rollout_range == (1, 2)
+    check_resources(elastic, nodes=two_cores)
+    assert TrainingArgs.coerce(**base, rollout_workers=3).rollout_range == (3, 3)
+    assert TrainingArgs.coerce(**base, rollout_workers=(2, 2)).rollout_workers == 2
     check_resources(TrainingArgs(num_workers=2), nodes=two_cores)  # SFT places nothing beside
 
 

@@ -62,7 +62,7 @@ def test_a_qlora_trainer_syncs_its_adapter_alone_and_the_probe_matches_the_engin
     before = logprob_diff(engine.logprobs(list(probe.prompt_ids), list(probe.completion_ids), 1.0), trainer_logprobs(trainer, probe))  # fmt: skip
     assert before > 1e-3  # the stale adapter: a difference the probe sees
 
-    state = SimpleNamespace(args=args, parallel=SimpleNamespace(module=lambda: trainer))
+    state = SimpleNamespace(args=args, rank=0, parallel=SimpleNamespace(module=lambda: trainer))
     named = list(Engines(state, engine.spec, probe)._named())
     adapter = {n for n, p in trainer.named_parameters() if p.requires_grad}
     assert {n for n, _ in named} == adapter and all(".lora_" in n for n in adapter)

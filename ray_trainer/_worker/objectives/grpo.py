@@ -6,11 +6,13 @@ deals each rank its prompts of the step, in the seeded epoch order that a resume
 resume: ``grpo_batch.ledger_error``). :meth:`GrpoObjective.steps` turns each step's prompts
 into its micro-batches, one step at a time, on every rank:
 
-1. weight sync when due (every ``grpo.sync_every`` steps, and before the first rollout of a
-   worker-group start: a resumed run's engines get the restored weights), then the probe
-   (``grpo_engines.py``);
-2. the rank's prompts x ``num_generations`` from its engine (a dead engine is restarted,
-   synced, and the rollout retried once; then the step fails naming the engine);
+1. the ranks agree on the serving engines (the lost leave, the engines come up join), then
+   the weight sync when due (every ``grpo.sync_every`` steps, and before the first rollout of
+   a worker-group start: a resumed run's engines get the restored weights), then the probe
+   (``grpo_engines.py``); a joiner takes the latest weights before its first request;
+2. the rank's prompts x ``num_generations`` from its engine (an engine found dead leaves the
+   serving set, its rank's rollout is tried again on an engine left, and a replacement joins
+   in the background, synced before its first request: ``grpo_engines.py``);
 3. rewards, each function a Ray task (``_rollout/rewards.py``), and group advantages (a group
    never spans ranks; ``scale_rewards="batch"`` agrees the batch's std over the ranks);
 4. one micro-batch of completions per micro-batch of prompts (``grpo_batch.py``).
@@ -185,7 +187,8 @@ class GrpoObjective(WorkerObjective):
                     "step_in_epoch": state.progress.step_in_epoch + 1,
                 }
                 if i > first:
-                    self._extremes = self._extremes[:4] + [-math.inf] * 3  # no sync, no probe
+                    no_sync = [-math.inf] * 3  # no sync, no probe (the engines stay)
+                    self._extremes = self._extremes[:4] + no_sync + self._extremes[7:]
                 yield batches
             first = 0
 
@@ -246,7 +249,7 @@ class GrpoObjective(WorkerObjective):
             started = time.perf_counter()
             taken = self.queue.take(rows, step)
             wait_s = time.perf_counter() - started
-        sync = self._sync_if_due()
+        sync = self.engines.boundary(self.config.sync_every)  # who serves, and the weights
         started = time.perf_counter()
         if taken is None:
             completions = self._generate(s, rows, step)
@@ -297,14 +300,6 @@ class GrpoObjective(WorkerObjective):
             state=RewardState(step, s.total_steps),
         )  # fmt: skip
 
-    def _sync_if_due(self) -> dict[str, float]:
-        """The engines take the trainer's weights when due (every ``sync_every`` steps, and
-        before a start's first rollout); its metrics, or none."""
-        if not self.engines.due(self.config.sync_every):
-            return {}
-        self.engines.sync()
-        return self.engines.last_sync
-
     def _params(self, s: Any, step: int) -> SamplingParams:
         """The sampling of step `step`'s rollout on this rank (its own seed)."""
         c = self.config
@@ -331,26 +326,29 @@ class GrpoObjective(WorkerObjective):
         self, s: Any, rows: list[int], step: int, completions: list[Any] | None = None
     ) -> list[Any]:
         """This rank's completions of `rows` from its engine (given `completions`: this rank
-        needs none, but takes part in the agreement); an engine found dead on any rank is
-        restarted and synced, and the rollouts retried once."""
+        needs none, but takes part in the agreement). An engine found dead on any rank leaves
+        the serving set (every rank agrees), and the failed rollouts are tried again on the
+        engines left (with none left, on the first to come up: ``grpo_engines.Engines.lost``)."""
         params = self._params(s, step)
         prompt_ids = [self.prompts[r].prompt_ids for r in rows]
         error = None
-        for attempt in (0, 1):
+        tries = self.engines.max_tries
+        for attempt in range(tries):
+            failed = False
             if completions is None:
                 try:
                     completions = self.engines.of_rank().generate(prompt_ids, params, rows)
                 except RolloutEngineDied as e:
-                    error = e
+                    error, failed = e, True
             if not agree_any(completions is None, s.world_size):
                 return completions
-            if attempt == 1:
+            if attempt == tries - 1:
                 raise RuntimeError(
-                    f"grpo: step {step + 1}'s rollouts failed twice: a rollout engine died, was "
-                    f"restarted and died again ({error}); check the engine's resources "
-                    "(rollout_resources) and its log"
+                    f"grpo: step {step + 1}'s rollouts failed {tries} times: rollout engines "
+                    f"died one after another ({error}); check the engines' resources "
+                    "(rollout_resources) and their log"
                 )
-            self.engines.restart_dead()
+            self.engines.lost(failed)
         raise AssertionError("unreachable")
 
     def _decode(self, ids: list[int]) -> str:
@@ -381,7 +379,7 @@ class GrpoObjective(WorkerObjective):
         """This step's rollout sums and extremes (rank-local), for :meth:`take_sums`;
         asynchronous, the queue's after them (``grpo_metrics.async_sums``)."""
         self._rollout = rollout_sums(scored, len(self.fns))
-        self._extremes = rollout_extremes(scored, rollout_s, reward_s, sync)
+        self._extremes = rollout_extremes(scored, rollout_s, reward_s, sync, len(self.engines))
         if taken is not None:
             sums, extremes = async_sums(
                 ages(scored.completions, step), taken, wait_s, len(self.queue)

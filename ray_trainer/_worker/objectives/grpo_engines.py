@@ -1,12 +1,16 @@
-"""Training worker: a GRPO run's rollout engines as the ranks share them (create, sync, restart).
+"""Training worker: a GRPO run's rollout engines as the ranks share them (create, sync, replace).
 
-Runs in each training worker. Rank 0 creates ``rollout_workers`` engines, each a Ray actor
-(``_rollout/actor.py``) named after the run, the worker-group start and a generation counter;
-the other ranks find them by name. Rank ``r`` samples from engine ``r % rollout_workers``. The
-actors are owned by rank 0's process, so they end with the worker group (a restart creates
-new ones, which get the restored weights at their first sync).
+Runs in each training worker. Rank 0 creates ``max`` of ``rollout_workers=(min, max)`` engines,
+each a Ray actor (``_rollout/actor.py``) placed by Ray wherever ``rollout_resources`` fit and
+named after the run, the worker-group start, its slot's generation and the slot; the other
+ranks find them by name. Which engines serve is the pool's (``grpo_pool.py``): the ranks agree
+on it at each step point (:meth:`Engines.boundary`) and when a rollout found its engine dead
+(:meth:`Engines.lost`); a lost engine's rank samples from another, a replacement starts in the
+background and takes the latest weights before its first request. The actors are owned by
+rank 0's process, so they end with the worker group (a restart creates new ones, which get the
+restored weights at their first sync).
 
-Every function here is entered by every rank at the same point of the step: a weight sync
+Every method here is entered by every rank at the same point of the step: a weight sync
 gathers each parameter under FSDP (a collective), and a barrier after it keeps any rank from
 sampling before the engines hold the new weights.
 """
@@ -24,6 +28,7 @@ from ray_trainer._rollout.actor import RemoteEngine, RolloutEngineDied
 from ray_trainer._rollout.engine import EngineSpec
 from ray_trainer._rollout.probe import Probe, logprob_diff, trainer_logprobs
 from ray_trainer._rollout.weights import full_tensors
+from ray_trainer._worker.objectives.grpo_pool import EnginePool
 
 
 def _barrier(world: int) -> None:
@@ -31,15 +36,20 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+def agree_max(values: list[float], world: int) -> list[float]:
+    """Each of `values`' largest over the ranks (a collective: every rank calls it)."""
+    if world == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def agree_any(flag: bool, world: int) -> bool:
     """Whether `flag` is set on any rank (a collective: every rank calls it)."""
-    if world == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
+    return agree_max([1.0 if flag else 0.0], world)[0] > 0
 
 
 def engine_name(actor_name: str, attempt: int, generation: int, index: int) -> str:
@@ -56,10 +66,11 @@ def create_engines(
     generation: int = 0,
     only: Any = None,
 ) -> dict[int, RemoteEngine]:
-    """Rank 0: the engines `only` (default: all ``rollout_workers``) of a worker-group start,
-    created (Ray starts each actor and returns at once: its model loads in the background)."""
+    """Rank 0: the engines `only` (default: ``max`` of ``rollout_workers``) of a worker-group
+    start, created (Ray starts each actor and returns at once: its model loads in the
+    background, and one that cannot be placed yet waits for a node)."""
     engines = {}
-    for i in range(args.rollout_workers) if only is None else only:
+    for i in range(args.rollout_range[1]) if only is None else only:
         name = engine_name(actor_name, attempt, generation, i)
         engines[i] = RemoteEngine(
             args.rollout_backend, spec, args.rollout_resources, name=name, namespace=namespace
@@ -82,54 +93,103 @@ class Engines:
         state: the rank's ``WorkerState`` (its spec, args, rank, world and model).
         spec: how each engine builds its model (the run's model, its LoRA fields).
         probe: the fixed completion both sides score after each sync.
+        wait_s: how long rank 0 waits for engines to come up (``grpo_pool.ENGINE_WAIT_S``).
     """
 
-    def __init__(self, state: Any, spec: EngineSpec, probe: Probe) -> None:
+    def __init__(self, state: Any, spec: EngineSpec, probe: Probe, **pool: Any) -> None:
         self.s = state
         self.spec = spec
         self.probe = probe
-        self.generation = 0
-        self.restarts = 0  # engines created again after they died
-        self.names: list[str] = []
-        self.engines: list[RemoteEngine] = []
-        self.version: int | None = None  # the policy version the engines hold (None: none)
+        self.version: int | None = None  # the policy version the serving engines hold
         self.last_sync: dict[str, float] = {}
+        low, high = state.args.rollout_range
+        self.pool = EnginePool(
+            low, high, state.rank, start=self._create, attach=self._attach,
+            wait=RemoteEngine.wait_any, **pool,
+        )  # fmt: skip
 
-    # ---- creating --------------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        """Engines started again after one was lost (counted on rank 0, 0 elsewhere)."""
+        return self.pool.replaced
 
-    def start(
-        self, only: list[int] | None = None, started: dict[int, RemoteEngine] | None = None
-    ) -> None:
-        """Rank 0 creates the engines (`only`: those indices again, under a new generation;
-        `started`: those it created already, `create_engines` at the worker-group start);
-        then every rank finds them by name (every rank computes the same names)."""
+    @property
+    def engines(self) -> list[RemoteEngine]:
+        """The serving engines, in slot order (the same on every rank)."""
+        return [self.pool.engine(i) for i in self.pool.serving]
+
+    def __len__(self) -> int:
+        return len(self.pool)
+
+    @property
+    def max_tries(self) -> int:
+        """How many times a step's rollout is tried before it fails: each failure takes an
+        engine out, and each slot's engine may be replaced once more than it failed."""
+        return 2 * self.pool.high + 1
+
+    # ---- creating and agreeing ---------------------------------------------------------------
+
+    def _create(self, index: int, generation: int) -> RemoteEngine:
+        s = self.s
+        made = create_engines(
+            s.args, self.spec, s.spec.actor_name, s.ctx.attempt, s.spec.actor_namespace,
+            generation, [index],
+        )  # fmt: skip
+        return made[index]
+
+    def _attach(self, index: int, generation: int) -> RemoteEngine:
         import ray
 
-        s, args = self.s, self.s.args
-        count = args.rollout_workers
-        if not self.names:
-            self.names = [""] * count
-        todo = range(count) if only is None else only
-        for i in todo:
-            self.names[i] = engine_name(s.spec.actor_name, s.ctx.attempt, self.generation, i)
-        if s.rank == 0:
-            engines = list(self.engines) or [None] * count
-            made = started or create_engines(
-                args, self.spec, s.spec.actor_name, s.ctx.attempt, s.spec.actor_namespace,
-                self.generation, todo,
-            )  # fmt: skip
-            for i in todo:
-                engines[i] = made[i]
-            self.engines = engines
-        _barrier(s.world_size)  # every engine's name is registered before the others look
-        if s.rank != 0:
-            self.engines = [
-                RemoteEngine.attach(ray.get_actor(name, namespace=s.spec.actor_namespace))
-                for name in self.names
-            ]
+        s = self.s
+        name = engine_name(s.spec.actor_name, s.ctx.attempt, generation, index)
+        return RemoteEngine.attach(ray.get_actor(name, namespace=s.spec.actor_namespace))
+
+    def start(self, started: dict[int, RemoteEngine] | None = None) -> None:
+        """Rank 0 creates the engines (`started`: those it created already, `create_engines`
+        at the worker-group start); every rank waits until ``min`` of them are up."""
+        if self.s.rank == 0:
+            self.pool.fill(started)
+        self._settle(need=self.pool.low)
+
+    def _round(self, lost: list[int] = (), need: int = 0) -> list[int]:
+        """One agreement on the serving set (a collective): the slots that joined."""
+        agreed = agree_max(self.pool.vote(lost, need), self.s.world_size)
+        return self.pool.apply(agreed, need).joined
+
+    def _settle(self, lost: list[int] = (), need: int = 0) -> list[int]:
+        """Agree on the serving set; with none serving, wait (bounded) for one: the slots that
+        joined, to sync before their first request."""
+        joined = self._round(lost, need)
+        while not len(self.pool):
+            joined += self._round(need=1)
+        return [i for i in dict.fromkeys(joined) if i in self.pool.serving]
+
+    def slot(self) -> int:
+        """The slot this rank samples from."""
+        return self.pool.slot_of(self.s.rank)
 
     def of_rank(self) -> RemoteEngine:
-        return self.engines[self.s.rank % len(self.engines)]
+        return self.pool.assign(self.s.rank)
+
+    def boundary(self, every: int) -> dict[str, float]:
+        """The step point (every rank): agree on the serving engines (the lost leave, the up
+        join), then the weights: every engine when due (every `every` steps, and before a
+        start's first rollout), else the joiners alone. The sync's metrics, or none."""
+        joined = self._settle()
+        if self.due(every):
+            self.sync()
+            return self.last_sync
+        if joined:
+            self._sync_joiners(joined)
+        return {}
+
+    def lost(self, failed: bool) -> None:
+        """After a rollout failed on some rank (agreed by every rank): the engine this rank
+        saw die (`failed`) leaves, the ranks agree on the engines left, and any joiner takes
+        the latest weights; then the rollout is tried again on the new assignment."""
+        joined = self._settle(lost=[self.slot()] if failed else [])
+        if joined:
+            self._sync_joiners(joined)
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -140,44 +200,62 @@ class Engines:
             if not lora or ".lora_" in name:
                 yield name, param
 
-    def sync(self, again: bool = False) -> None:
-        """Every engine takes the trainer's weights as policy version ``global_step`` (the
-        adapter alone under LoRA), then the probe: ``rollout/logprob_diff``. Every rank. An
-        engine found dead is restarted and the sync done again, once (`again`)."""
+    def _send(self, slots: list[int], version: int) -> tuple[float, list[int]]:
+        """The weights into the engines of `slots` as `version` (rank 0 sends; under FSDP
+        every rank gathers, once per engine): the bytes sent and the slots found dead."""
         s = self.s
-        version = s.progress.global_step
-        started = time.perf_counter()
-        sent = 0.0
-        dead = False
+        sent, dead = 0.0, []
         sharded = s.args.strategy == "fsdp"
-        for engine in self.engines:
+        for i in slots:
             named = full_tensors(self._named())  # under FSDP a gather per parameter
             if s.rank == 0 and not dead:
                 try:
-                    sent += engine.sync(named, version).bytes
+                    sent += self.pool.engine(i).sync(named, version).bytes
                 except RolloutEngineDied:
-                    dead = True
+                    dead.append(i)
             if s.rank != 0 and not sharded:
                 continue
             for _ in named:  # this rank's part of each gather (rank 0: what a death left)
                 pass
+        return sent, dead
+
+    def _sync_joiners(self, joined: list[int], rounds: int = 0) -> None:
+        """The joiners take the trainer's weights (the latest: version ``global_step``) before
+        their first request; one that dies meanwhile leaves, and who joins instead syncs."""
+        _, dead = self._send(joined, self.s.progress.global_step)
+        again = self._settle(lost=dead) if agree_any(bool(dead), self.s.world_size) else []
+        if again:
+            if rounds >= 2 * self.pool.high:
+                raise RolloutEngineDied(
+                    "grpo: rollout engines keep dying as they join; check rollout_resources "
+                    "and the engines' log"
+                )
+            self._sync_joiners(again, rounds + 1)
+        _barrier(self.s.world_size)  # no rank samples before its engine holds the weights
+
+    def sync(self) -> None:
+        """Every serving engine takes the trainer's weights as policy version ``global_step``
+        (the adapter alone under LoRA), then the probe: ``rollout/logprob_diff``. Every rank.
+        An engine found dead leaves (its replacement syncs when it joins)."""
+        s = self.s
+        version = s.progress.global_step
+        started = time.perf_counter()
+        serving = self.pool.serving
+        sent, dead = self._send(serving, version)
         diff = None
+        sharded = s.args.strategy == "fsdp"
         if sharded or s.rank == 0:  # the trainer's forward (a collective under FSDP)
             mine = trainer_logprobs(s.parallel.module(), self.probe)
-            if s.rank == 0 and not dead:
+            first = next((i for i in serving if i not in dead), None)
+            if s.rank == 0 and first is not None:
                 try:
-                    diff = logprob_diff(self.engines[0].probe(self.probe), mine)
+                    diff = logprob_diff(self.pool.engine(first).probe(self.probe), mine)
                 except RolloutEngineDied:
-                    dead = True
-        if agree_any(dead, s.world_size):  # every rank: restart, then this sync again
-            if again:
-                raise RolloutEngineDied(
-                    f"grpo: a rollout engine died during the weight sync of version {version}, "
-                    "was restarted and died again; check rollout_resources and its log"
-                )
-            self.restart_dead(resync=False)
-            self.sync(again=True)
-            return
+                    dead.append(first)
+        if agree_any(bool(dead), s.world_size):  # every rank: the dead leave
+            joined = self._settle(lost=dead)
+            if joined:  # none left but joiners, or joiners meanwhile: they sync now
+                self._sync_joiners(joined)
         _barrier(s.world_size)  # no rank samples before every engine holds `version`
         self.version = version
         self.last_sync = {"sync/seconds": time.perf_counter() - started, "sync/bytes": sent}
@@ -187,28 +265,12 @@ class Engines:
     def due(self, every: int) -> bool:
         return self.version is None or self.s.progress.global_step - self.version >= every
 
-    # ---- faults ----------------------------------------------------------------------------
-
-    def restart_dead(self, resync: bool = True) -> None:
-        """After a rollout found an engine dead (agreed by every rank): rank 0 creates the dead
-        ones again, every rank finds them, and every engine is synced again."""
-        s = self.s
-        dead = [i for i, e in enumerate(self.engines) if not e.alive()] if s.rank == 0 else []
-        if s.world_size > 1:  # every rank must name the same engines
-            box = [dead]
-            dist.broadcast_object_list(box, src=0)
-            dead = box[0]
-        self.generation += 1
-        self.restarts += len(dead)
-        self.start(only=dead)
-        if resync:
-            self.sync()
-
 
 __all__ = [
     "Engines",
     "RolloutEngineDied",
     "agree_any",
+    "agree_max",
     "create_engines",
     "engine_name",
     "starts_early",

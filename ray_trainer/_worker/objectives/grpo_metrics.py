@@ -32,7 +32,7 @@ ROLLOUT_SUMS = (
 #: The step's extremes, reduced with MAX over the ranks (after the loss's 2).
 MAXIMA = (
     "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
-    "sync/bytes", "rollout/logprob_diff",
+    "sync/bytes", "rollout/logprob_diff", "rollout/engines",
 )  # fmt: skip
 #: Asynchronous (``max_staleness`` >= 1): after the per-function sums, these sums ...
 ASYNC_SUMS = ("rollout/stale_dropped", "age_sum")
@@ -63,14 +63,16 @@ def rollout_sums(scored: Any, functions: int) -> list[float]:
 
 
 def rollout_extremes(
-    scored: Any, rollout_s: float, reward_s: float, sync: dict[str, float]
+    scored: Any, rollout_s: float, reward_s: float, sync: dict[str, float], engines: int = -1
 ) -> list[float]:
-    """This rank's :data:`MAXIMA` (``-inf``: none this step, e.g. no sync)."""
+    """This rank's :data:`MAXIMA` (``-inf``: none this step, e.g. no sync); `engines`: the
+    rollout engines serving after the step's rollout (-1: unknown)."""
     lengths = [len(x.completion_ids) for x in scored.completions]
     return [
         float(max(lengths, default=0)), -float(min(lengths, default=0)), rollout_s, reward_s,
         sync.get("sync/seconds", -math.inf), sync.get("sync/bytes", -math.inf),
         sync.get("rollout/logprob_diff", -math.inf),
+        float(engines) if engines >= 0 else -math.inf,
     ]  # fmt: skip
 
 
@@ -126,7 +128,7 @@ def step_metrics(
     out["rollout/seconds"] = mx["rollout/seconds"]
     out["rollout/tokens_per_s"] = r["completion_tokens"] / max(mx["rollout/seconds"], 1e-9)
     out["reward/seconds"] = mx["reward/seconds"]
-    for name in ("sync/seconds", "sync/bytes", "rollout/logprob_diff"):
+    for name in ("sync/seconds", "sync/bytes", "rollout/logprob_diff", "rollout/engines"):
         if mx[name] != -math.inf:  # a step without a sync has none
             out[name] = mx[name]
     if restarts:
