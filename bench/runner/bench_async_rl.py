@@ -36,15 +36,18 @@ The worker group is not restarted; the ranks go on with the engine left while a 
 starts and loads the latest weights. Reported: the median step time with two engines before
 the loss, with one (the dip: steps that logged `rollout/engines` 1) and with two again after
 the replacement joined (the recovery), the steps the pool was short, and the reward at the
-fixed step against the uninterrupted two-engine run of the same seed.
+fixed step against an uninterrupted twin (the same pool, seed and `--loss-steps`, run just
+before it each round).
 
 Usage: python bench/runner/bench_async_rl.py [--settings 1x0,1x1,1x2,2x0,2x1] [--seeds 2]
        [--steps 16] [--skip 3] [--rounds 2] [--prompts 64] [--batch-prompts 4]
        [--generations 8] [--completion-length 32] [--hidden-size 256] [--layers 4]
-       [--learning-rate 1e-3] [--threads 1] [--loss-step 6] [--quick | --smoke] [--json OUT]
+       [--learning-rate 1e-3] [--threads 1] [--loss-step 8] [--loss-steps 40]
+       [--quick | --smoke] [--json OUT]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): one engine at staleness 0 and 1, one seed, a model of
-width 32, 2 prompts x 2 generations of 4 tokens, 3 steps, one round, no engine-loss run.
+width 32, 2 prompts x 2 generations of 4 tokens, 3 steps, one round, no engine-loss run
+(``--quick`` has none either).
 """
 
 from __future__ import annotations
@@ -225,8 +228,10 @@ def main() -> dict:
     # lagging behind the synchronous run's shows at the fixed step.
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads a process")
-    parser.add_argument("--loss-step", type=int, default=6,
+    parser.add_argument("--loss-step", type=int, default=8,
                         help="the engine-loss run's step that loses an engine (0: no such run)")  # fmt: skip
+    parser.add_argument("--loss-steps", type=int, default=40,
+                        help="the engine-loss run's steps (and its uninterrupted twin's)")  # fmt: skip
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, 1 round")
@@ -236,12 +241,13 @@ def main() -> dict:
     opts = parser.parse_args()
     if opts.quick:
         opts.steps, opts.skip, opts.rounds, opts.hidden_size, opts.layers = 10, 2, 1, 128, 2
+        opts.loss_step = 0
     if opts.smoke:
         opts.settings, opts.seeds, opts.prompts, opts.steps, opts.skip = "1x0,1x1", 1, 8, 3, 1
         opts.rounds, opts.batch_prompts, opts.generations, opts.completion_length = 1, 2, 2, 4
         opts.hidden_size, opts.layers, opts.reward_window, opts.loss_step = 32, 1, 1, 0
-    if opts.loss_step and not 1 < opts.loss_step < opts.steps - 2:
-        parser.error(f"--loss-step {opts.loss_step}: between 2 and {opts.steps - 3}")
+    if opts.loss_step and not 1 < opts.loss_step < opts.loss_steps - 2:
+        parser.error(f"--loss-step {opts.loss_step}: between 2 and {opts.loss_steps - 3}")
     opts.reward_step = opts.reward_step or opts.steps
     settings = [parse_setting(s) for s in opts.settings.split(",")]
     if not 1 <= opts.seeds <= len(SEEDS):
@@ -275,14 +281,18 @@ def main() -> dict:
                       f"{run['steps_per_s']:.3f} steps/s, reward {run['reward']:.4f}, "
                       f"{_timings_text(run['timings'])}", flush=True)  # fmt: skip
         losses = []
+        # The engine-loss run and its uninterrupted twin (same seed and steps), each round.
+        at = argparse.Namespace(**{**vars(opts), "reward_step": opts.loss_steps})
         for r in range(opts.rounds if opts.loss_step else 0):
-            size = {"steps": opts.steps, "skip": opts.skip, "engines": 2, "staleness": 1,
+            size = {"steps": opts.loss_steps, "skip": opts.skip, "engines": 2, "staleness": 1,
                     "batch_prompts": opts.batch_prompts, "generations": opts.generations,
                     "completion_length": opts.completion_length}  # fmt: skip
             fields = {**async_fields(model, data, size, opts, storage, SEEDS[0]),
                       "rollout_workers": (1, 2)}  # fmt: skip
-            run = run_setting(fields, work, size, opts, (KillEngine(opts.loss_step),))
-            losses.append({**loss_figures(run["clock"], opts.loss_step), "reward": run["reward"]})
+            twin = run_setting(fields, work, size, at)
+            run = run_setting(fields, work, size, at, (KillEngine(opts.loss_step),))
+            losses.append({**loss_figures(run["clock"], opts.loss_step), "reward": run["reward"],
+                           "twin_reward": twin["reward"], "twin_step_s": twin["step_s"]})  # fmt: skip
             print(f"round {r}, engine lost at step {opts.loss_step}: {losses[-1]}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -291,7 +301,7 @@ def main() -> dict:
             run.pop("clock", None)  # the figures are in the report
     report = summarise(samples, opts)
     if losses:
-        report["engine_loss"] = summarise_loss(losses, samples, opts)
+        report["engine_loss"] = summarise_loss(losses, opts)
         report["table"] += "\n\n" + report["engine_loss"]["table"]
     report["seconds"] = time.perf_counter() - started
     report["machine"] = machine()
@@ -324,8 +334,8 @@ def summarise(samples: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
 
     sync_rewards = {int(k.split("@")[1]): med(v, "reward") for k, v in samples.items()
                     if k.startswith("1x0@")}  # fmt: skip
-    spread = max(sync_rewards.values()) - min(sync_rewards.values())
-    has_spread = len(sync_rewards) >= 2
+    has_spread = len(sync_rewards) >= 2  # none without a 1x0 setting (e.g. --settings 2x1)
+    spread = max(sync_rewards.values()) - min(sync_rewards.values()) if has_spread else 0.0
     ratios: dict[str, float] = {}
     rows = []
     for engines, staleness in settings:
@@ -378,7 +388,9 @@ def summarise(samples: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
             f"{'met' if met else 'MISSED'}."
         )
     return {
-        "table": "\n\n".join([table(rows), table(seeds_rows), note, target]),
+        "table": "\n\n".join(
+            [table(rows), *([table(seeds_rows)] if seeds_rows else []), note, target]
+        ),
         "ratios": ratios,
         "baseline": label(1, 0),
         "higher_is_better": True,
@@ -389,16 +401,15 @@ def summarise(samples: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
     }
 
 
-def summarise_loss(losses: list[dict], samples: dict[str, list[dict]], opts: Any) -> dict:
+def summarise_loss(losses: list[dict], opts: Any) -> dict:
     """The engine-loss run's table: the step time before, during and after the dip (medians
-    over the rounds), and its reward against the uninterrupted two-engine run's."""
+    over the rounds), and its reward against its uninterrupted twin's (same seed and steps)."""
 
     def med(key: str) -> float | None:
         known = [x[key] for x in losses if x[key] is not None]
         return statistics.median(known) if known else None
 
     before, dip, after = med("before_s"), med("dip_s"), med("after_s")
-    whole = samples.get(f"2x1@{SEEDS[0]}")
     rows = [{
         "run": f"2 engines (rollout_workers=(1, 2)), 2 workers, max_staleness=1, rank 1's "
                f"engine killed at the end of step {opts.loss_step}",
@@ -408,10 +419,9 @@ def summarise_loss(losses: list[dict], samples: dict[str, list[dict]], opts: Any
         "step after the rejoin (s)": f"{after:.3f}" if after else "-",
         "recovery (x before)": f"{after / before:.2f}" if after and before else "-",
         "steps short of an engine": f"{statistics.median(x['short_steps'] for x in losses):.0f}",
-        f"reward at step {opts.reward_step}": f"{statistics.median(x['reward'] for x in losses):.4f}",
-        "uninterrupted run's reward": (
-            f"{statistics.median(r['reward'] for r in whole):.4f}" if whole else "-"
-        ),
+        f"reward at step {opts.loss_steps}": f"{med('reward'):.4f}",
+        "uninterrupted twin's reward": f"{med('twin_reward'):.4f}",
+        "twin's step (s)": f"{med('twin_step_s'):.3f}",
     }]  # fmt: skip
     note = ("Engines by step (rollout/engines, each round): "
             + "; ".join(" ".join(str(n) for n in x["engines"]) for x in losses))  # fmt: skip
