@@ -10,6 +10,12 @@ out again every position not yet trained on, and no other: no prompt is skipped 
 even when completions were in flight (taken, not committed) when the checkpoint was written,
 or were trained on out of order.
 
+Per-prompt states, as a run goes (``_worker/objectives/grpo_states.py`` writes them, one file
+per rank and worker-group start in ``<run>/ledger/``): :func:`read_states` reads them back and
+:func:`audit` checks that every prompt of each epoch was trained exactly once in the run's final
+lineage (the steps a resume rolled back do not count), counting what was dropped for staleness
+and asked for again.
+
 A position is what ``Completion.prompt_index`` records (``ray_trainer/_rollout/types.py``);
 :meth:`PromptLedger.row` turns it into the data row. Steps take positions across an epoch's end
 (the last prompts of one epoch and the first of the next may share a step), so none is dropped.
@@ -17,8 +23,10 @@ A position is what ``Completion.prompt_index`` records (``ray_trainer/_rollout/t
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 #: The version of :meth:`PromptLedger.state_dict`'s layout.
@@ -161,3 +169,101 @@ class PromptLedger:
         ]
         ledger._next = max(last + 1, ledger._done_below)
         return ledger
+
+
+# ---- per-prompt states ------------------------------------------------------------------------
+
+#: What a prompt goes through, in order (``requeued`` and ``dropped`` send it back to
+#: ``in_flight``; ``training``: its step given to the optimizer, ``trained``: that step done);
+#: ``start`` begins a worker-group start's lines.
+STATES = ("queued", "in_flight", "requeued", "dropped", "scored", "training", "trained")
+
+
+@dataclass
+class Segment:
+    """One rank's lines of one worker-group start (the call's launch id and the attempt name
+    the start): the step its checkpoint restored, when it started, and its records in order."""
+
+    launch: str
+    rank: int
+    attempt: int
+    restored: int
+    started: float
+    in_flight_steps: list[int]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_states(folder: Any) -> list[Segment]:
+    """The segments in a run's ``ledger`` folder (a ``Location``), by start time."""
+    segments: list[Segment] = []
+    for name in folder.listdir():
+        if not name.endswith(".jsonl"):
+            continue
+        current: Segment | None = None
+        for line in (folder.child(name).read_text() or "").splitlines():
+            record = json.loads(line)
+            if record["state"] == "start":
+                current = Segment(
+                    record["launch"], record["rank"], record["attempt"], record["step"], record["time"],
+                    record.get("in_flight_steps", []),
+                )  # fmt: skip
+                segments.append(current)
+            elif current is None:
+                raise LedgerError(f"{folder.name}/{name}: a record before its start line: {line}")
+            else:
+                current.records.append(record)
+    return sorted(segments, key=lambda seg: (seg.started, seg.rank))
+
+
+@dataclass
+class Audit:
+    """What :func:`audit` found: per (epoch, row), the times trained in the final lineage,
+    dropped for staleness and asked for again after a lost request; the prompts whose training
+    a resume rolled back (trained again after it)."""
+
+    trained: dict[tuple[int, int], int]
+    dropped: dict[tuple[int, int], int]
+    requeued: dict[tuple[int, int], int]
+    rolled_back: int
+
+    def problems(self, num_prompts: int, epochs: Iterable[int]) -> list[str]:
+        """Every prompt of each of `epochs` not trained exactly once (empty: none)."""
+        out = []
+        for epoch in epochs:
+            for row in range(num_prompts):
+                times = self.trained.get((epoch, row), 0)
+                if times != 1:
+                    out.append(f"epoch {epoch}, prompt row {row}: trained {times} times")
+        return out
+
+
+def audit(segments: list[Segment]) -> Audit:
+    """Read the segments' records. A worker-group start that a later one followed (a restart,
+    or a new call continuing the run) trained the steps up to the checkpoint that later start
+    restored (the checkpoint proves them; its steps after it were rolled back); the last start
+    trained the steps it noted ``trained``."""
+    trained: dict[tuple[int, int], int] = {}
+    dropped: dict[tuple[int, int], int] = {}
+    requeued: dict[tuple[int, int], int] = {}
+    rolled_back = 0
+    starts: dict[tuple[str, int], tuple[float, int]] = {}  # its first start time, restored step
+    for seg in segments:
+        first = starts.get((seg.launch, seg.attempt), (seg.started, seg.restored))
+        starts[(seg.launch, seg.attempt)] = (min(first[0], seg.started), seg.restored)
+    for seg in segments:
+        began = starts[(seg.launch, seg.attempt)][0]
+        cut = min((step for t, step in starts.values() if t > began), default=None)
+        counts_as = "trained" if cut is None else "training"
+        for r in seg.records:
+            keys = [(r.get("epoch", 0), row) for row in r["rows"]]
+            if r["state"] == counts_as:
+                if cut is not None and r["step"] > cut:
+                    rolled_back += len(keys)
+                    continue
+                for key in keys:
+                    trained[key] = trained.get(key, 0) + 1
+            elif r["state"] in ("dropped", "requeued"):
+                counts = dropped if r["state"] == "dropped" else requeued
+                for key in keys:
+                    counts[key] = counts.get(key, 0) + 1
+    return Audit(trained, dropped, requeued, rolled_back)

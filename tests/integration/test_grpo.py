@@ -66,13 +66,19 @@ class Logs(TrainerCallback):
             f.write(json.dumps({**record, **(context.batch_metrics or {})}) + "\n")
 
 
+class ActorLogs(Logs):
+    """The callback actor: every log's metrics (GRPO's among them)."""
+
+    runs_on = "actor"
+
+
 class KillEngineOnce(TrainerCallback):
     """Rank 0, first attempt: both engines up before step 1 (so both serve from it); at the end
     of step 1 rank 1's engine (slot 1) is killed, and this waits until its death is known; at
     the end of step 2, until its replacement (slot 1, generation 1) answers, so that it joins
-    at step 3; at the end of step 3 the replacement's ``info`` (the version it holds, the
-    requests it answered) is recorded with the seconds these waits held training (prefix
-    "joiner")."""
+    at step 3, and the callback actor is killed (Ray restarts it); at the end of step 3 the
+    replacement's ``info`` (the version it holds, the requests it answered) is recorded with the
+    seconds these waits held training (prefix "joiner")."""
 
     runs_on = "rank0"
 
@@ -98,6 +104,9 @@ class KillEngineOnce(TrainerCallback):
             self._wait(lambda: _answers(1, 0) is None, "the killed engine's death known")
         elif context.global_step == 2:
             self._wait(lambda: _answers(1, 1), "the replacement engine up")
+            from ray_trainer._contract import NAMESPACE, actor_name
+
+            ray.kill(ray.get_actor(actor_name("grpo"), namespace=NAMESPACE), no_restart=False)
         elif context.global_step == 3:
             record = {**_answers(1, 1), "held_s": self.held_s}
             with open(os.path.join(self.folder, f"joiner-{os.getpid()}.jsonl"), "a") as f:
@@ -134,7 +143,7 @@ def run(ray_session, tmp_path_factory):
             prompt = [{"role": "user", "content": f"Count to {i % 5}."}]
             f.write(json.dumps({"prompt": prompt, "id": i}) + "\n")
     folder = root / "records"
-    folder.mkdir()
+    (folder / "actor").mkdir(parents=True)
     result = run_training(
         objective="grpo", model=model, data=str(root / "prompts.jsonl"), run_name="grpo",
         reward_fns=[scored_to(str(folder))], lora=LORA, seed=SEED,
@@ -145,7 +154,8 @@ def run(ray_session, tmp_path_factory):
         max_length=48, num_workers=2, packing=True,
         batch_size=2, max_steps=STEPS, save_every_steps=2, max_failures=1, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
-        callbacks=[Logs(str(folder)), KillRank1Once(step=3), KillEngineOnce(str(folder))],
+        callbacks=[Logs(str(folder)), ActorLogs(str(folder / "actor")), KillRank1Once(step=3),
+                   KillEngineOnce(str(folder))],
     )  # fmt: skip
     return root, folder, result
 
@@ -228,6 +238,46 @@ def test_no_prompt_is_skipped_or_repeated_across_the_crash(run):
     assert times == {s: PER_STEP * (2 if s == 2 else 1) for s in range(STEPS)}
 
 
+def test_the_ledger_trains_every_prompt_once_after_the_combined_faults(run):
+    """The run's own per-prompt ledger (``<run>/ledger/``, one file per rank and worker-group
+    start) after an engine killed with a request in flight, the callback actor killed and
+    restarted, and rank 1 killed (the run resumed from its step-2 checkpoint): read back by
+    prompt id, every prompt of the first epoch was trained exactly once, and the second epoch's
+    first step's four once; step 3's training before the crash was rolled back."""
+    from ray_trainer._data.packing import epoch_order
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+    from ray_trainer._storage import locate
+
+    root, folder, _ = run
+    segments = read_states(locate(str(root / "storage" / "grpo" / "ledger")))
+    # Two worker-group starts of two ranks: the first from scratch, the second from step 2.
+    assert sorted((g.attempt, g.rank, g.restored) for g in segments) == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 2), (1, 1, 2)
+    ]  # fmt: skip
+    # The step-2 checkpoint held the queue's state: step 3's rollout in flight (asked again).
+    assert [g.in_flight_steps for g in segments if g.attempt == 1] == [[3], [3]]
+    found = audit(segments)
+    ids = [json.loads(line)["id"] for line in (root / "prompts.jsonl").open()]
+    assert ids == list(range(PROMPTS))  # the data's "id" column is its row
+    assert found.problems(PROMPTS, epochs=[0]) == []
+    second = epoch_order(PROMPTS, SEED, 1).tolist()[:PER_STEP]
+    assert {row for (epoch, row) in found.trained if epoch == 1} == set(second)
+    assert found.rolled_back == PER_STEP  # step 3, trained before the crash, again after it
+    assert not found.dropped  # synced every step: nothing stale
+    # The killed engine's request, if it was still in flight (step 2's or 3's, rank 1's prompts),
+    # was asked for again, on the engine left.
+    order = epoch_order(PROMPTS, SEED, 0).tolist()
+    assert {row for (_, row) in found.requeued} <= set(order[PER_STEP : 3 * PER_STEP])
+    # Every record names a state of the ledger and the steps it trained are the run's.
+    from ray_trainer._objectives.grpo_ledger import STATES
+
+    assert {r["state"] for g in segments for r in g.records} <= set(STATES)
+    # The callback actor was killed after step 2 and restarted by Ray: two processes saw the
+    # logs, and between them every step's.
+    assert len(list((folder / "actor").glob("logs-*.jsonl"))) == 2  # one file per process
+    assert {r["step"] for r in read_records(str(folder / "actor"), "logs")} >= {1, 4}
+
+
 # -- FSDP2, full-weight sync, composed ------------------------------------------------------------
 
 FSDP_STEPS = 4  # num_iterations=2: rollouts at steps 1 and 3, each trained on twice
@@ -241,12 +291,6 @@ def checkpoint_step(checkpoint_path: str, step: int) -> dict:
     """An ``EvalOnSave`` task: the step its checkpoint holds."""
     with open(os.path.join(checkpoint_path, "trainer_state.json")) as f:
         return {"checkpoint_step": float(json.load(f)["global_step"])}
-
-
-class ActorLogs(Logs):
-    """The callback actor: every log's metrics (GRPO's among them)."""
-
-    runs_on = "actor"
 
 
 @pytest.fixture(scope="module")

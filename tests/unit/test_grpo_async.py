@@ -25,12 +25,15 @@ from torch import nn
 import ray_trainer._worker.objectives.grpo as grpo_module
 from ray_trainer import TrainingArgs
 from ray_trainer._errors import TrainingArgsError
+from ray_trainer._objectives.grpo_ledger import audit, read_states
 from ray_trainer._rollout.actor import RolloutEngineDied
 from ray_trainer._rollout.rewards import score_step
 from ray_trainer._rollout.types import Completion
+from ray_trainer._storage import locate
 from ray_trainer._worker.objectives.grpo import LEDGER, GrpoObjective
 from ray_trainer._worker.objectives.grpo_async import RolloutQueue, split_stale
 from ray_trainer._worker.objectives.grpo_batch import PromptDataset
+from ray_trainer._worker.objectives.grpo_states import PromptStates
 
 VOCAB = 11
 GENERATIONS = 2
@@ -109,6 +112,9 @@ class _Engines:
     def of_rank(self):
         return self.engine
 
+    def slot(self):
+        return 0
+
 
 class _Toy(nn.Module):
     def __init__(self) -> None:
@@ -130,11 +136,15 @@ def _run(
     session=None,
     total=None,
     max_staleness=1,
+    ledger=None,
+    die_at=(),
     **grpo,
 ):
     """The loop's part over one epoch of the objective's steps, from loader step `start`:
     returns the session (objective, engine, the rows trained and their completions' versions
-    per step, the metrics per step)."""
+    per step, the metrics per step). With `ledger` (a folder, this session's attempt number
+    and the steps its checkpoint had in flight), the per-prompt ledger is written there; `die_at`: the engine's requests (by
+    count) whose answer is lost, as a dead engine's."""
     trained: list[list[int]] = []
     versions: list[list[int]] = []
     scored_on: dict[frozenset[int], list[str]] = {}  # the threads that scored each set of rows
@@ -173,6 +183,11 @@ def _run(
     now = [0.0]  # the loop's clock: each step trains for 10 s
     objective.queue.clock = lambda: now[0]
     objective.engines = _Engines(state, objective.queue.clock)  # made: _start leaves them
+    objective.engines.engine.die_at = set(die_at)
+    if ledger is not None:  # what `_start` does in a worker, to a local folder
+        folder, attempt, in_flight = ledger
+        objective.states = PromptStates(locate(str(folder)), 0, attempt)
+        objective.states.start("launch", start, in_flight)
     note = objective._note_rollout
 
     def noted(scored, *args, **kwargs):  # the step's scored completions: what it trains on
@@ -197,6 +212,8 @@ def _run(
             break
         if progress.global_step >= state.total_steps:  # the loop's end: max_steps
             break
+    if session is None:  # the loop's end (not a crash): the last step is trained
+        objective.end(state)
     steps = [sorted(order[i * per_step : (i + 1) * per_step]) for i in range(rows // per_step)]
     return SimpleNamespace(objective=objective, engine=objective.engines.engine, trained=trained,
                            versions=versions, metrics=metrics, depths=depths, steps=steps,
@@ -264,6 +281,42 @@ def test_a_resume_samples_again_the_prompts_whose_requests_were_in_flight(monkey
     second = _run(monkeypatch, rows=16, max_staleness=2, start=4)
     assert first.trained + second.trained == first.steps  # each once, in order, across both
     assert second.versions[0] == [4] * (2 * GENERATIONS)  # sampled again by the restored policy
+
+
+def test_the_ledger_trains_every_prompt_once_across_drops_a_lost_request_and_a_crash(
+    monkeypatch, tmp_path
+):
+    """The per-prompt ledger (``<run>/ledger/``) over a session with stale drops (k=1, synced
+    every 2 steps), a request lost with its engine, and a crash after step 4 with step 5's
+    request in flight, then the resume from that step's checkpoint: read back by prompt, every
+    prompt of the epoch was trained exactly once; the drops and the lost request are counted
+    against the prompts they hit, and the resume names the step its checkpoint had in flight."""
+    folder = tmp_path / "ledger"
+    first = _run(monkeypatch, rows=16, sync_every=2, session=4, ledger=(folder, 0, []),
+                 die_at={2})  # fmt: skip
+    saved = first.saved[-1]
+    assert saved["step_in_epoch"] == 4 and saved["in_flight_steps"] == [5]  # 1-based
+    second = _run(monkeypatch, rows=16, sync_every=2, start=4, ledger=(folder, 1, [5]))
+    assert first.trained + second.trained == first.steps
+    segments = read_states(locate(str(folder)))
+    assert [(g.attempt, g.restored, g.in_flight_steps) for g in segments] == [
+        (0, 0, []),
+        (1, 4, [5]),
+    ]
+    found = audit(segments)
+    assert found.problems(16, epochs=[0]) == []  # every prompt once
+    # The lost request (the engine's 2nd: step 3's, 1-based) was asked for again.
+    assert set(found.requeued) == {(0, r) for r in first.steps[2]}
+    # The stale drops, by prompt, are those the metrics counted (each prompt's group whole).
+    dropped = sum(m["rollout/stale_dropped"] for m in first.metrics + second.metrics)
+    assert dropped > 0 and sum(found.dropped.values()) * GENERATIONS == dropped
+    # The crashed session's step 5 request was in flight, never trained: nothing rolled back
+    # (the crash came after step 4's checkpoint), and each state a prompt went through is
+    # named by its step: queued, in flight, scored, training, trained.
+    states = {r["state"] for g in segments for r in g.records}
+    assert states == {"queued", "in_flight", "requeued", "dropped", "scored", "training",
+                      "trained"}  # fmt: skip
+    assert found.rolled_back == 0
 
 
 def test_no_rollout_is_requested_past_the_runs_last_step(monkeypatch):

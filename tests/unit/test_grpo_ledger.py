@@ -91,3 +91,59 @@ def test_a_ledger_refuses_what_would_repeat_a_prompt_or_misname_one():
         PromptLedger.from_state({**state, "version": 9})
     with pytest.raises(LedgerError, match="at least one prompt"):
         PromptLedger(0)
+
+
+# ---- the per-prompt states read back (``<run>/ledger/``) -------------------------------------
+
+
+def _write(folder, launch, attempt, rank, restored, started, steps, last=False):
+    """One rank's ledger lines of a worker-group start: `steps` maps a 1-based step to its rows
+    (each given to the optimizer; with `last`, each completed too)."""
+    from ray_trainer._worker.objectives.grpo_states import PromptStates
+
+    states = PromptStates(folder, rank, attempt, clock=lambda: started)
+    states.start(launch, restored, [])
+    for step, rows in steps.items():
+        states.note("queued", step, 0, rows)
+        states.note("in_flight", step, 0, rows, engine=0)
+        states.note("scored", step, 0, rows)
+        states.note("training", step, 0, rows)
+        if last:
+            states.note("trained", step, 0, rows)
+    states.flush()
+
+
+def test_the_audit_counts_what_the_checkpoint_kept_and_the_last_start_trained(tmp_path):
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+    from ray_trainer._storage import locate
+
+    folder = locate(str(tmp_path / "ledger"))
+    rows = {s: [2 * (s - 1), 2 * (s - 1) + 1] for s in range(1, 7)}  # 12 prompts, 2 a step
+    # Two ranks, one prompt each per step; the first start trains steps 1-4 and crashes, its
+    # checkpoint at step 2; the second (a restart) resumes there and trains 3-4; a new call
+    # (another launch) resumes from step 4 and finishes 5-6.
+    for rank in (0, 1):
+        mine = {s: r[rank::2] for s, r in rows.items()}
+        _write(folder, "a", 0, rank, 0, 100.0 + rank, {s: mine[s] for s in (1, 2, 3, 4)})
+        _write(folder, "a", 1, rank, 2, 200.0 + rank, {s: mine[s] for s in (3, 4)})
+        _write(folder, "b", 0, rank, 4, 300.0 + rank, {s: mine[s] for s in (5, 6)}, last=True)
+    found = audit(read_states(folder))
+    assert found.problems(12, epochs=[0]) == []
+    assert found.rolled_back == 4  # steps 3 and 4 of the first start: 2 prompts each
+    # A prompt trained twice in the final lineage is named, and so is one never trained.
+    _write(folder, "c", 0, 0, 6, 400.0, {7: [0]}, last=True)  # epoch 0 again: row 0 twice
+    problems = audit(read_states(folder)).problems(12, epochs=[0])
+    assert problems == ["epoch 0, prompt row 0: trained 2 times"]
+    empty = locate(str(tmp_path / "other"))
+    _write(empty, "a", 0, 0, 0, 1.0, {1: [0]}, last=True)
+    missing = audit(read_states(empty)).problems(2, epochs=[0])
+    assert missing == ["epoch 0, prompt row 1: trained 0 times"]
+
+
+def test_a_ledger_line_before_its_start_is_refused(tmp_path):
+    from ray_trainer._objectives.grpo_ledger import read_states
+    from ray_trainer._storage import locate
+
+    (tmp_path / "attempt0-rank0.jsonl").write_text('{"state":"queued","step":1,"rows":[0]}\n')
+    with pytest.raises(LedgerError, match=r"attempt0-rank0\.jsonl: a record before its start"):
+        read_states(locate(str(tmp_path)))

@@ -60,6 +60,10 @@ class WorkerObjective:
         step pays nothing. GRPO turns each step's prompts into its completions here."""
         return steps
 
+    def end(self, state: Any) -> None:
+        """Called on every rank after the run's last step (not after a failure): the last step
+        is trained (GRPO notes it in its prompt ledger)."""
+
     def step_loss(
         self, workload: Any, model: torch.nn.Module, batch: dict[str, Any], targets: int
     ) -> tuple[Any, torch.Tensor]:

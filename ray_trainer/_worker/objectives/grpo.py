@@ -80,6 +80,7 @@ from ray_trainer._worker.objectives.grpo_metrics import (
     rollout_sums,
     step_metrics,
 )
+from ray_trainer._worker.objectives.grpo_states import PromptStates
 from ray_trainer._worker.step.micro_batches import MicroBatch
 
 #: ``TrainerState.extra`` key of the prompt ledger's record.
@@ -121,12 +122,18 @@ class GrpoObjective(WorkerObjective):
         #: ``max_staleness`` k >= 1: this rank's rollout requests in flight (None: synchronous).
         k = self.args.max_staleness
         self.queue: RolloutQueue | None = RolloutQueue(k) if k else None
+        #: The per-prompt ledger of this worker-group start (``grpo_states.py``), and the step
+        #: being trained: (its 1-based step, epoch, rows), noted trained once the step is done.
+        self.states = PromptStates(None, 0, 0)  # nothing written until a start locates it
+        self._launch, self._rank, self._attempt = "", 0, 0
+        self._training: tuple[int, int, list[int]] | None = None
 
     # ---- the workload ------------------------------------------------------------------
 
     def begin(self, spec: Any, rank: int, attempt: int) -> None:
         """Rank 0 creates this worker-group start's engines now, so that each loads its model
         while the ranks load theirs (unless it shares their GPU: ``starts_early``)."""
+        self._launch, self._rank, self._attempt = spec.launch_id, rank, attempt
         if rank == 0 and starts_early(self.args.rollout_resources):
             self._started = create_engines(
                 self.args, self._engine_spec(), spec.actor_name, attempt, spec.actor_namespace
@@ -189,7 +196,10 @@ class GrpoObjective(WorkerObjective):
                 if i > first:
                     no_sync = [-math.inf] * 3  # no sync, no probe (the engines stay)
                     self._extremes = self._extremes[:4] + no_sync + self._extremes[7:]
+                if i == k - 1:  # the rollout's last pass: its prompts trained once it is done
+                    self._train(state, _rows(prompts))
                 yield batches
+                self.end(state)
             first = 0
 
     def _async_steps(
@@ -200,21 +210,49 @@ class GrpoObjective(WorkerObjective):
         ahead: deque[list[MicroBatch]] = deque()
         k = self.args.max_staleness
         self.queue.clear()  # a new epoch (or start): nothing requested for its steps yet
+        p = state.progress
         for prompts in steps:
-            ahead.append(prompts)
+            ahead.append(prompts)  # the loader dealt them: step global_step + len(ahead)'s
+            self.states.note("queued", p.global_step + len(ahead), p.epoch, _rows(prompts))
             if len(ahead) > k:
                 yield self._async_step(state, ahead)
+                self.end(state)
         while ahead:
             yield self._async_step(state, ahead)
+            self.end(state)
 
     def _async_step(self, state: Any, ahead: deque[list[MicroBatch]]) -> list[MicroBatch]:
         """The oldest step of `ahead` rolled out (the others' rollouts requested), its ledger
         record the step it completes."""
-        batches = self.rollout_step(state, ahead.popleft(), list(ahead))
-        state.progress.extra[LEDGER] = {
-            **self._ledger(state), "step_in_epoch": state.progress.step_in_epoch + 1
+        p = state.progress
+        prompts = ahead.popleft()
+        batches = self.rollout_step(state, prompts, list(ahead))
+        # The queue's state: the steps whose rollouts are in flight once this one is trained
+        # (a resume from this step's checkpoint deals their prompts and asks for them again).
+        in_flight = list(range(p.global_step + 2, p.global_step + 2 + len(self.queue)))
+        p.extra[LEDGER] = {
+            **self._ledger(state), "step_in_epoch": p.step_in_epoch + 1,
+            "in_flight_steps": in_flight,
         }  # fmt: skip
+        self._train(state, _rows(prompts))
         return batches
+
+    def _train(self, state: Any, rows: list[int]) -> None:
+        """The step now given to the loop trains `rows`: noted (``training``), and this step's
+        ledger lines written, before it trains (a checkpoint of it finds them written)."""
+        p = state.progress
+        self._training = (p.global_step + 1, p.epoch, rows)
+        self.states.note("training", *self._training)
+        self.states.flush()
+
+    def end(self, state: Any) -> None:
+        """The step given to the loop is done (the loop came back for the next one, or the run
+        ended): its prompts trained; this step's ledger lines written."""
+        done = self._training
+        if done is not None and state.progress.global_step >= done[0]:
+            self._training = None
+            self.states.note("trained", *done)
+        self.states.flush()
 
     def _start(self, s: Any) -> None:
         """At each epoch's first step; once per worker-group start (after the resume): the
@@ -229,6 +267,13 @@ class GrpoObjective(WorkerObjective):
             self.engines = Engines(s, self._engine_spec(), probe)
             self.engines.start(started=self._started)
             self._started = None
+            run = getattr(s, "run", None)
+            folder = run.child("ledger") if run is not None else None
+            self.states = PromptStates(folder, self._rank, self._attempt)
+            saved = s.progress.extra.get(LEDGER) or {}
+            self.states.start(
+                self._launch, s.progress.global_step, saved.get("in_flight_steps", [])
+            )
 
     def _ledger(self, s: Any) -> dict[str, Any]:
         p = s.progress
@@ -242,19 +287,25 @@ class GrpoObjective(WorkerObjective):
         steps requested too. Every rank, at the same point (syncs and agreements are
         collectives)."""
         c = self.config
-        step = s.progress.global_step
+        step, epoch = s.progress.global_step, s.progress.epoch
         rows = _rows(prompt_batches)
         taken, wait_s = None, 0.0
         if self.queue is not None:  # the request sent a step (or more) ago, if any
             started = time.perf_counter()
             taken = self.queue.take(rows, step)
             wait_s = time.perf_counter() - started
+        else:
+            self.states.note("queued", step + 1, epoch, rows)
         sync = self.engines.boundary(self.config.sync_every)  # who serves, and the weights
         started = time.perf_counter()
         if taken is None:
             completions = self._generate(s, rows, step)
         else:  # what was stale, or lost with its engine, sampled again now (no-one else waits)
             missing = taken.missing
+            if taken.died:
+                self.states.note("requeued", step + 1, epoch, missing, why="engine lost")
+            elif taken.dropped:  # (missing without a drop: nothing was requested yet)
+                self.states.note("dropped", step + 1, epoch, missing, completions=taken.dropped)
             completions = taken.kept + self._generate(s, missing, step, None if missing else [])
             self._request_ahead(s, upcoming, step)
         rollout_s = time.perf_counter() - started  # asynchronous: the engine's time added
@@ -284,6 +335,7 @@ class GrpoObjective(WorkerObjective):
                 pad_to=s.loader.pad_to, layout=s.loader.layout,
             )  # fmt: skip
             out.append(batch)
+        self.states.note("scored", step + 1, epoch, rows)
         self._note_rollout(scored, rollout_s, reward_s, sync, taken, wait_s, step)
         if c.log_completions and s.rank == 0:
             self._log_completions(s, scored, advantages, step)
@@ -321,6 +373,8 @@ class GrpoObjective(WorkerObjective):
             ahead = step + 1 + j
             score = functools.partial(self._score, s, ahead)
             queue.submit(self.engines.of_rank(), rows, prompt_ids, self._params(s, ahead), score)
+            self.states.note("in_flight", ahead + 1, s.progress.epoch, rows,
+                             engine=self.engines.slot())  # fmt: skip
 
     def _generate(
         self, s: Any, rows: list[int], step: int, completions: list[Any] | None = None
@@ -333,13 +387,16 @@ class GrpoObjective(WorkerObjective):
         prompt_ids = [self.prompts[r].prompt_ids for r in rows]
         error = None
         tries = self.engines.max_tries
+        epoch = s.progress.epoch
         for attempt in range(tries):
             failed = False
             if completions is None:
+                self.states.note("in_flight", step + 1, epoch, rows, engine=self.engines.slot())
                 try:
                     completions = self.engines.of_rank().generate(prompt_ids, params, rows)
                 except RolloutEngineDied as e:
                     error, failed = e, True
+                    self.states.note("requeued", step + 1, epoch, rows, why="engine lost")
             if not agree_any(completions is None, s.world_size):
                 return completions
             if attempt == tries - 1:

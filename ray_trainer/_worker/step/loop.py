@@ -58,6 +58,7 @@ def run_worker(spec: RunSpec) -> None:
         maybe_resume(s)
         hooks.fire("on_train_begin")
         train(s)
+        s.workload.objective.end(s)
     except BaseException as exc:
         failed = True
         s.ctx.exception = exc

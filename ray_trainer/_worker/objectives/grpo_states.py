@@ -1,0 +1,79 @@
+"""Training worker: GRPO's per-prompt ledger, what happened to each prompt, as it happened.
+
+Each rank notes the states its prompts go through (``_objectives/grpo_ledger.STATES``):
+``queued`` when the loader deals them to the rank, ``in_flight`` when a rollout request for them
+goes to an engine (its slot), ``requeued`` when that request is lost (its engine died) and they
+are asked for again, ``dropped`` when their completions were sampled more than
+``max_staleness`` versions ago (sampled again at once), ``scored`` once their rewards are in, and
+``trained`` once the optimizer step that took them is done. A worker-group start notes
+``start``, with the step its checkpoint restored and the steps whose rollouts the checkpoint's
+queue had in flight (asked for again now).
+
+The lines of a step are written together, once per step, to
+``<run>/ledger/attempt<a>-rank<r>.jsonl`` on local storage (appended; one small write per step
+and rank, no collective). On a bucket, which cannot append, each write is a part of its own
+(``...-rank<r>-<n>.jsonl``). ``_objectives/grpo_ledger.read_states`` reads the folder back and
+``audit`` checks it: every prompt of an epoch trained exactly once in the run's final lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class PromptStates:
+    """One rank's ledger lines for one worker-group start (attempt).
+
+    Args:
+        folder: the run's ``ledger`` folder (a ``Location``; None: nothing written).
+        rank, attempt: whose lines these are.
+        clock: the wall clock a start is stamped with (starts are ordered by it).
+    """
+
+    def __init__(
+        self, folder: Any, rank: int, attempt: int, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.folder, self.clock = folder, clock
+        self.rank, self.attempt = rank, attempt
+        self.lines: list[str] = []
+        self._parts = 0
+
+    def start(self, launch: str, restored: int, in_flight_steps: list[int]) -> None:
+        """This worker-group start's first line: the call's `launch` id, the step its
+        checkpoint restored (0: none), and the steps whose rollouts that checkpoint's queue had
+        in flight (their prompts are dealt and asked for again now)."""
+        record = {
+            "state": "start", "launch": launch, "rank": self.rank, "attempt": self.attempt,
+            "step": restored, "time": self.clock(), "in_flight_steps": list(in_flight_steps),
+        }  # fmt: skip
+        self.lines.append(json.dumps(record, separators=(",", ":")))
+
+    def note(self, state: str, step: int, epoch: int, rows: list[int], **extra: Any) -> None:
+        """`rows` (data rows of epoch `epoch`) reached `state` for step `step` (1-based: the
+        optimizer step that trains them)."""
+        if rows:
+            record = {"state": state, "step": step, "epoch": epoch, "rows": list(rows), **extra}
+            self.lines.append(json.dumps(record, separators=(",", ":")))
+
+    def flush(self) -> None:
+        """Write the lines noted since the last flush (nothing when there are none)."""
+        if not self.lines or self.folder is None:
+            self.lines.clear()
+            return
+        text = "".join(line + "\n" for line in self.lines)
+        self.lines.clear()
+        name = f"attempt{self.attempt}-rank{self.rank}"
+        if self.folder.is_local:
+            os.makedirs(self.folder.path, exist_ok=True)
+            with open(os.path.join(self.folder.path, f"{name}.jsonl"), "a") as f:
+                f.write(text)
+            return
+        self._parts += 1
+        self.folder.child(f"{name}-{self._parts:06d}.jsonl").write_text(text)
+
+
+__all__ = ["PromptStates"]
