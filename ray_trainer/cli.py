@@ -110,11 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="no per-log progress lines")
 
     # The cluster commands define their own options, beside the code that reads them.
-    from ray_trainer._client import control, grafana, plot, status, submit
+    from ray_trainer._client import control, grafana, ledger, plot, status, submit
 
     status.add_parser(sub)
     grafana.add_parser(sub)
     plot.add_parser(sub)
+    ledger.add_parser(sub)
     control.add_parsers(sub)
     submit.add_parser(sub)
     return parser

@@ -190,6 +190,7 @@ class Segment:
     restored: int
     started: float
     in_flight_steps: list[int]
+    prompts: int = 0  # the data's prompts
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -205,7 +206,7 @@ def read_states(folder: Any) -> list[Segment]:
             if record["state"] == "start":
                 current = Segment(
                     record["launch"], record["rank"], record["attempt"], record["step"], record["time"],
-                    record.get("in_flight_steps", []),
+                    record.get("in_flight_steps", []), record.get("prompts", 0),
                 )  # fmt: skip
                 segments.append(current)
             elif current is None:
@@ -225,6 +226,31 @@ class Audit:
     dropped: dict[tuple[int, int], int]
     requeued: dict[tuple[int, int], int]
     rolled_back: int
+    num_prompts: int = 0  # the data's prompts, as the starts recorded them
+
+    def report(self) -> tuple[list[str], bool]:
+        """One line per epoch trained (its prompts trained once, more than once, never; what
+        was dropped and asked for again), then the rolled-back count; and whether the ledger is
+        whole: no prompt trained twice in an epoch, none missing from an epoch the run left."""
+        epochs = sorted({epoch for epoch, _ in self.trained})
+        lines, ok = [], True
+        for epoch in epochs:
+            rows = {row: n for (e, row), n in self.trained.items() if e == epoch}
+            twice = sorted(row for row, n in rows.items() if n > 1)
+            done = epoch < epochs[-1]  # the run went past it: every prompt is due
+            missing = self.num_prompts - len(rows) if done else 0
+            ok = ok and not twice and not missing
+            line = f"epoch {epoch}: {sum(n == 1 for n in rows.values())} of {self.num_prompts} "
+            line += "prompts trained once" + ("" if done else " (the epoch the run ended in)")
+            if twice:
+                line += f"; trained more than once: rows {twice[:10]}"
+            if missing:
+                line += f"; never trained: {missing}"
+            drops = sum(n for (e, _), n in self.dropped.items() if e == epoch)
+            again = sum(n for (e, _), n in self.requeued.items() if e == epoch)
+            lines.append(f"{line}; dropped as stale {drops}, asked for again {again}")
+        lines.append(f"rolled back by a resume and trained again: {self.rolled_back}")
+        return lines, ok
 
     def problems(self, num_prompts: int, epochs: Iterable[int]) -> list[str]:
         """Every prompt of each of `epochs` not trained exactly once (empty: none)."""
@@ -266,4 +292,5 @@ def audit(segments: list[Segment]) -> Audit:
                 counts = dropped if r["state"] == "dropped" else requeued
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
-    return Audit(trained, dropped, requeued, rolled_back)
+    prompts = max((seg.prompts for seg in segments), default=0)
+    return Audit(trained, dropped, requeued, rolled_back, prompts)

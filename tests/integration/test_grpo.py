@@ -274,6 +274,10 @@ def test_the_ledger_trains_every_prompt_once_after_the_combined_faults(run):
     assert {r["state"] for g in segments for r in g.records} <= set(STATES)
     # The callback actor was killed after step 2 and restarted by Ray: two processes saw the
     # logs, and between them every step's.
+    # `ray-trainer ledger` says so too.
+    from ray_trainer.cli import main
+
+    assert main(["ledger", "grpo", "--storage-path", str(root / "storage")]) == 0
     assert len(list((folder / "actor").glob("logs-*.jsonl"))) == 2  # one file per process
     assert {r["step"] for r in read_records(str(folder / "actor"), "logs")} >= {1, 4}
 

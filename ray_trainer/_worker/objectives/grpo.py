@@ -272,8 +272,9 @@ class GrpoObjective(WorkerObjective):
             self.states = PromptStates(folder, self._rank, self._attempt)
             saved = s.progress.extra.get(LEDGER) or {}
             self.states.start(
-                self._launch, s.progress.global_step, saved.get("in_flight_steps", [])
-            )
+                self._launch, s.progress.global_step, saved.get("in_flight_steps", []),
+                len(self.prompts),
+            )  # fmt: skip
 
     def _ledger(self, s: Any) -> dict[str, Any]:
         p = s.progress

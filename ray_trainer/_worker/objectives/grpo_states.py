@@ -42,13 +42,16 @@ class PromptStates:
         self.lines: list[str] = []
         self._parts = 0
 
-    def start(self, launch: str, restored: int, in_flight_steps: list[int]) -> None:
+    def start(
+        self, launch: str, restored: int, in_flight_steps: list[int], prompts: int = 0
+    ) -> None:
         """This worker-group start's first line: the call's `launch` id, the step its
-        checkpoint restored (0: none), and the steps whose rollouts that checkpoint's queue had
-        in flight (their prompts are dealt and asked for again now)."""
+        checkpoint restored (0: none), the steps whose rollouts that checkpoint's queue had
+        in flight (their prompts are dealt and asked for again now), and the data's prompts."""
         record = {
             "state": "start", "launch": launch, "rank": self.rank, "attempt": self.attempt,
             "step": restored, "time": self.clock(), "in_flight_steps": list(in_flight_steps),
+            "prompts": prompts,
         }  # fmt: skip
         self.lines.append(json.dumps(record, separators=(",", ":")))
 
