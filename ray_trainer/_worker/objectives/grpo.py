@@ -127,6 +127,7 @@ class GrpoObjective(WorkerObjective):
         self.states = PromptStates(None, 0, 0)  # nothing written until a start locates it
         self._launch, self._rank, self._attempt = "", 0, 0
         self._training: tuple[int, int, list[int]] | None = None
+        self._step_rows: list[int] = []  # the last rollout's prompts (data rows)
 
     # ---- the workload ------------------------------------------------------------------
 
@@ -197,7 +198,7 @@ class GrpoObjective(WorkerObjective):
                     no_sync = [-math.inf] * 3  # no sync, no probe (the engines stay)
                     self._extremes = self._extremes[:4] + no_sync + self._extremes[7:]
                 if i == k - 1:  # the rollout's last pass: its prompts trained once it is done
-                    self._train(state, _rows(prompts))
+                    self._train(state)
                 yield batches
                 self.end(state)
             first = 0
@@ -234,14 +235,15 @@ class GrpoObjective(WorkerObjective):
             **self._ledger(state), "step_in_epoch": p.step_in_epoch + 1,
             "in_flight_steps": in_flight,
         }  # fmt: skip
-        self._train(state, _rows(prompts))
+        self._train(state)
         return batches
 
-    def _train(self, state: Any, rows: list[int]) -> None:
-        """The step now given to the loop trains `rows`: noted (``training``), and this step's
-        ledger lines written, before it trains (a checkpoint of it finds them written)."""
+    def _train(self, state: Any) -> None:
+        """The step now given to the loop trains the last rollout's prompts: noted
+        (``training``), and this step's ledger lines written, before it trains (a checkpoint of
+        it finds them written)."""
         p = state.progress
-        self._training = (p.global_step + 1, p.epoch, rows)
+        self._training = (p.global_step + 1, p.epoch, self._step_rows)
         self.states.note("training", *self._training)
         self.states.flush()
 
@@ -289,7 +291,7 @@ class GrpoObjective(WorkerObjective):
         collectives)."""
         c = self.config
         step, epoch = s.progress.global_step, s.progress.epoch
-        rows = _rows(prompt_batches)
+        rows = self._step_rows = _rows(prompt_batches)
         taken, wait_s = None, 0.0
         if self.queue is not None:  # the request sent a step (or more) ago, if any
             started = time.perf_counter()
