@@ -192,7 +192,7 @@ def _engines(monkeypatch, low, high, up=()):
     monkeypatch.setattr(grpo_engines, "logprob_diff", lambda theirs, mine: 0.0)
     model = nn.Linear(2, 2)
     state = SimpleNamespace(
-        rank=0, world_size=1, progress=SimpleNamespace(global_step=0),
+        rank=0, world_size=1, progress=SimpleNamespace(global_step=0, epoch=0),
         args=SimpleNamespace(rollout_range=(low, high), lora=None, strategy="ddp"),
         parallel=SimpleNamespace(module=lambda: model),
         spec=SimpleNamespace(actor_name="run", actor_namespace="ns"), ctx=SimpleNamespace(attempt=0),

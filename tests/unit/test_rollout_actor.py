@@ -43,7 +43,7 @@ def test_engines_start_loading_with_the_ranks_unless_they_share_the_ranks_gpu(mo
     def reward(prompts, completions, completion_ids, **kwargs):
         return [0.0] * len(completions)
 
-    spec = SimpleNamespace(actor_name="ray-trainer:run", actor_namespace="ns")
+    spec = SimpleNamespace(actor_name="ray-trainer:run", actor_namespace="ns", launch_id="l")
     for rank, resources, expected in ((1, {"CPU": 1}, 0), (0, {"GPU": 0.5}, 0), (0, None, 2)):
         made.clear()
         args = TrainingArgs.coerce(objective="grpo", data="p.jsonl", model="m",

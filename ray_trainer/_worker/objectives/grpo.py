@@ -200,7 +200,7 @@ class GrpoObjective(WorkerObjective):
                 if i == k - 1:  # the rollout's last pass: its prompts trained once it is done
                     self._train(state)
                 yield batches
-                self.end(state)
+                self._settle(state)
             first = 0
 
     def _async_steps(
@@ -217,10 +217,10 @@ class GrpoObjective(WorkerObjective):
             self.states.note("queued", p.global_step + len(ahead), p.epoch, _rows(prompts))
             if len(ahead) > k:
                 yield self._async_step(state, ahead)
-                self.end(state)
+                self._settle(state)
         while ahead:
             yield self._async_step(state, ahead)
-            self.end(state)
+            self._settle(state)
 
     def _async_step(self, state: Any, ahead: deque[list[MicroBatch]]) -> list[MicroBatch]:
         """The oldest step of `ahead` rolled out (the others' rollouts requested), its ledger
@@ -247,13 +247,18 @@ class GrpoObjective(WorkerObjective):
         self.states.note("training", *self._training)
         self.states.flush()
 
-    def end(self, state: Any) -> None:
-        """The step given to the loop is done (the loop came back for the next one, or the run
-        ended): its prompts trained; this step's ledger lines written."""
+    def _settle(self, state: Any) -> None:
+        """The step given to the loop is done (the loop came back for the next one): its
+        prompts trained (the line is written with the next step's, or at the run's end: a
+        start that fails is judged by its ``training`` lines and the resume's checkpoint)."""
         done = self._training
         if done is not None and state.progress.global_step >= done[0]:
             self._training = None
             self.states.note("trained", *done)
+
+    def end(self, state: Any) -> None:
+        """After the run's last step: that step trained, the ledger's last lines written."""
+        self._settle(state)
         self.states.flush()
 
     def _start(self, s: Any) -> None:

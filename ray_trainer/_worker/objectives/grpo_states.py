@@ -9,9 +9,9 @@ are asked for again, ``dropped`` when their completions were sampled more than
 ``start``, with the step its checkpoint restored and the steps whose rollouts the checkpoint's
 queue had in flight (asked for again now).
 
-The lines of a step are written together, once per step, to
-``<run>/ledger/attempt<a>-rank<r>.jsonl`` on local storage (appended; one small write per step
-and rank, no collective). On a bucket, which cannot append, each write is a part of its own
+The lines of a step are written together, once per step (before it trains; its ``trained``
+line with the next step's, or at the run's end), to ``<run>/ledger/attempt<a>-rank<r>.jsonl`` on
+local storage (appended; one small write per step and rank, no collective). On a bucket, which cannot append, each write is a part of its own
 (``...-rank<r>-<n>.jsonl``). ``_objectives/grpo_ledger.read_states`` reads the folder back and
 ``audit`` checks it: every prompt of an epoch trained exactly once in the run's final lineage.
 """
