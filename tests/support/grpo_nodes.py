@@ -189,7 +189,7 @@ class LoseEngineNode(TrainerCallback):
         if context.rank != 0 or context.attempt:
             return
         for slot in (0, 1):
-            wait_until(lambda s=slot: _info(s, 0), 300, f"rollout engine {slot} up", interval=0.5)
+            wait_until(lambda s=slot: _info(s, 0), 600, f"rollout engine {slot} up", interval=0.5)
         engines = _engines()
         self.slot = next(e["slot"] for e in engines if e["node"] == self.lost)
 
@@ -215,11 +215,11 @@ class LoseEngineNode(TrainerCallback):
         if step == self.lose_at:
             Path(self.folder, "held").write_text(str(step))
             release = os.path.join(self.folder, "release")
-            wait_until(lambda: os.path.exists(release), 300, "the test to lose the engine node")
+            wait_until(lambda: os.path.exists(release), 600, "the test to lose the engine node")
         elif step == self.lose_at + self.short:
             Path(self.folder, "short").write_text(str(step))
             started = time.monotonic()
-            wait_until(lambda: _info(self.slot, 1), 300, "the replacement up", interval=0.5)
+            wait_until(lambda: _info(self.slot, 1), 600, "the replacement up", interval=0.5)
             self._write("waited", {"step": step, "seconds": time.monotonic() - started})
         elif step == self.lose_at + self.short + 1:
             record = {"step": step, "slot": self.slot, "joiner": _info(self.slot, 1),
