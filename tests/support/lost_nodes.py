@@ -1,6 +1,7 @@
 """Test process: one local cluster on which nodes are lost, drained and brought back, and the
-four runs that live through it, at once: a session fixture read by ``test_node_loss.py`` and
-``test_elastic.py``, so that the cluster's start and the runs' start-up are paid once for both.
+five runs that live through it, at once: a session fixture read by ``test_node_loss.py``,
+``test_elastic.py`` and ``test_grpo_nodes.py``, so that the cluster's start and the runs'
+start-up are paid once for all.
 
 The cluster (`LocalCluster`, fast failure detection): a head with 9 CPUs and seven nodes' worth
 of roles, each run kept on its own nodes by custom resources:
@@ -26,11 +27,12 @@ of roles, each run kept on its own nodes by custom resources:
   the test brings B back and the replacement engine joins. Its twin, the same run on two
   engines throughout, trains in the test session's own Ray after the elastic run's reference.
 
-Every driver is a process of its own (`node_loss_driver.py`); all of them create Ray's
-autoscaling coordinator with a 0.5 s refresh before their run (whichever comes first makes it;
-Ray Train's default would see a lost node or a node's return up to 20 s late). The two
-scenarios go on side by side, each in a thread of its own as soon as its runs are held (one
-change to the cluster at a time), while the elastic run's reference trains. The cluster is
+Every driver is a process of its own (`node_loss_driver.py`, the GRPO run's
+`grpo_node_driver.py`); the first four create Ray's autoscaling coordinator with a 0.5 s
+refresh before their run (whichever comes first makes it; Ray Train's default would see a lost
+node or a node's return up to 20 s late). The three scenarios go on side by side, each in a
+thread of its own as soon as its runs are held (one change to the cluster at a time), while the
+elastic run's reference and then the GRPO run's twin train. The cluster is
 stopped before the fixture returns: the tests read outcomes and records only.
 """
 
@@ -287,7 +289,7 @@ def _scenario(cluster: LocalCluster, tmp: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def lost_nodes(ray_session, tmp_path_factory):
-    """The four runs' outcomes and records (see the module's docstring), once per session."""
+    """The five runs' outcomes and records (see the module's docstring), once per session."""
     tmp = tmp_path_factory.mktemp("lost-nodes")
     # Head: 9 CPUs (each node-loss run's restarted workers fit there at once, beside the GRPO
     # run's two workers and its reward tasks: "grpo").
