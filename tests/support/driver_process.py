@@ -20,12 +20,15 @@ from support_paths import SUPPORT
 from waiting import wait_until
 
 
-def start_driver(cluster: Any, fields: dict[str, Any], env: dict[str, str] | None = None):
-    """`node_loss_driver.py` joined to `cluster` (a `LocalCluster`) with these run `fields`
-    (and its test-only ``_`` fields); stdout and stderr together, as text."""
+def start_driver(
+    cluster: Any, fields: dict[str, Any], env: dict[str, str] | None = None,
+    script: str = "node_loss_driver.py",
+):  # fmt: skip
+    """`script` (`node_loss_driver.py`, or another driver of `tests/support` that takes the same
+    arguments) joined to `cluster` (a `LocalCluster`) with these run `fields` (and its
+    test-only ``_`` fields); stdout and stderr together, as text."""
     return subprocess.Popen(
-        [sys.executable, os.path.join(SUPPORT, "node_loss_driver.py"), cluster.gcs_address,
-         json.dumps(fields)],
+        [sys.executable, os.path.join(SUPPORT, script), cluster.gcs_address, json.dumps(fields)],
         env=cluster.env() if env is None else env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -248,6 +248,29 @@ def test_a_rollout_whose_engine_died_is_sampled_on_another_and_none_left_waits(m
     assert len(clock.waits) == 1 and made[(0, 1)].version == 3
 
 
+def test_an_engine_found_dead_in_the_sync_leaves_and_the_engines_after_it_take_the_weights(
+    monkeypatch,
+):
+    """Slot 0's engine serves at the step point (its node is lost just after) and is found
+    dead by the weight sync: it leaves, and the engine after it in slot order still takes the
+    step's weights before it samples (seen on the multi-node fault run, test_grpo_nodes.py:
+    without this the engine left sampled with the weights of the step before)."""
+    engines, made, _, _, state = _engines(monkeypatch, 1, 2, up={0, 1})
+    engines.start()
+    engines.boundary(every=1)  # both hold version 0
+    state.progress.global_step = 1
+
+    def dies(named, version):
+        made[(0, 0)].status = DEAD
+        raise RolloutEngineDied("its node is gone")
+
+    made[(0, 0)].sync = dies
+    assert engines.boundary(every=1)["sync/bytes"] == 1.0
+    assert engines.pool.serving == [1] and made[(1, 0)].version == 1
+    assert engines.of_rank().generate([[1]], None, [0]) == [1]
+    assert made[(0, 1)].status == STARTING and engines.restarts == 1
+
+
 def _zero(prompts, completions, completion_ids, **kwargs):
     return [0.0] * len(completions)
 

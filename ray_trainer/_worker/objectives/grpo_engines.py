@@ -202,13 +202,14 @@ class Engines:
 
     def _send(self, slots: list[int], version: int) -> tuple[float, list[int]]:
         """The weights into the engines of `slots` as `version` (rank 0 sends; under FSDP
-        every rank gathers, once per engine): the bytes sent and the slots found dead."""
+        every rank gathers, once per engine): the bytes sent and the slots found dead. An
+        engine found dead does not stop the others' sync: the engines left sample next."""
         s = self.s
         sent, dead = 0.0, []
         sharded = s.args.strategy == "fsdp"
         for i in slots:
             named = full_tensors(self._named())  # under FSDP a gather per parameter
-            if s.rank == 0 and not dead:
+            if s.rank == 0:
                 try:
                     sent += self.pool.engine(i).sync(named, version).bytes
                 except RolloutEngineDied:
