@@ -133,3 +133,24 @@ def test_the_samples_and_rewards_are_the_uninterrupted_twins(lost_nodes):
 def _samples(folder) -> dict[tuple[int, int], list[list[int]]]:
     """Each prompt's completions (token ids) by step, as the reward function scored them."""
     return {(r["step"], r["id"]): r["ids"] for r in read_records(str(folder), "scored")}
+
+
+def test_the_runs_ledger_trains_every_prompt_once_across_the_node_loss(lost_nodes):
+    """The run's own per-prompt ledger (``<run>/ledger/``): every prompt of the two epochs the
+    run went through trained exactly once, the third epoch's first step's four once, nothing
+    dropped or rolled back; a request lost with the node (if the loss was found by the rollout
+    rather than by the agreement before it) was one of step 3's, asked for again."""
+    from ray_trainer._data.packing import epoch_order
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+    from ray_trainer._storage import locate
+    from ray_trainer.cli import main
+
+    storage = lost_nodes["grpo"]["tmp"] / "storage"
+    found = audit(read_states(locate(str(storage / "grpo-nodes" / "ledger"))))
+    assert found.problems(PROMPTS, epochs=[0, 1]) == []
+    third = epoch_order(PROMPTS, SEED, 2).tolist()[:PER_STEP]
+    assert {row for (epoch, row) in found.trained if epoch == 2} == set(third)
+    assert not found.dropped and found.rolled_back == 0
+    step3 = epoch_order(PROMPTS, SEED, 0).tolist()[2 * PER_STEP : 3 * PER_STEP]
+    assert {row for (_, row) in found.requeued} <= set(step3)
+    assert main(["ledger", "grpo-nodes", "--storage-path", str(storage)]) == 0
