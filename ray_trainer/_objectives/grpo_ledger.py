@@ -197,10 +197,13 @@ class Segment:
 def read_states(folder: Any) -> list[Segment]:
     """The segments in a run's ``ledger`` folder (a ``Location``), by start time."""
     segments: list[Segment] = []
-    for name in folder.listdir():
+    current: Segment | None = None
+    stem = None
+    for name in sorted(folder.listdir()):  # a bucket's parts of one file follow each other
         if not name.endswith(".jsonl"):
             continue
-        current: Segment | None = None
+        if _stem(name) != stem:  # another worker's (or start's) file
+            stem, current = _stem(name), None
         for line in (folder.child(name).read_text() or "").splitlines():
             record = json.loads(line)
             if record["state"] == "start":
@@ -214,6 +217,13 @@ def read_states(folder: Any) -> list[Segment]:
             else:
                 current.records.append(record)
     return sorted(segments, key=lambda seg: (seg.started, seg.rank))
+
+
+def _stem(name: str) -> str:
+    """``attempt0-rank1`` of ``attempt0-rank1.jsonl`` and of a bucket's ``...-000003.jsonl``."""
+    base = name[: -len(".jsonl")]
+    head, _, tail = base.rpartition("-")
+    return head if tail.isdigit() and len(tail) == 6 else base
 
 
 @dataclass

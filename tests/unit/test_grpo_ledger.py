@@ -147,3 +147,38 @@ def test_a_ledger_line_before_its_start_is_refused(tmp_path):
     (tmp_path / "attempt0-rank0.jsonl").write_text('{"state":"queued","step":1,"rows":[0]}\n')
     with pytest.raises(LedgerError, match=r"attempt0-rank0\.jsonl: a record before its start"):
         read_states(locate(str(tmp_path)))
+
+
+def test_on_a_bucket_each_write_is_a_part_and_the_audit_reads_them_all():
+    """A bucket cannot append: each flush of a worker's lines is an object of its own, and
+    `read_states` reads a start's parts in order (moto's S3 server)."""
+    import pyarrow.fs as pafs
+    from s3_server import S3Server
+
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+    from ray_trainer._storage import locate
+    from ray_trainer._worker.objectives.grpo_states import PromptStates
+
+    server = S3Server()
+    server.start()
+    try:
+        server.client().create_bucket(Bucket="runs")
+        fs = pafs.S3FileSystem(endpoint_override=server.endpoint, access_key="testing",
+                               secret_key="testing", region="us-east-1")  # fmt: skip
+        folder = locate("runs/rl/ledger", fs)
+        states = PromptStates(folder, 0, 0, clock=lambda: 1.0)
+        states.start("launch", 0, [], prompts=2)
+        for step, row in ((1, 0), (2, 1)):
+            states.note("training", step, 0, [row])
+            states.flush()  # one part per write
+        states.note("trained", 2, 0, [1])
+        states.flush()
+        assert [k for k in server.keys("runs") if k.endswith(".jsonl")] == [
+            f"rl/ledger/attempt0-rank0-{n:06d}.jsonl" for n in (1, 2, 3)
+        ]
+        # The last start counts the steps it marked trained (step 1's line was never written).
+        found = audit(read_states(folder))
+        assert found.trained == {(0, 1): 1}
+        assert found.num_prompts == 2
+    finally:
+        server.stop()
