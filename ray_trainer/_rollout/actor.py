@@ -260,7 +260,8 @@ class RemoteEngine:
         self.kill()
 
     def kill(self) -> None:
-        """End the actor (and its engine) now."""
+        """End the actor (and its engine) now. Ray ends it asynchronously: a call sent right
+        after may still be answered; `alive` turns False once it is gone."""
         import ray
 
         ray.kill(self.actor, no_restart=True)
