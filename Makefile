@@ -58,10 +58,18 @@ test: install-dev
 	@# busy, and they share nothing), then the integration tests in one process (real Ray and
 	@# local clusters, which already fill every core, and share one Ray session).
 	$(call cpu_time,unit-tier) $(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit
-	$(call cpu_time,integration-tier) $(VPY) -m pytest tests/integration
+	$(call cpu_time,integration-tier) $(VPY) -m pytest tests/integration -m "not faults"
 
 test-unit: install-dev
 	$(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit -m "not integration"
+
+# The long fault runs (tests marked `faults`: GRPO's engine node lost and back, its trainer node
+# drained for preemption, on a local cluster of their own): not part of `make test`; about five
+# minutes on an idle 2-core machine (docs/testing.md).
+.PHONY: test-faults
+test-faults: install-dev
+	@$(VPY) -m compileall -q $(BYTECODE)
+	$(VPY) -m pytest tests/integration -m faults
 
 # The real-vLLM tests (tests/vllm, not part of `make test`): build or reuse the vLLM env
 # (.venv-vllm/, by bench/eval/vllm_env.sh; minutes the first time), then run the generation child

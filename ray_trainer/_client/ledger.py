@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from ray_trainer._objectives.grpo_ledger import LedgerError, audit, read_states
+from ray_trainer._objectives.grpo_ledger import audit, read_states
 from ray_trainer._storage import is_uri, locate
 
 EXIT_OK, EXIT_PROBLEM, EXIT_INPUT = 0, 1, 2
@@ -27,7 +27,7 @@ def ledger_main(opts: argparse.Namespace) -> int:
     folder = (locate(run) if given else locate(opts.storage_path).child(run)).child("ledger")
     try:
         segments = read_states(folder) if folder.is_dir() else []
-    except (LedgerError, ValueError, KeyError) as e:
+    except (ValueError, KeyError) as e:  # LedgerError is a ValueError
         print(f"ray-trainer: error: {folder.name} cannot be read: {e}", file=sys.stderr)
         return EXIT_INPUT
     if not segments:

@@ -567,3 +567,30 @@ def score_step(
         completion_metrics([len(c.completion_ids) for c in ordered], [c.truncated for c in ordered])
     )
     return ScoredStep(list(ordered), per_function, rewards, advantages, metrics)
+
+
+@dataclass
+class StepScorer:
+    """A run's scoring of one step's completions, ``scorer(step, completions)``: what
+    :func:`score_step` needs besides them, in one picklable object (it travels to the rollout
+    queue's actor, which scores each request as it is answered). ``prompts[i]`` is the data's
+    row `i`; `tokenizer` decodes the completions; `max_steps` is the run's last step."""
+
+    prompts: Sequence[Any]
+    fns: Sequence[RewardFunction]
+    num_generations: int
+    tokenizer: Any
+    scale_rewards: str = "group"
+    weights: Sequence[float] | None = None
+    max_steps: int | None = None
+
+    def __call__(self, step: int, completions: Sequence[Any]) -> ScoredStep:
+        """Step `step`'s (0-based) completions scored, the reward functions as Ray tasks."""
+        return score_step(
+            completions, self.prompts, self.fns, num_generations=self.num_generations,
+            decode=self.decode, scale_rewards=self.scale_rewards, weights=self.weights,
+            state=RewardState(step, self.max_steps),
+        )  # fmt: skip
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

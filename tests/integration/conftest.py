@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from grpo_faults import grpo_faults  # noqa: F401  (a session fixture: test_grpo_nodes)
 from local_cluster import SESSION_MARK, session_ray_servers
 from lost_nodes import lost_nodes  # noqa: F401  (a session fixture: test_elastic, test_node_loss)
 from shared_runs import (  # noqa: F401  (session fixtures that several modules read)

@@ -113,8 +113,8 @@ class KillEngineOnce(TrainerCallback):
                 f.write(json.dumps(record) + "\n")
 
 
-def _engines() -> list[dict]:
-    return [a for a in ray.util.list_named_actors(all_namespaces=True) if ":rollout:" in a["name"]]
+def _engines(kind: str = ":rollout:") -> list[dict]:
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if kind in a["name"]]
 
 
 def _engine(index: int, generation: int):
@@ -194,8 +194,10 @@ def test_grpo_trains_with_trls_metrics_on_policy(run):
     assert [first[s]["rollout/engines"] for s in (1, 2, 3)] == [2, 1, 2], first
     (joiner,) = read_records(str(folder), "joiner")
     assert joiner["version"] == 2 and joiner["requests"] == 0, joiner
-    # The engines ended with their worker group (rank 0 owns them): none is left holding a CPU.
+    # The engines ended with their worker group (rank 0 owns them): none is left holding a CPU;
+    # so did each worker-group start's rollout queue actor (max_staleness=1).
     wait_until(lambda: not _engines(), 30, "the rollout engines to end")
+    wait_until(lambda: not _engines(":rollouts:"), 30, "the rollout queue's actors to end")
     rollouts = [json.loads(line) for line in (root / "storage" / "grpo" / "rollouts.jsonl").open()]
     assert {r["step"] for r in rollouts} == set(range(1, STEPS + 1))
     for r in rollouts:  # sampled by the policy of its step or the one before (max_staleness=1)

@@ -17,9 +17,16 @@ every worker and engine computing on one thread in both runs; the tolerance leav
 a reduction order, not for a stale engine: the first version of this run, whose engine left
 sampled step 3 with the weights of step 1, was 4e-4 off at step 3).
 
-The cluster, this run and its twin are part of the session fixture `lost_nodes`
-(`tests/support/lost_nodes.py`, `tests/support/grpo_nodes.py`), which trains
-`test_node_loss.py`'s and `test_elastic.py`'s runs on the same cluster at the same time.
+A second run on the same cluster has a trainer's node drained for preemption: asynchronous
+(``max_staleness=1``), its two workers over the head and a trainer node, held at the end of step
+`DRAIN_AT` while the node is drained (5 s deadline), then released. The notice's save at the next
+step boundary records the rollout queue's state (the step whose rollout was in flight); at the
+deadline Ray Train restarts the worker group on the head from it, which asks for that step's
+rollout again; every prompt of the run's five epochs is trained exactly once.
+
+The cluster, these runs and the twin are the session fixture `grpo_faults`
+(`tests/support/grpo_faults.py`, `tests/support/grpo_nodes.py`). They are `make test-faults`,
+outside `make test` (issue 51 lets its long fault runs be): about five minutes on this machine.
 """
 
 from __future__ import annotations
@@ -27,19 +34,22 @@ from __future__ import annotations
 import json
 
 import pytest
+from grpo_faults import DRAIN_AT, DRAIN_STEPS
 from grpo_nodes import ENGINE_A, ENGINE_B, LOSE_AT, PER_STEP, PROMPTS, SEED, SHORT, STEPS
 from local_cluster import HOST
 from rt_support import read_records
 
 JOIN = LOSE_AT + SHORT + 1  # the replacement's first step
 
+pytestmark = pytest.mark.faults  # `make test-faults`, not `make test`
+
 
 def _logs(folder) -> dict[int, dict]:
     return {r["step"]: r for r in read_records(str(folder), "logs")}
 
 
-def test_an_engine_node_lost_and_back_without_a_restart(lost_nodes):
-    run = lost_nodes["grpo"]
+def test_an_engine_node_lost_and_back_without_a_restart(grpo_faults):
+    run = grpo_faults["grpo"]
     outcome, out = run["outcome"]
     assert outcome == {"global_step": STEPS, "attempts": 1}, out[-4000:]
     records = run["tmp"] / "records"
@@ -57,8 +67,8 @@ def test_an_engine_node_lost_and_back_without_a_restart(lost_nodes):
         assert record["sync/bytes"] > 0 and record["rollout/logprob_diff"] < 1e-5, (step, record)
 
 
-def test_the_workers_and_each_engine_on_their_own_nodes(lost_nodes):
-    records = lost_nodes["grpo"]["tmp"] / "records"
+def test_the_workers_and_each_engine_on_their_own_nodes(grpo_faults):
+    records = grpo_faults["grpo"]["tmp"] / "records"
     where = {r["rank"]: r for r in read_records(str(records), "where")}
     assert {r["node"] for r in where.values()} == {HOST}  # both workers on the head
     first = where[0]["engines"]
@@ -73,8 +83,8 @@ def test_the_workers_and_each_engine_on_their_own_nodes(lost_nodes):
     }  # fmt: skip
 
 
-def test_the_replacement_joined_with_the_latest_weights(lost_nodes):
-    tmp = lost_nodes["grpo"]["tmp"]
+def test_the_replacement_joined_with_the_latest_weights(grpo_faults):
+    tmp = grpo_faults["grpo"]["tmp"]
     (joined,) = read_records(str(tmp / "records"), "joiner")
     # At its first request (the joiner's step) it held the weights of step JOIN - 1, as every
     # engine did (a step's rollout is sampled by the weights its step starts from).
@@ -93,10 +103,10 @@ def test_the_replacement_joined_with_the_latest_weights(lost_nodes):
     assert all(r["version"] == r["step"] - 1 for r in rollouts), rollouts
 
 
-def test_every_prompt_is_scored_once_in_the_loaders_order(lost_nodes):
+def test_every_prompt_is_scored_once_in_the_loaders_order(grpo_faults):
     from ray_trainer._data.packing import epoch_order
 
-    records = lost_nodes["grpo"]["tmp"] / "records"
+    records = grpo_faults["grpo"]["tmp"] / "records"
     scored: dict[int, list[int]] = {}
     for r in read_records(str(records), "scored"):
         scored.setdefault(r["step"], []).append(r["id"])
@@ -109,8 +119,8 @@ def test_every_prompt_is_scored_once_in_the_loaders_order(lost_nodes):
     assert sorted(scored) == list(range(STEPS))
 
 
-def test_the_samples_and_rewards_are_the_uninterrupted_twins(lost_nodes):
-    run = lost_nodes["grpo"]
+def test_the_samples_and_rewards_are_the_uninterrupted_twins(grpo_faults):
+    run = grpo_faults["grpo"]
     tmp = run["tmp"]
     assert run["twin"] == (STEPS, 1)
     # The same completions (token ids), prompt by prompt, step by step, both ranks' (sampled
@@ -135,7 +145,7 @@ def _samples(folder) -> dict[tuple[int, int], list[list[int]]]:
     return {(r["step"], r["id"]): r["ids"] for r in read_records(str(folder), "scored")}
 
 
-def test_the_runs_ledger_trains_every_prompt_once_across_the_node_loss(lost_nodes):
+def test_the_runs_ledger_trains_every_prompt_once_across_the_node_loss(grpo_faults):
     """The run's own per-prompt ledger (``<run>/ledger/``): every prompt of the two epochs the
     run went through trained exactly once, the third epoch's first step's four once, nothing
     dropped or rolled back; a request lost with the node (if the loss was found by the rollout
@@ -145,7 +155,7 @@ def test_the_runs_ledger_trains_every_prompt_once_across_the_node_loss(lost_node
     from ray_trainer._storage import locate
     from ray_trainer.cli import main
 
-    storage = lost_nodes["grpo"]["tmp"] / "storage"
+    storage = grpo_faults["grpo"]["tmp"] / "storage"
     found = audit(read_states(locate(str(storage / "grpo-nodes" / "ledger"))))
     assert found.problems(PROMPTS, epochs=[0, 1]) == []
     third = epoch_order(PROMPTS, SEED, 2).tolist()[:PER_STEP]
@@ -154,3 +164,34 @@ def test_the_runs_ledger_trains_every_prompt_once_across_the_node_loss(lost_node
     step3 = epoch_order(PROMPTS, SEED, 0).tolist()[2 * PER_STEP : 3 * PER_STEP]
     assert {row for (_, row) in found.requeued} <= set(step3)
     assert main(["ledger", "grpo-nodes", "--storage-path", str(storage)]) == 0
+
+
+def test_a_drained_trainer_node_saves_the_queues_state_and_the_run_resumes_from_it(grpo_faults):
+    from ray_trainer._data.packing import epoch_order
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+    from ray_trainer._storage import locate
+
+    run = grpo_faults["drain"]
+    outcome, out = run["outcome"]
+    assert outcome == {"global_step": DRAIN_STEPS, "attempts": 2}, out[-4000:]
+    ledger = locate(str(run["tmp"] / "storage" / "grpo-drain" / "ledger"))
+    segments = read_states(ledger)
+    starts = sorted({(s.attempt, s.restored, tuple(s.in_flight_steps)) for s in segments})
+    assert [a for a, _, _ in starts] == [0, 1], starts  # one start per attempt, both ranks
+    (_, first, _), (_, saved, in_flight) = starts
+    # No scheduled save (save_every_steps=1000): the restart's checkpoint is the notice's, taken
+    # at a step point after the release. A step's rollout was in flight then (not at an epoch's
+    # last step, where the queue drains), and the checkpoint recorded it.
+    assert first == 0 and DRAIN_AT < saved < DRAIN_STEPS, starts
+    per_epoch = PROMPTS // PER_STEP
+    assert list(in_flight) == ([saved + 1] if saved % per_epoch else []), starts
+    found = audit(segments)
+    assert found.problems(PROMPTS, epochs=list(range(DRAIN_STEPS // per_epoch))) == []
+    assert not found.dropped
+    if in_flight:  # the in-flight step's prompts: trained once, by the resumed group
+        epoch, i = divmod(saved, per_epoch)
+        rows = epoch_order(PROMPTS, SEED, epoch).tolist()[i * PER_STEP : (i + 1) * PER_STEP]
+        assert all(found.trained[(epoch, r)] == 1 for r in rows), found.trained
+    logs = read_records(str(run["tmp"] / "records"), "logs")
+    resumed = sorted(r["step"] for r in logs if r["attempt"] == 1)
+    assert resumed == list(range(saved + 1, DRAIN_STEPS + 1)), resumed

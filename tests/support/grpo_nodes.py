@@ -29,6 +29,7 @@ ENGINE_A, ENGINE_B = "127.0.0.7", "127.0.0.8"  # an engine each; B lost, then ba
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 PROMPTS, PER_STEP, STEPS, SEED = 12, 4, 7, 3  # 2 workers x 2 prompts; 3 steps an epoch
 LOSE_AT, SHORT = 2, 2  # B lost after step 2; steps 3 and 4 on one engine; the joiner at 5
+RUN = "grpo-nodes"  # the run's name, which its engines' actor names start with
 
 
 def write_data(root: Path) -> tuple[str, str]:
@@ -61,7 +62,7 @@ def cluster_fields(model: str, data: str, tmp: Path) -> dict[str, Any]:
     (a whole node each, so that nothing else of the run is lost with one), and the driver's
     test-only fields (``_records``, ``_hold``)."""
     return {
-        **run_fields(model, data, tmp / "storage", "grpo-nodes"),
+        **run_fields(model, data, tmp / "storage", RUN),
         "rollout_workers": [1, 2],
         "rollout_resources": {"CPU": 1, "engine": 1},
         "resources_per_worker": {"CPU": 1, "grpo": 1},
@@ -125,14 +126,19 @@ class StepLogs(TrainerCallback):
 
 
 def _engines() -> list[dict[str, Any]]:
-    """The run's live rollout engines (Ray's state API): name, slot, generation, node's ip."""
+    """The run's live rollout engines (Ray's state API): name, slot, generation, node's ip
+    (another run's on the same cluster left out)."""
     import ray
     from ray.util.state import list_actors
+
+    from ray_trainer._contract import actor_name
 
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
     found = list_actors(filters=[("class_name", "=", "RolloutActor"), ("state", "=", "ALIVE")])
     out = []
     for a in found:
+        if not a.name.startswith(f"{actor_name(RUN)}:rollout:"):
+            continue
         generation, slot = a.name.split(":")[-2:]
         out.append({"slot": int(slot), "generation": int(generation),
                     "node": ips.get(a.node_id, a.node_id)})  # fmt: skip
@@ -143,8 +149,10 @@ def _info(slot: int, generation: int) -> dict[str, Any] | None:
     """The engine's ``info`` (None: dead, or not started yet)."""
     import ray
 
+    from ray_trainer._contract import actor_name
+
     for a in ray.util.list_named_actors(all_namespaces=True):
-        if a["name"].endswith(f":rollout:0:{generation}:{slot}"):
+        if a["name"] == f"{actor_name(RUN)}:rollout:0:{generation}:{slot}":
             try:
                 handle = ray.get_actor(a["name"], namespace=a["namespace"])
                 return ray.get(handle.info.remote(), timeout=30)

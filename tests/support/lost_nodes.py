@@ -1,10 +1,10 @@
 """Test process: one local cluster on which nodes are lost, drained and brought back, and the
-five runs that live through it, at once: a session fixture read by ``test_node_loss.py``,
-``test_elastic.py`` and ``test_grpo_nodes.py``, so that the cluster's start and the runs'
-start-up are paid once for all.
+four runs that live through it, at once: a session fixture read by ``test_node_loss.py`` and
+``test_elastic.py``, so that the cluster's start and the runs' start-up are paid once for all.
+(GRPO's fault runs have a cluster of their own, outside ``make test``: ``grpo_faults.py``.)
 
-The cluster (`LocalCluster`, fast failure detection): a head with 9 CPUs and seven nodes' worth
-of roles, each run kept on its own nodes by custom resources:
+The cluster (`LocalCluster`, fast failure detection): a head with 6 CPUs and four more nodes,
+each run kept on its own nodes by custom resources:
 
 * node loss (``test_node_loss.py``): "spread" on the head and `NODE`, "slot" likewise (1 on the
   head, so that one worker only fits there after the loss), "drain" on the head and
@@ -20,20 +20,13 @@ of roles, each run kept on its own nodes by custom resources:
   raylet is killed, goes on with one worker, and grows back to two when B returns. Its
   reference, the same run on two workers throughout, trains in the test session's own Ray
   while the cluster's runs start.
-* GRPO with elastic engines (``test_grpo_nodes.py``, issue 51 section 3; `grpo_nodes.py`): the
-  two training workers on the head (a ``grpo`` resource), an ``hf`` rollout engine on each of
-  `ENGINE_A` and `ENGINE_B` (an ``engine`` resource, one CPU each: a whole node). Rank 0 holds
-  at the end of step 2 until B's raylet is killed; two steps go on with the engine left, then
-  the test brings B back and the replacement engine joins. Its twin, the same run on two
-  engines throughout, trains in the test session's own Ray after the elastic run's reference.
 
-Every driver is a process of its own (`node_loss_driver.py`, the GRPO run's
-`grpo_node_driver.py`); the first four create Ray's autoscaling coordinator with a 0.5 s
-refresh before their run (whichever comes first makes it; Ray Train's default would see a lost
-node or a node's return up to 20 s late). The three scenarios go on side by side, each in a
-thread of its own as soon as its runs are held (one change to the cluster at a time), while the
-elastic run's reference and then the GRPO run's twin train. The cluster is
-stopped before the fixture returns: the tests read outcomes and records only.
+Every driver is a process of its own (`node_loss_driver.py`); each creates Ray's autoscaling
+coordinator with a 0.5 s refresh before its run (whichever comes first makes it; Ray Train's
+default would see a lost node or a node's return up to 20 s late). The two scenarios go on side
+by side, each in a thread of its own as soon as its runs are held (one change to the cluster at
+a time), while the elastic run's reference trains. The cluster is stopped before the fixture
+returns: the tests read outcomes and records only.
 """
 
 from __future__ import annotations
@@ -44,16 +37,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import grpo_nodes
 import pytest
 from driver_process import driver_outcome, start_driver, wait_for_run
-from grpo_nodes import ENGINE_A, ENGINE_B
 from local_cluster import LocalCluster
 from rt_support import AllRanksRecorder, TinyDataset, TinyRegressor, read_records
 
 NODE, PREEMPTED = "127.0.0.3", "127.0.0.4"  # node loss: lost, drained
 NODE_A, NODE_B = "127.0.0.5", "127.0.0.6"  # elastic: kept, lost then back
-ENGINE = {"engine": 1}  # GRPO: an engine node's one engine (ENGINE_A kept, ENGINE_B lost, back)
 ELASTIC_STEPS = 60
 COORDINATOR_TICK_S = 0.5
 
@@ -169,7 +159,7 @@ def _elastic_reference(tmp: Path, records: Path) -> Any:
     )
 
 
-def _drain(cluster: LocalCluster, ip: str) -> None:
+def drain(cluster: LocalCluster, ip: str) -> None:
     """What the cloud's autoscaler does on a spot reclaim notice: drain the node, with the time
     left before it goes away."""
     done = subprocess.run(
@@ -205,7 +195,7 @@ def _lose_and_drain(cluster, lock, drivers, runs, tmp: Path) -> dict[str, Any]:
         cluster.raylet(NODE).kill()
     at = max(rank0_steps(runs["preempted"]["_records"], 0))
     with lock:
-        _drain(cluster, PREEMPTED)
+        drain(cluster, PREEMPTED)
     (tmp / "preempted-hold" / "release").write_text("go")
     outcomes = _outcomes(drivers, "node was lost or drained")
     return {"tmp_path": tmp, "at": at, "outcomes": outcomes}
@@ -229,27 +219,10 @@ def _shrink_and_grow(cluster, lock, driver, records: Path, hold: Path) -> tuple[
     return driver_outcome(driver, "the node's return", 300)
 
 
-def _lose_engine_node(cluster, lock, driver, hold: Path) -> tuple[dict, str]:
-    """The GRPO run (a thread of the fixture): `ENGINE_B`'s raylet killed while rank 0 holds
-    the end of step `grpo_nodes.LOSE_AT`, the node back once two steps have gone on with the
-    engine left (rank 0 then holds until the replacement engine answers); the run's outcome."""
-    # Its start is the slowest of the cluster's runs (a model and two engines to load, on a
-    # machine shared with the four others and their restarts): seen past 300 s under load 30.
-    wait_for_run(driver, (hold / "held").exists, "GRPO's step 2 on two engines", timeout_s=600)
-    with lock:
-        cluster.raylet(ENGINE_B).kill()  # an engine's node is gone
-    (hold / "release").write_text("go")
-    wait_for_run(driver, (hold / "short").exists, "GRPO's steps on the engine left", 300)
-    with lock:
-        cluster.add_node(ENGINE_B, num_cpus=1, resources=ENGINE)  # back: a replacement fits
-    return driver_outcome(driver, "the engine node's return", 600)
-
-
 def _scenario(cluster: LocalCluster, tmp: Path) -> dict[str, Any]:
-    loss_tmp, el_tmp, rl_tmp = tmp / "node-loss", tmp / "elastic", tmp / "grpo"
-    for folder in (loss_tmp, el_tmp, rl_tmp):
+    loss_tmp, el_tmp = tmp / "node-loss", tmp / "elastic"
+    for folder in (loss_tmp, el_tmp):
         folder.mkdir()
-    model, prompts = grpo_nodes.write_data(rl_tmp)
     runs = node_loss_runs(loss_tmp)
     el_records, el_hold = el_tmp / "records", el_tmp / "hold"
     # Saves are written in the background. Rank 0 holds step 12 on the first attempt (until
@@ -257,21 +230,17 @@ def _scenario(cluster: LocalCluster, tmp: Path) -> dict[str, Any]:
     runs["elastic"] = elastic_fields(el_tmp, "elastic", el_records, async_checkpoint=True,
                                      _hold_while_small=[30, 2], _hold_at=[str(el_hold), 12])  # fmt: skip
     drivers = {name: start_driver(cluster, fields) for name, fields in runs.items()}
-    rl_fields = grpo_nodes.cluster_fields(model, prompts, rl_tmp)
-    drivers["grpo"] = start_driver(cluster, rl_fields, script="grpo_node_driver.py")
     losing = {name: drivers[name] for name in ("spread", "no-room", "preempted")}
     lock = threading.Lock()  # one change to the cluster at a time
-    pool = concurrent.futures.ThreadPoolExecutor(3)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
     try:
         # Each scenario goes on as soon as its own runs are where it needs them.
         lost = pool.submit(_lose_and_drain, cluster, lock, losing, runs, loss_tmp)
         elastic = pool.submit(_shrink_and_grow, cluster, lock, drivers["elastic"], el_records,
                               el_hold)  # fmt: skip
-        rl = pool.submit(_lose_engine_node, cluster, lock, drivers["grpo"], rl_tmp / "hold")
         ref_records = el_tmp / "ref-records"
         reference = _elastic_reference(el_tmp, ref_records)
-        rl_twin = grpo_nodes.twin(rl_tmp, model, prompts)
-        node_loss, el_outcome, rl_outcome = lost.result(), elastic.result(), rl.result()
+        node_loss, el_outcome = lost.result(), elastic.result()
     finally:
         for driver in drivers.values():
             if driver.poll() is None:
@@ -282,20 +251,17 @@ def _scenario(cluster: LocalCluster, tmp: Path) -> dict[str, Any]:
         "elastic": {"outcome": el_outcome, "storage": el_tmp / "storage" / "elastic",
                     "reference": (reference.global_step, reference.attempts),
                     "records": records_of(el_records), "ref_records": records_of(ref_records)},
-        "grpo": {"outcome": rl_outcome, "tmp": rl_tmp,
-                 "twin": (rl_twin.global_step, rl_twin.attempts)},
     }  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def lost_nodes(ray_session, tmp_path_factory):
-    """The five runs' outcomes and records (see the module's docstring), once per session."""
+    """The four runs' outcomes and records (see the module's docstring), once per session."""
     tmp = tmp_path_factory.mktemp("lost-nodes")
-    # Head: 9 CPUs (each node-loss run's restarted workers fit there at once, beside the GRPO
-    # run's two workers and its reward tasks: "grpo").
+    # Head: 6 CPUs (each node-loss run's restarted workers fit there at once).
     cluster = LocalCluster(
-        num_cpus=9,
-        resources={"spread": 2, "slot": 1, "drain": 2, "grpo": 3},
+        num_cpus=6,
+        resources={"spread": 2, "slot": 1, "drain": 2},
         fast_failure_detection=True,
     )
     cluster.start()
@@ -304,8 +270,6 @@ def lost_nodes(ray_session, tmp_path_factory):
         cluster.add_node(PREEMPTED, num_cpus=1, resources={"drain": 1})
         cluster.add_node(NODE_A, num_cpus=2, resources={"eval": 1, "elastic": 1})
         cluster.add_node(NODE_B, num_cpus=1, resources={"elastic": 1})
-        cluster.add_node(ENGINE_A, num_cpus=1, resources=ENGINE)
-        cluster.add_node(ENGINE_B, num_cpus=1, resources=ENGINE)
         return _scenario(cluster, tmp)
     finally:
         cluster.stop()

@@ -22,16 +22,16 @@ import pytest
 import torch
 from torch import nn
 
-import ray_trainer._worker.objectives.grpo as grpo_module
+import ray_trainer._rollout.rewards as rewards_module
 from ray_trainer import TrainingArgs
 from ray_trainer._errors import TrainingArgsError
 from ray_trainer._objectives.grpo_ledger import audit, read_states
 from ray_trainer._rollout.actor import RolloutEngineDied
+from ray_trainer._rollout.queue import RolloutQueue, Serving, split_stale
 from ray_trainer._rollout.rewards import score_step
 from ray_trainer._rollout.types import Completion
 from ray_trainer._storage import locate
 from ray_trainer._worker.objectives.grpo import LEDGER, GrpoObjective
-from ray_trainer._worker.objectives.grpo_async import RolloutQueue, split_stale
 from ray_trainer._worker.objectives.grpo_batch import PromptDataset
 from ray_trainer._worker.objectives.grpo_states import PromptStates
 
@@ -115,6 +115,9 @@ class _Engines:
     def slot(self):
         return 0
 
+    def serving_engines(self):
+        return {0: self.engine}
+
 
 class _Toy(nn.Module):
     def __init__(self) -> None:
@@ -154,7 +157,7 @@ def _run(
         scored_on.setdefault(rows, []).append(threading.current_thread().name)
         return score_step(completions, *args, on_ray=False, **kwargs)
 
-    monkeypatch.setattr(grpo_module, "score_step", scoring)
+    monkeypatch.setattr(rewards_module, "score_step", scoring)
 
     def reward(prompts, completions, completion_ids, **kwargs):
         return [float(ids[0] % 3) for ids in completion_ids]
@@ -181,8 +184,9 @@ def _run(
     )  # fmt: skip
     objective.state = state
     now = [0.0]  # the loop's clock: each step trains for 10 s
-    objective.queue.clock = lambda: now[0]
-    objective.engines = _Engines(state, objective.queue.clock)  # made: _start leaves them
+    objective.engines = _Engines(state, lambda: now[0])  # made: _start leaves them
+    # The queue in this process (in a run, the queue's actor: `_rollout/buffer.py`).
+    objective.queue = RolloutQueue(max_staleness, objective._scorer(state), clock=lambda: now[0])
     objective.engines.engine.die_at = set(die_at)
     if ledger is not None:  # what `_start` does in a worker, to a local folder
         folder, attempt, in_flight = ledger
@@ -244,7 +248,7 @@ def test_stale_completions_are_dropped_counted_and_their_prompts_trained_once(mo
     assert max(run.depths) == 1 and run.depths[-1] == 0  # at most k in flight; drained at the end
     # A request taken whole was scored in the background as soon as it came (the reward tasks
     # ran while the step before trained); a step that sampled prompts again scores them now.
-    main, background = threading.main_thread().name, "grpo-rewards"
+    main, background = threading.main_thread().name, "grpo-rollout"
     assert [run.scored_on[s] for s in (0, 1, 3, 5)] == [{main}] + [{background}] * 3
     assert all(main in run.scored_on[s] for s in (2, 4))  # (the stale request's, wasted)
 
@@ -267,7 +271,7 @@ def test_the_version_of_every_completion_gives_its_age_and_the_queue_stays_bound
     assert [m["rollout/overlap_seconds"] for m in run.metrics] == [0, 2, 2, 2, 2, 2, 2]
     assert run.metrics[1]["rollout/seconds"] == pytest.approx(2.0, abs=0.5)  # the engine's time
     assert all(not math.isnan(m["reward"]) for m in run.metrics)
-    assert run.scored_on == [{threading.main_thread().name}] + [{"grpo-rewards"}] * 6
+    assert run.scored_on == [{threading.main_thread().name}] + [{"grpo-rollout"}] * 6
 
 
 def test_a_resume_samples_again_the_prompts_whose_requests_were_in_flight(monkeypatch):
@@ -327,43 +331,70 @@ def test_no_rollout_is_requested_past_the_runs_last_step(monkeypatch):
     assert run.depths == [2, 2, 1, 0]
 
 
-def test_a_request_whose_engine_died_has_its_prompts_sampled_again():
-    """The answer of a dead engine's request: its rows are all missing, nothing is dropped as
-    stale, and the queue goes on with the next request."""
+def _score(step, completions):
+    return [c.prompt_index for c in completions]
+
+
+def test_a_request_whose_engine_died_with_none_left_has_its_prompts_sampled_again():
+    """The answer of a dead engine's request, no other engine serving: its rows are all
+    missing, nothing is dropped as stale, and the queue goes on with the next request."""
     engine = _Engine()
     engine.version = 3
     engine.die_at = {1}
     params = SimpleNamespace(num_generations=2)
-    queue = RolloutQueue(2)
+    queue = RolloutQueue(2, _score)
+    queue.serve({0: engine})
 
-    def score(completions):
-        return [c.prompt_index for c in completions]
-
-    queue.submit(engine, [5, 6], [[1], [2]], params, score)
-    queue.submit(engine, [7], [[3]], params, score)
+    queue.submit(1, 0, engine, [5, 6], [[1], [2]], params)
+    queue.submit(2, 0, engine, [7], [[3]], params)
     with pytest.raises(RuntimeError, match="in flight already"):
-        queue.submit(engine, [8], [[4]], params)
+        queue.submit(3, 0, engine, [8], [[4]], params)
     lost = queue.take([5, 6], trainer_version=4)
     assert lost.died and lost.missing == [5, 6] and lost.kept == [] and lost.dropped == 0
-    assert lost.scored is None  # nothing to score: the step samples and scores them itself
+    assert lost.scored is None and lost.resent == []  # the step samples and scores them itself
     kept = queue.take([7], trainer_version=4)
     assert kept.missing == [] and [c.prompt_index for c in kept.kept] == [7, 7]
     assert kept.scored == [7, 7] and kept.reward_s >= 0  # scored in the background
     assert queue.take([9], trainer_version=4).missing == [9]  # nothing requested: sample now
     with pytest.raises(RuntimeError, match="lost the loader's order"):
-        queue.submit(engine, [1], [[1]], params)
+        queue.submit(4, 0, engine, [1], [[1]], params)
         queue.take([2], trainer_version=4)
+
+
+def test_the_queue_sends_a_lost_engines_request_again_to_an_engine_left():
+    """Two ranks' queues share the serving engines: rank 1's request to a dead engine goes,
+    by the queue itself, to the serving engine left (as a rank is assigned: ``rank % n`` of
+    those left), its answer scored there; an engine that dies in turn passes it on again, and
+    with none left the rows come back to the trainer, each re-send named for the ledger."""
+    dead, a, b = _Engine(), _Engine(), _Engine()
+    dead.die_at, a.version, b.version = {1}, 5, 5
+    serving = Serving()
+    serving.set({0: a, 1: dead, 2: b})
+    ranks = [RolloutQueue(1, _score, rank=r, serving=serving) for r in range(2)]
+    params = SimpleNamespace(num_generations=2)
+    ranks[1].submit(6, 1, dead, [3, 4], [[1], [2]], params)
+    taken = ranks[1].take([3, 4], trainer_version=6)
+    assert taken.resent == [2] and not taken.died and taken.missing == []  # {0, 2}[1 % 2]
+    assert sorted({r for r, _ in b.sampled}) == [3, 4] and a.sampled == []
+    assert taken.scored == [3, 3, 4, 4] and {c.version for c in taken.kept} == {5}
+
+    # Every engine lost in turn (the dead one still listed: rank 0 has not heard yet): the
+    # request tries each serving slot once, then its rows come back to the trainer.
+    b.die_at, a.die_at, dead.die_at = {2}, {1}, {1, 2}
+    ranks[0].submit(7, 2, b, [8], [[3]], params)
+    both = ranks[0].take([8], trainer_version=7)
+    assert both.resent == [0, 1] and both.died and both.missing == [8] and both.kept == []
 
 
 def test_a_reward_functions_error_in_the_background_fails_the_step_that_takes_it():
     from ray_trainer._rollout.rewards import RewardError
 
-    def score(completions):
+    def score(step, completions):
         raise RewardError("reward function 'exact' raised on completion 1 (prompt 4)")
 
-    queue, engine = RolloutQueue(1), _Engine()
+    queue, engine = RolloutQueue(1, score), _Engine()
     engine.version = 0
-    queue.submit(engine, [4], [[1]], SimpleNamespace(num_generations=2), score)
+    queue.submit(1, 0, engine, [4], [[1]], SimpleNamespace(num_generations=2))
     with pytest.raises(RewardError, match="'exact' raised on completion 1"):
         queue.take([4], trainer_version=1)
 

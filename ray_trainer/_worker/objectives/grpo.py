@@ -18,9 +18,11 @@ into its micro-batches, one step at a time, on every rank:
 4. one micro-batch of completions per micro-batch of prompts (``grpo_batch.py``).
 
 With ``max_staleness`` k >= 1 the rollouts (and their rewards) of the next k steps are
-requested while a step trains, and a step takes its own from the rank's queue, keeping the
-completions at most k versions old (``grpo_async.py``); the loss then takes the engine's
-log-probs as the old ones.
+requested while a step trains, through the run's rollout queue: an actor of its own that every
+rank sends its requests to, which sends a lost engine's requests again to the engines left and
+scores each answer as it comes (``_rollout/buffer.py``, ``_rollout/queue.py``); a step takes
+its own from it, keeping the completions at most k versions old; the loss then takes the
+engine's log-probs as the old ones.
 
 The loss of each micro-batch is TRL 1.16's (``grpo_loss.grpo_sums``), a token sum whose
 denominator is the micro-batches' ``targets`` summed over the step: the loop's scaling makes it
@@ -31,7 +33,6 @@ MAX all-reduce; ``grpo_metrics.py`` turns them into TRL's names and writes ``rol
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections import deque
@@ -45,11 +46,11 @@ from ray_trainer._objectives.grpo import GRPO, config_of
 from ray_trainer._rollout.actor import RolloutEngineDied
 from ray_trainer._rollout.engine import EngineSpec, SamplingParams
 from ray_trainer._rollout.probe import Probe
-from ray_trainer._rollout.rewards import RewardState, resolve_reward_fns, score_step
+from ray_trainer._rollout.queue import Taken, ages
+from ray_trainer._rollout.rewards import StepScorer, resolve_reward_fns
 from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
 from ray_trainer._worker.objectives.dpo import disable_dropout
-from ray_trainer._worker.objectives.grpo_async import RolloutQueue, Taken, ages
 from ray_trainer._worker.objectives.grpo_batch import (
     MODEL_KEYS,
     PromptDataset,
@@ -119,9 +120,13 @@ class GrpoObjective(WorkerObjective):
         self._pass = 0  # this rollout's pass in progress (0: the first, which reads old_logps)
         self._micro = 0  # the micro-batch of the pass in progress
         self._old: list[torch.Tensor] = []  # per micro-batch, the first pass's log-probs
-        #: ``max_staleness`` k >= 1: this rank's rollout requests in flight (None: synchronous).
-        k = self.args.max_staleness
-        self.queue: RolloutQueue | None = RolloutQueue(k) if k else None
+        #: ``max_staleness`` k >= 1: this rank's handle on the run's rollout queue, made with
+        #: the engines (``buffer.RemoteQueue``; None: synchronous, or not made yet).
+        self.queue: Any = None
+        self.scorer: StepScorer | None = None  # a step's completions scored (`_scorer`)
+        self._serving: tuple[tuple[int, int], ...] | None = (
+            None  # the engines the queue last heard of
+        )
         #: The per-prompt ledger of this worker-group start (``grpo_states.py``), and the step
         #: being trained: (its 1-based step, epoch, rows), noted trained once the step is done.
         self.states = PromptStates(None, 0, 0)  # nothing written until a start locates it
@@ -182,7 +187,7 @@ class GrpoObjective(WorkerObjective):
         if k > 1:  # the loader's step of this optimizer step, and the passes it has had
             start, first = iteration_start(p.step_in_epoch, k)
             steps = state.loader.steps(p.epoch, start)
-        if self.queue is not None:  # max_staleness >= 1: rollouts requested ahead
+        if self.args.max_staleness:  # k >= 1: rollouts requested ahead, through the queue
             yield from self._async_steps(state, steps)
             return
         for prompts in steps:
@@ -207,7 +212,7 @@ class GrpoObjective(WorkerObjective):
         self, state: Any, steps: Iterator[list[MicroBatch]]
     ) -> Iterator[list[MicroBatch]]:
         """``max_staleness`` k >= 1: the loader read k steps ahead, whose rollouts are requested
-        while each step trains (``grpo_async.py``); the queue drains at the epoch's end."""
+        while each step trains (``_rollout/queue.py``); the queue drains at the epoch's end."""
         ahead: deque[list[MicroBatch]] = deque()
         k = self.args.max_staleness
         self.queue.clear()  # a new epoch (or start): nothing requested for its steps yet
@@ -257,9 +262,12 @@ class GrpoObjective(WorkerObjective):
             self.states.note("trained", *done)
 
     def end(self, state: Any) -> None:
-        """After the run's last step: that step trained, the ledger's last lines written."""
+        """After the run's last step: that step trained, the ledger's last lines written;
+        rank 0 ends the rollout queue's actor."""
         self._settle(state)
         self.states.flush()
+        if self.queue is not None and self._rank == 0:
+            self.queue.close()
 
     def _start(self, s: Any) -> None:
         """At each epoch's first step; once per worker-group start (after the resume): the
@@ -274,6 +282,8 @@ class GrpoObjective(WorkerObjective):
             self.engines = Engines(s, self._engine_spec(), probe)
             self.engines.start(started=self._started)
             self._started = None
+            if self.args.max_staleness:  # the run's rollout queue (rank 0 makes its actor)
+                self.queue = self.engines.queue(self.args.max_staleness, self._scorer(s))
             run = getattr(s, "run", None)
             folder = run.child("ledger") if run is not None else None
             self.states = PromptStates(folder, self._rank, self._attempt)
@@ -305,11 +315,16 @@ class GrpoObjective(WorkerObjective):
         else:
             self.states.note("queued", step + 1, epoch, rows)
         sync = self.engines.boundary(self.config.sync_every)  # who serves, and the weights
+        if self.queue is not None and s.rank == 0:
+            self._serve()
         started = time.perf_counter()
         if taken is None:
             completions = self._generate(s, rows, step)
         else:  # what was stale, or lost with its engine, sampled again now (no-one else waits)
             missing = taken.missing
+            for slot in taken.resent:  # the queue sent it again itself, to an engine left
+                self.states.note("requeued", step + 1, epoch, rows, why="engine lost")
+                self.states.note("in_flight", step + 1, epoch, rows, engine=slot)
             if taken.died:
                 self.states.note("requeued", step + 1, epoch, missing, why="engine lost")
             elif taken.dropped:  # (missing without a drop: nothing was requested yet)
@@ -350,15 +365,29 @@ class GrpoObjective(WorkerObjective):
         return out
 
     def _score(self, s: Any, step: int, completions: list[Any]) -> Any:
-        """Step `step`'s completions scored (the reward functions as Ray tasks); in the main
-        thread, or on the queue's background thread for a request sent ahead."""
-        c = self.config
-        return score_step(
-            completions, self.prompts, self.fns, num_generations=c.num_generations,
-            decode=self._decode, scale_rewards="none" if c.scale_rewards == "batch" else
-            c.scale_rewards, weights=self.args.reward_weights,
-            state=RewardState(step, s.total_steps),
-        )  # fmt: skip
+        """Step `step`'s completions scored here (the reward functions as Ray tasks); a request
+        sent ahead is scored by the rollout queue, as it is answered."""
+        return self._scorer(s)(step, completions)
+
+    def _scorer(self, s: Any) -> StepScorer:
+        """The run's scoring of a step (picklable: the rollout queue's actor gets a copy)."""
+        if self.scorer is None:
+            c = self.config
+            self.scorer = StepScorer(
+                self.prompts.prompts, self.fns, c.num_generations, s.workload.tokenizer,
+                scale_rewards="none" if c.scale_rewards == "batch" else c.scale_rewards,
+                weights=self.args.reward_weights, max_steps=s.total_steps,
+            )  # fmt: skip
+        return self.scorer
+
+    def _serve(self) -> None:
+        """Rank 0: the rollout queue told the serving engines when they changed (where it
+        sends a lost engine's requests again)."""
+        serving = self.engines.serving_engines()
+        key = tuple((slot, id(engine)) for slot, engine in serving.items())
+        if key != self._serving:
+            self.queue.serve(serving)
+            self._serving = key
 
     def _params(self, s: Any, step: int) -> SamplingParams:
         """The sampling of step `step`'s rollout on this rank (its own seed)."""
@@ -378,11 +407,10 @@ class GrpoObjective(WorkerObjective):
         for j in range(len(queue), last):
             rows = _rows(upcoming[j])
             prompt_ids = [self.prompts[r].prompt_ids for r in rows]
-            ahead = step + 1 + j
-            score = functools.partial(self._score, s, ahead)
-            queue.submit(self.engines.of_rank(), rows, prompt_ids, self._params(s, ahead), score)
-            self.states.note("in_flight", ahead + 1, s.progress.epoch, rows,
-                             engine=self.engines.slot())  # fmt: skip
+            ahead, slot = step + 1 + j, self.engines.slot()
+            params = self._params(s, ahead)
+            queue.submit(ahead, slot, self.engines.of_rank(), rows, prompt_ids, params)
+            self.states.note("in_flight", ahead + 1, s.progress.epoch, rows, engine=slot)
 
     def _generate(
         self, s: Any, rows: list[int], step: int, completions: list[Any] | None = None
@@ -415,9 +443,6 @@ class GrpoObjective(WorkerObjective):
                 )
             self.engines.lost(failed)
         raise AssertionError("unreachable")
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.state.workload.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _batch_std(self, s: Any, rewards: torch.Tensor) -> float:
         """The std of the step's rewards over every rank (``scale_rewards="batch"``)."""
@@ -478,7 +503,7 @@ class GrpoObjective(WorkerObjective):
                 old = self._old[self._micro]
             self._micro += 1
         sampling = flat_per_token(batch["sampling_logps"], batch["length"])
-        if self.queue is not None:  # asynchronous: the engine's log-probs are the old ones
+        if self.args.max_staleness:  # asynchronous: the engine's log-probs are the old ones
             old = engine_old_logps(sampling, logps)
         tokens = CompletionTokens(
             logps=logps, sequence=rows, advantages=batch["advantages"], mask=keep, old_logps=old,
@@ -519,7 +544,7 @@ class GrpoObjective(WorkerObjective):
         restarts = self.engines.restarts if self.engines is not None else 0
         return step_metrics(
             list(sums), self._agreed_maxima.popleft(), [f.name for f in self.fns], self.config,
-            restarts, asynchronous=self.queue is not None,
+            restarts, asynchronous=bool(self.args.max_staleness),
         )  # fmt: skip
 
     # ---- sampled completions -----------------------------------------------------------
@@ -528,7 +553,13 @@ class GrpoObjective(WorkerObjective):
         """A few of rank 0's completions of the step into ``<run>/rollouts.jsonl``."""
         keep = self.config.num_completions_to_print or len(scored.completions)
         lines = completion_lines(
-            scored, advantages, step, self.prompts, self._decode, [f.name for f in self.fns], keep
+            scored,
+            advantages,
+            step,
+            self.prompts,
+            self._scorer(s).decode,
+            [f.name for f in self.fns],
+            keep,
         )
         self._log_dir = append_run_file(s.run.child("rollouts.jsonl"), lines, self._log_dir)
 

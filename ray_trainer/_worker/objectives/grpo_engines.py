@@ -8,7 +8,8 @@ on it at each step point (:meth:`Engines.boundary`) and when a rollout found its
 (:meth:`Engines.lost`); a lost engine's rank samples from another, a replacement starts in the
 background and takes the latest weights before its first request. The actors are owned by
 rank 0's process, so they end with the worker group (a restart creates new ones, which get the
-restored weights at their first sync).
+restored weights at their first sync). So is the rollout queue's actor of an asynchronous run
+(``_rollout/buffer.py``, :meth:`Engines.queue`).
 
 Every method here is entered by every rank at the same point of the step: a weight sync
 gathers each parameter under FSDP (a collective), and a barrier after it keeps any rank from
@@ -18,13 +19,14 @@ sampling before the engines hold the new weights.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ray_trainer._rollout.actor import RemoteEngine, RolloutEngineDied
+from ray_trainer._rollout.buffer import RemoteQueue, buffer_name
 from ray_trainer._rollout.engine import EngineSpec
 from ray_trainer._rollout.probe import Probe, logprob_diff, trainer_logprobs
 from ray_trainer._rollout.weights import full_tensors
@@ -163,6 +165,23 @@ class Engines:
         while not len(self.pool):
             joined += self._round(need=1)
         return [i for i in dict.fromkeys(joined) if i in self.pool.serving]
+
+    def serving_engines(self) -> dict[int, RemoteEngine]:
+        """The serving engines by slot (rank 0: where the rollout queue sends lost requests)."""
+        return {i: self.pool.engine(i) for i in self.pool.serving}
+
+    def queue(self, max_staleness: int, score: Callable[[int, list[Any]], Any]) -> RemoteQueue:
+        """The run's rollout queue (every rank, after `start`): rank 0 creates its actor, on
+        its node, with the run's scoring; the others attach once it exists."""
+        s = self.s
+        name = buffer_name(s.spec.actor_name, s.ctx.attempt)
+        namespace = s.spec.actor_namespace
+        if s.rank == 0:
+            queue = RemoteQueue.create(name, namespace, max_staleness, s.world_size, score)
+        _barrier(s.world_size)
+        if s.rank != 0:
+            queue = RemoteQueue.attach(name, namespace, s.rank, max_staleness)
+        return queue
 
     def slot(self) -> int:
         """The slot this rank samples from."""

@@ -80,7 +80,7 @@ def async_sums(
     ages: Sequence[int], taken: Any, wait_s: float, in_flight: int
 ) -> tuple[list[float], list[float]]:
     """This rank's :data:`ASYNC_SUMS` and :data:`ASYNC_MAXIMA` of an asynchronous step: the
-    ages of its trained completions, what its request gave (``grpo_async.Taken``), the
+    ages of its trained completions, what its request gave (``_rollout/queue.Taken``), the
     trainer's wait for it and the requests left in flight after the step's."""
     sums = [float(taken.dropped), float(sum(ages))]
     extremes = [
