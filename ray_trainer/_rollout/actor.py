@@ -5,7 +5,14 @@
 built once; new weights arrive through the object store (``transport.ObjectStoreTransport``),
 never by restarting it. `RemoteEngine` is how the trainer side uses it: generate, sync, probe,
 each waiting with a timeout, and a dead actor raised as `RolloutEngineDied` (or seen by
-`alive`, or by `state` without waiting). Ray does not restart it (``max_restarts=0``): replacing
+`alive`, or by `state` without waiting).
+
+Its calls run one at a time, in the order sent, so a sync sent after a request waits for it;
+except `post`, `probed` and `info`, in a concurrency group of their own (`CONTROL`), answered
+while a request runs: an asynchronous run posts each version's weights (put in the object store once,
+``transport.post_weights``) and the engine takes them at its next request boundary, between two
+batches of a request (at once when idle), so the trainer never waits for the requests ahead of
+a sync (the ``hf`` engine's pause-and-update). Ray does not restart it (``max_restarts=0``): replacing
 it, and syncing the replacement, is the training loop's policy (``grpo_pool.py``).
 """
 
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterable
 from math import inf
@@ -21,9 +29,13 @@ from typing import Any
 from ray_trainer._rollout.engine import EngineSpec, SamplingParams
 from ray_trainer._rollout.engines import build_engine, resolve_backend
 from ray_trainer._rollout.probe import Probe
-from ray_trainer._rollout.transport import ObjectStoreTransport, sync_weights
+from ray_trainer._rollout.transport import ObjectStoreTransport, PostedWeights, sync_weights
 from ray_trainer._rollout.types import Completion
 from ray_trainer._rollout.weights import DEFAULT_BUCKET_BYTES, Bucket, SyncStats
+
+#: The actor's concurrency group for `post`, `probed` and `info`: one thread beside its
+#: requests'.
+CONTROL = "control"
 
 
 class RolloutEngineDied(RuntimeError):
@@ -34,7 +46,9 @@ class RolloutActor:
     """The Ray actor's class: one engine of `backend` built from `spec` (and `state_dict`).
 
     Runs in its own Ray worker process; Ray runs its calls one at a time, so a sync's buckets
-    and a rollout never interleave.
+    and a rollout never interleave. `post`, `probed` and `info` run on a thread of their own
+    (the `CONTROL` group): a version posted while a request runs is loaded by the request's
+    thread at its next boundary; one posted to an idle engine is loaded at once.
     """
 
     def __init__(
@@ -44,6 +58,12 @@ class RolloutActor:
         self.engine = build_engine(self.backend, spec, state_dict)
         self.first_version: Any = None  # the policy version of its first request
         self.requests = 0
+        self._lock = threading.Lock()  # guards `_posted`
+        self._busy = threading.Lock()  # held by a call of the request thread, while it runs
+        #: A version posted and not taken yet: (version, its buckets' references, the probe).
+        self._posted: tuple[int, list[Any], Probe | None] | None = None
+        self._probed: dict[int, list[float]] = {}  # the probe's log-probs of the last taken
+        self.engine.on_boundary = self._take_posted
 
     def generate(
         self,
@@ -51,10 +71,8 @@ class RolloutActor:
         params: SamplingParams,
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
-        if not self.requests:
-            self.first_version = self.engine.version
-        self.requests += 1
-        return self.engine.generate(prompts, params, prompt_indices)
+        with self._busy:
+            return self._generate(prompts, params, prompt_indices)
 
     def generate_timed(
         self,
@@ -64,23 +82,75 @@ class RolloutActor:
     ) -> tuple[list[Completion], float, float]:
         """`generate`, with the wall-clock times (``time.time()``) it began and ended: an
         asynchronous rollout's caller sees how much of it ran while it trained."""
-        started = time.time()
-        completions = self.generate(prompts, params, prompt_indices)
-        return completions, started, time.time()
+        with self._busy:
+            started = time.time()
+            completions = self._generate(prompts, params, prompt_indices)
+            return completions, started, time.time()
+
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, prompt_indices: list[int] | None
+    ) -> list[Completion]:
+        self._take_posted()
+        if not self.requests:
+            self.first_version = self.engine.version
+        self.requests += 1
+        return self.engine.generate(prompts, params, prompt_indices)
 
     def logprobs(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
     ) -> list[float]:
-        return self.engine.logprobs(prompt_ids, completion_ids, temperature)
+        with self._busy:
+            return self.engine.logprobs(prompt_ids, completion_ids, temperature)
 
     def begin_sync(self, version: int) -> None:
-        self.engine.begin_sync(version)
+        with self._busy:
+            self.engine.begin_sync(version)
 
     def load_bucket(self, bucket: Bucket) -> int:
-        return self.engine.load_bucket(bucket)
+        with self._busy:
+            return self.engine.load_bucket(bucket)
 
     def finish_sync(self, version: int) -> dict[str, Any]:
-        return self.engine.finish_sync(version)
+        with self._busy:
+            return self.engine.finish_sync(version)
+
+    def post(self, version: int, refs: list[Any], probe: Probe | None = None) -> int:
+        """Policy `version`'s buckets (`refs`, read when taken): loaded now, then `probe`
+        scored (`probed`), when the engine is idle; else held for the running request's next
+        boundary (a version posted before and not taken yet is passed over). Answered while a
+        request runs (`CONTROL`); returns the version the engine holds now."""
+        with self._lock:
+            self._posted = (int(version), list(refs), probe)
+        if self._busy.acquire(blocking=False):  # idle: nothing to pause, load it here
+            try:
+                self._take_posted()
+            finally:
+                self._busy.release()
+        return self.engine.version
+
+    def probed(self, version: int) -> list[float] | None:
+        """The probe's log-probs the engine took right after loading posted `version` (None:
+        not loaded yet, or passed over for a newer one)."""
+        return self._probed.get(int(version))
+
+    def _take_posted(self) -> None:
+        """Load the version posted, if any: at a request boundary (on the request's thread),
+        or when posted to an idle engine (the caller holds `_busy` either way)."""
+        with self._lock:
+            posted, self._posted = self._posted, None
+        if posted is None:
+            return
+        version, refs, probe = posted
+        self.engine.begin_sync(version)
+        for ref in refs:
+            self.engine.load_bucket(_fetched(ref))
+        self.engine.finish_sync(version)
+        if probe is not None:
+            self._probed = {
+                version: self.engine.logprobs(
+                    list(probe.prompt_ids), list(probe.completion_ids), probe.temperature
+                )
+            }
 
     def info(self) -> dict[str, Any]:
         """Who answers: the backend, the policy version held, the device, the process id, the
@@ -97,6 +167,15 @@ class RolloutActor:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _fetched(ref: Any) -> Bucket:
+    """A posted bucket: read from the object store (a bucket itself: an engine in-process)."""
+    if isinstance(ref, Bucket):
+        return ref
+    import ray
+
+    return ray.get(ref)
 
 
 def actor_options(resources: dict[str, float] | None) -> dict[str, Any]:
@@ -140,13 +219,13 @@ class RemoteEngine:
     ) -> None:
         import ray
 
-        remote = ray.remote(RolloutActor).options(
+        remote = ray.remote(concurrency_groups={CONTROL: 1})(RolloutActor).options(
             **actor_options(resources), max_restarts=0, max_task_retries=0, **options
         )
         self.actor = remote.remote(backend, spec, state_dict)
         self.timeout_s = timeout_s
         self._up = False
-        self._ping = self.actor.info.remote()  # answered once the engine's model is loaded
+        self._ping = self._info()  # answered once the engine's model is loaded
 
     @classmethod
     def attach(cls, actor: Any, timeout_s: float = 600.0) -> RemoteEngine:
@@ -158,12 +237,12 @@ class RemoteEngine:
 
     def state(self) -> str:
         """``"starting"`` (its actor is pending or loading its model), ``"up"`` or ``"dead"``,
-        without waiting: one ``info`` call in flight at a time, read when answered (it queues
-        behind the engine's requests, so a busy engine stays ``"up"``)."""
+        without waiting: one ``info`` call in flight at a time, read when answered (answered
+        while a request runs: `CONTROL`)."""
         import ray
 
         if self._ping is None:
-            self._ping = self.actor.info.remote()
+            self._ping = self._info()
         ready, _ = ray.wait([self._ping], timeout=0)
         if not ready:
             return "up" if self._up else "starting"
@@ -171,7 +250,7 @@ class RemoteEngine:
             ray.get(self._ping)
         except ray.exceptions.RayError:
             return "dead"
-        self._up, self._ping = True, self.actor.info.remote()
+        self._up, self._ping = True, self._info()
         return "up"
 
     @staticmethod
@@ -228,6 +307,17 @@ class RemoteEngine:
         except ray.exceptions.RayActorError as e:
             raise RolloutEngineDied(f"the rollout engine died during sync {version}: {e}") from e
 
+    def post(self, posted: PostedWeights, probe: Probe | None = None) -> int:
+        """Hand `posted` to the engine without waiting for its requests: it loads them at
+        its next request boundary, then scores `probe` (read it with `probed`). Answered at
+        once; the version the engine holds now."""
+        call = self.actor.post.options(concurrency_group=CONTROL)
+        return self._get(call.remote(posted.version, list(posted.refs), probe))
+
+    def probed(self, version: int) -> list[float] | None:
+        """The engine's probe log-probs on posted `version`, once it has loaded it (else None)."""
+        return self._get(self.actor.probed.options(concurrency_group=CONTROL).remote(version))
+
     def probe(self, probe: Probe) -> list[float]:
         """The engine's per-token log-probs of the probe completion."""
         return self._get(
@@ -237,14 +327,18 @@ class RemoteEngine:
         )
 
     def info(self) -> dict[str, Any]:
-        return self._get(self.actor.info.remote())
+        """The actor's `RolloutActor.info`, answered while a request runs."""
+        return self._get(self._info())
+
+    def _info(self) -> Any:
+        return self.actor.info.options(concurrency_group=CONTROL).remote()
 
     def alive(self, timeout_s: float = 10.0) -> bool:
         """Whether the actor answers within `timeout_s` (False once it has died)."""
         import ray
 
         try:
-            ray.get(self.actor.info.remote(), timeout=timeout_s)
+            ray.get(self._info(), timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return False
         return True

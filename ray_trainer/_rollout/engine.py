@@ -11,6 +11,7 @@ interface, never the backend's name.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +153,9 @@ class RolloutEngine(abc.ABC):
 
     #: The policy version of the weights held (0: the weights it was built with).
     version: int = 0
+    #: Called at each request boundary (`boundary`): where the rollout actor loads weights
+    #: posted while the engine sampled (``actor.RolloutActor.post``); None: nothing to do.
+    on_boundary: Callable[[], None] | None = None
 
     @classmethod
     @abc.abstractmethod
@@ -192,6 +196,14 @@ class RolloutEngine(abc.ABC):
         summary = self.receiver().finish(version)
         self.version = version
         return summary
+
+    def boundary(self) -> None:
+        """A request boundary: before each batch of sequences ``generate`` samples (``hf``:
+        each ``batch_size`` rows; ``vllm``: each request). Weights posted meanwhile are taken
+        here, so a request may cross versions; each completion records the version that
+        sampled it."""
+        if self.on_boundary is not None:
+            self.on_boundary()
 
     def close(self) -> None:  # noqa: B027  (a backend with processes of its own ends them)
         """Free what the engine holds."""

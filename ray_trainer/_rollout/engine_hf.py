@@ -103,12 +103,14 @@ class HfEngine(RolloutEngine):
             pad_token_id=self.pad_token_id,
         )
         ends = set(self.eos_token_ids)
-        sampled: list[tuple[list[int], bool]] = []
+        sampled: list[tuple[list[int], bool, int]] = []  # completion, truncated, version
         logprobs: list[list[float]] = []
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(params.seed)  # the same seed, weights and prompts: the same samples
             for start in range(0, len(rows), self.spec.batch_size):
+                self.boundary()  # weights posted meanwhile are taken between batches
+                self._check_ready()
                 batch = [ids for _, ids in rows[start : start + self.spec.batch_size]]
                 width = max(len(ids) for ids in batch)
                 pad = [[self.pad_token_id] * (width - len(ids)) + ids for ids in batch]
@@ -123,11 +125,11 @@ class HfEngine(RolloutEngine):
                 picked = steps.of(out[:, width:]).tolist()
                 for row, lps in zip(out[:, width:].tolist(), picked, strict=True):
                     completion, truncated = _until_end(row, ends)
-                    sampled.append((completion, truncated))
+                    sampled.append((completion, truncated, self.version))
                     logprobs.append(lps[: len(completion)])
         return [
-            Completion(index, ids, completion, lp, truncated, self.version)
-            for (index, ids), (completion, truncated), lp in zip(
+            Completion(index, ids, completion, lp, truncated, version)
+            for (index, ids), (completion, truncated, version), lp in zip(
                 rows, sampled, logprobs, strict=True
             )
         ]

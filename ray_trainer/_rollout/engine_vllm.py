@@ -183,6 +183,7 @@ class VllmEngine(RolloutEngine):
         params: SamplingParams,
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
+        self.boundary()  # vLLM's batch is one request to the child: weights taken before it
         self._check_ready()
         rows = sample_rows(prompts, params, prompt_indices)
         answer = _ask(

@@ -11,6 +11,12 @@ sync, which the engine checks. The transports, registered in `TRANSPORTS`:
 
 An NCCL transport (vLLM's weight-transfer engine, GPU to GPU) would be a third entry here; it
 is not built.
+
+`post_weights` is the other way, for engines that keep sampling while the trainer moves on (an
+asynchronous run): every bucket of a version is put in the object store once, for every engine,
+and each engine loads them at its next request boundary (``actor.RolloutActor.post``): the
+trainer never waits for a request ahead of the sync, at the cost of one copy of the synced
+weights in the object store per version still being read (two at most).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ray_trainer._rollout.weights import DEFAULT_BUCKET_BYTES, Bucket, SyncStats, buckets
@@ -133,3 +140,38 @@ def sync_weights(
         largest_bucket=largest,
         receiver=dict(summary or {}),
     )
+
+
+@dataclass(frozen=True)
+class PostedWeights:
+    """A policy version's buckets, put in Ray's object store once for every engine.
+
+    Attributes:
+        version: the policy version they hold.
+        refs: one object reference per bucket, in order (every weight, or the adapter's).
+        bytes: the payload put, once (not once per engine).
+    """
+
+    version: int
+    refs: tuple[Any, ...]
+    bytes: int
+
+
+def post_weights(
+    named: Iterable[tuple[str, Any]],
+    version: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: Any = None,
+) -> PostedWeights:
+    """Put `named`'s tensors in the object store as policy `version`, in buckets of at most
+    `bucket_bytes` (cast to `dtype` when given), for engines to load when they are ready
+    (``RemoteEngine.post``). The caller holds the result until every engine has had it: the
+    objects live while it, or an engine that has not loaded them yet, holds a reference."""
+    import ray
+
+    refs, sent = [], 0
+    for bucket in buckets(named, bucket_bytes, dtype):
+        refs.append(ray.put(bucket))
+        sent += bucket.nbytes
+    return PostedWeights(version, tuple(refs), sent)

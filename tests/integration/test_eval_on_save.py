@@ -3,7 +3,9 @@
 The first test reads the session's `evals_run` (`tests/support/shared_runs.py`, shared with
 `test_faults.py`). The last one drives a GRPO rollout engine (`ray_trainer/_rollout/`), the
 other engine kept warm in an actor of its own: it generates, takes new weights in buckets
-through the object store without restarting, passes the probe, and is seen dead once killed."""
+through the object store without restarting, passes the probe, takes weights posted during a
+long request between two of its batches (the request crossing versions), and is seen dead once
+killed."""
 
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def test_early_stopping_on_an_eval_on_save_metric_stops_the_run(ray_session, tmp
 def test_a_rollout_engine_actor_generates_syncs_in_buckets_and_passes_the_probe(
     ray_session, tmp_path
 ):
+    import ray
     import torch
 
     from ray_trainer._demo.chat import make_tiny_chat_model
@@ -74,8 +77,10 @@ def test_a_rollout_engine_actor_generates_syncs_in_buckets_and_passes_the_probe(
     from ray_trainer._rollout.actor import RemoteEngine, RolloutEngineDied
     from ray_trainer._rollout.engine import EngineSpec, SamplingParams
     from ray_trainer._rollout.probe import Probe, logprob_diff, trainer_logprobs
+    from ray_trainer._rollout.transport import post_weights
 
-    spec = EngineSpec(ModelSpec(model=str(make_tiny_chat_model(tmp_path / "chat"))), device="cpu")
+    model = ModelSpec(model=str(make_tiny_chat_model(tmp_path / "chat")))
+    spec = EngineSpec(model, device="cpu", batch_size=2)
     engine = RemoteEngine("hf", spec, {"CPU": 0.5}, timeout_s=120)
     try:
         params = SamplingParams(num_generations=2, max_completion_length=5, seed=1)
@@ -99,6 +104,19 @@ def test_a_rollout_engine_actor_generates_syncs_in_buckets_and_passes_the_probe(
         assert [c.logprobs for c in after] != [c.logprobs for c in before]
         probe = Probe.of(after[0])
         assert logprob_diff(engine.probe(probe), trainer_logprobs(trainer, probe)) < 1e-5
+        # Pause-and-update: weights posted while a long request samples (64 rows, 32 batches)
+        # are answered at once, taken between two of its batches, and probed after the load.
+        long = engine.submit([[5, 6, 7], [8, 9]], SamplingParams(32, 48, seed=2))
+        wait_until(lambda: engine.info()["requests"] == 3, 60, "the long request to start")
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        posted = post_weights(trainer.named_parameters(), 2, bucket_bytes=32768)
+        assert engine.post(posted, probe) == 1  # answered while version 1 samples
+        assert not ray.wait([long], timeout=0)[0]  # the request is still running
+        versions = [c.version for c in engine.result(long)[0]]
+        assert versions[0] == 1 and versions[-1] == 2 and versions == sorted(versions)
+        assert logprob_diff(engine.probed(2), trainer_logprobs(trainer, probe)) < 1e-5
         engine.kill()  # Ray ends the actor asynchronously: a call sent at once may still be served
         wait_until(lambda: not engine.alive(timeout_s=5), 30, "the killed engine to be gone")
         with pytest.raises(RolloutEngineDied):

@@ -108,6 +108,7 @@ class _Engines:
         return 1
 
     max_tries = 2
+    posted = False  # the weights synced in place here (posted ones: test_grpo_pool.py)
 
     def of_rank(self):
         return self.engine

@@ -54,6 +54,16 @@ class _Engine:
     def probe(self, probe):
         return [0.0]
 
+    def post(self, posted, probe):  # taken at its next request boundary: here at once
+        if self.status == DEAD:
+            raise RolloutEngineDied("dead")
+        self.version = posted.version
+        self.log.append(("post", self.key, posted.version))
+        return 0
+
+    def probed(self, version):
+        return [0.25 + version] if version == self.version else None
+
     def generate(self, prompt_ids, params, rows):
         if self.status == DEAD:
             raise RolloutEngineDied("dead")
@@ -176,7 +186,7 @@ def test_an_engine_that_dies_before_it_ever_serves_is_not_started_forever():
 # ---- the ranks' side: Engines, one rank ------------------------------------------------------
 
 
-def _engines(monkeypatch, low, high, up=()):
+def _engines(monkeypatch, low, high, up=(), posted=False):
     """`Engines` of a one-rank run over fake engines (slots `up` up at the start)."""
     log, made, clock = [], {}, _Clock()
 
@@ -197,7 +207,7 @@ def _engines(monkeypatch, low, high, up=()):
         parallel=SimpleNamespace(module=lambda: model),
         spec=SimpleNamespace(actor_name="run", actor_namespace="ns"), ctx=SimpleNamespace(attempt=0),
     )  # fmt: skip
-    engines = grpo_engines.Engines(state, None, None, wait_s=60.0, clock=clock)
+    engines = grpo_engines.Engines(state, None, None, posted=posted, wait_s=60.0, clock=clock)
     engines.pool._wait = clock.wait
     return engines, made, clock, log, state
 
@@ -269,6 +279,40 @@ def test_an_engine_found_dead_in_the_sync_leaves_and_the_engines_after_it_take_t
     assert engines.pool.serving == [1] and made[(1, 0)].version == 1
     assert engines.of_rank().generate([[1]], None, [0]) == [1]
     assert made[(0, 1)].status == STARTING and engines.restarts == 1
+
+
+def test_a_posted_sync_puts_the_weights_once_for_every_engine_and_probes_them_after_the_load(
+    monkeypatch,
+):
+    """An asynchronous run's sync (``posted``): the weights are gathered and put once for all
+    the engines (not once per engine), each engine is handed them without waiting for its
+    requests, one found dead leaves; the probe an engine took after loading a version is read
+    at the step's end (`posted_diff`), or at the next sync when it was not ready then."""
+    engines, made, _, log, state = _engines(monkeypatch, 1, 3, up={0, 1, 2}, posted=True)
+    puts = []
+
+    def put(named, version):
+        puts.append((version, len(list(named))))
+        return SimpleNamespace(version=version, refs=(), bytes=8.0)
+
+    monkeypatch.setattr(grpo_engines, "post_weights", put)
+    monkeypatch.setattr(grpo_engines, "logprob_diff", lambda theirs, mine: theirs[0])
+    engines.start()
+    first = engines.boundary(every=1)
+    assert puts == [(0, 2)] and first["sync/bytes"] == 8.0  # one put: weight and bias
+    assert "rollout/logprob_diff" not in first  # the engines probe once they load it
+    assert [e.version for e in engines.engines] == [0, 0, 0]
+    assert not [e for e in log if e[0] == "sync"]
+    assert engines.posted_diff() == 0.25 and engines.posted_diff() is None  # read once
+    state.progress.global_step = 1
+    made[(1, 0)].status = DEAD  # found dead by the post: it leaves, the others take it
+    second = engines.boundary(every=1)
+    assert puts[-1] == (1, 2) and "rollout/logprob_diff" not in second
+    assert engines.pool.serving == [0, 2] and made[(2, 0)].version == 1
+    state.progress.global_step = 2  # version 1's probe not read at its step's end: now
+    assert engines.boundary(every=1)["rollout/logprob_diff"] == 1.25
+    made[(0, 0)].version = None  # slot 0 has not loaded version 2: slot 2 has
+    assert engines.posted_diff() == 2.25
 
 
 def _zero(prompts, completions, completion_ids, **kwargs):

@@ -175,6 +175,47 @@ def test_a_lora_sync_sends_the_adapter_only_and_keeps_the_base(spec):
         sync_weights(LocalTransport(engine), [(base, held)], 3)
 
 
+def test_weights_posted_during_a_request_are_taken_between_its_batches(spec):
+    """The rollout actor's pause-and-update (`RolloutActor.post`, here in this process):
+    weights posted while a request samples are loaded at its next batch boundary, a version
+    posted and not taken yet passed over for a newer one; the rest of the request samples on
+    them, each completion recording its version; the probe is scored right after the load.
+    Posted to an idle engine, they are loaded at once."""
+    from ray_trainer._rollout.actor import RolloutActor
+    from ray_trainer._rollout.weights import buckets
+
+    actor = RolloutActor("hf", EngineSpec(spec.model, device="cpu", batch_size=2))
+    trainer = _trained(spec.model.build_model())
+    probe = Probe.of(_sampled(actor.engine)[0])
+    take, calls = actor.engine.on_boundary, []
+    older = list(buckets(spec.model.build_model().named_parameters()))
+
+    def boundary():  # the trainer posts twice while the request's second batch is due
+        calls.append(actor.engine.version)
+        if len(calls) == 2:  # (a post comes from another thread: the request is running)
+            assert actor.post(5, older, probe) == 0
+            assert actor.post(6, list(buckets(trainer.named_parameters(), 16384)), probe) == 0
+        take()
+
+    actor.engine.on_boundary = boundary
+    params = SamplingParams(num_generations=2, max_completion_length=6, seed=3)
+    mixed = actor.generate(PROMPTS, params)  # 6 rows: 3 batches of 2
+    assert calls == [0, 0, 6]
+    assert [c.version for c in mixed] == [0, 0, 6, 6, 6, 6]
+    held = dict(actor.engine.model.named_parameters())
+    assert all(torch.equal(held[n], p) for n, p in trainer.named_parameters())
+    assert logprob_diff(actor.probed(6), trainer_logprobs(trainer, probe)) < 1e-5
+    assert actor.probed(5) is None  # passed over: never loaded
+    # Posted to an idle engine: loaded at once, before the answer.
+    actor.engine.on_boundary = take
+    _trained(trainer)
+    assert actor.post(7, list(buckets(trainer.named_parameters())), probe) == 7
+    held = dict(actor.engine.model.named_parameters())
+    assert all(torch.equal(held[n], p) for n, p in trainer.named_parameters())
+    assert logprob_diff(actor.probed(7), trainer_logprobs(trainer, probe)) < 1e-5
+    assert {c.version for c in actor.generate(PROMPTS[:1], params)} == {7}
+
+
 def test_a_qlora_engine_samples_from_the_4_bit_base_the_trainer_trains_on(spec):
     pytest.importorskip("torchao")
     from ray_trainer._lora.config import quantize_base, wrap

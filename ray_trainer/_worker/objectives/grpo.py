@@ -74,6 +74,7 @@ from ray_trainer._worker.objectives.grpo_loss import (
     importance_ratio,
 )
 from ray_trainer._worker.objectives.grpo_metrics import (
+    PROBE_AT,
     append_run_file,
     async_sums,
     completion_lines,
@@ -279,7 +280,9 @@ class GrpoObjective(WorkerObjective):
                 raise ValueError(why)
             first = self.prompts[0].prompt_ids
             probe = Probe(tuple(first), tuple(first[: min(8, len(first))]), self.config.temperature)
-            self.engines = Engines(s, self._engine_spec(), probe)
+            self.engines = Engines(
+                s, self._engine_spec(), probe, posted=bool(self.args.max_staleness)
+            )
             self.engines.start(started=self._started)
             self._started = None
             if self.args.max_staleness:  # the run's rollout queue (rank 0 makes its actor)
@@ -530,6 +533,10 @@ class GrpoObjective(WorkerObjective):
         loss_sums, loss_max = self._sums, self._maxima
         self._sums = self._maxima = None
         device = loss_sums.device
+        if self._rank == 0 and self.engines is not None and self.engines.posted:
+            diff = self.engines.posted_diff()  # the step's posted sync, probed by an engine
+            if diff is not None and self._extremes:
+                self._extremes[PROBE_AT] = max(self._extremes[PROBE_AT], diff)
         rollout = torch.tensor(self._rollout, dtype=loss_sums.dtype, device=device)
         extremes = torch.cat(
             [loss_max, torch.tensor(self._extremes, dtype=loss_max.dtype, device=device)]

@@ -13,7 +13,10 @@ restored weights at their first sync). So is the rollout queue's actor of an asy
 
 Every method here is entered by every rank at the same point of the step: a weight sync
 gathers each parameter under FSDP (a collective), and a barrier after it keeps any rank from
-sampling before the engines hold the new weights.
+sampling before the engines hold the new weights. In an asynchronous run (``posted``) the sync
+does not wait for the requests the engines are answering: the weights are put in the object
+store once and posted to every engine, which takes them at its next request boundary; a request
+sent after the barrier samples on them (or on a newer version).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ray_trainer._rollout.actor import RemoteEngine, RolloutEngineDied
 from ray_trainer._rollout.buffer import RemoteQueue, buffer_name
 from ray_trainer._rollout.engine import EngineSpec
 from ray_trainer._rollout.probe import Probe, logprob_diff, trainer_logprobs
+from ray_trainer._rollout.transport import PostedWeights, post_weights
 from ray_trainer._rollout.weights import full_tensors
 from ray_trainer._worker.objectives.grpo_pool import EnginePool
 
@@ -95,13 +99,22 @@ class Engines:
         state: the rank's ``WorkerState`` (its spec, args, rank, world and model).
         spec: how each engine builds its model (the run's model, its LoRA fields).
         probe: the fixed completion both sides score after each sync.
+        posted: sync without waiting for the engines' requests (an asynchronous run): the
+            weights are posted, and taken at each engine's next request boundary.
         wait_s: how long rank 0 waits for engines to come up (``grpo_pool.ENGINE_WAIT_S``).
     """
 
-    def __init__(self, state: Any, spec: EngineSpec, probe: Probe, **pool: Any) -> None:
+    def __init__(
+        self, state: Any, spec: EngineSpec, probe: Probe, *, posted: bool = False, **pool: Any
+    ) -> None:
         self.s = state
         self.spec = spec
         self.probe = probe
+        self.posted = posted
+        self._held: PostedWeights | None = None  # rank 0: the last version posted, kept alive
+        #: rank 0, posted syncs: (version, the trainer's probe log-probs) of the last version
+        #: posted, whose engine-side probe is read once an engine has loaded it.
+        self._probing: tuple[int, list[float]] | None = None
         self.version: int | None = None  # the policy version the serving engines hold
         self.last_sync: dict[str, float] = {}
         low, high = state.args.rollout_range
@@ -239,6 +252,44 @@ class Engines:
                 pass
         return sent, dead
 
+    def _post(self, slots: list[int], version: int) -> tuple[float, list[int]]:
+        """The weights posted to the engines of `slots` as `version`, without waiting for
+        their requests: put in the object store once (under FSDP every rank gathers each
+        parameter once), then handed to each engine. The bytes put, and the slots found dead."""
+        s = self.s
+        named = full_tensors(self._named())
+        if s.rank != 0:
+            if s.args.strategy == "fsdp":
+                for _ in named:  # this rank's part of each gather
+                    pass
+            return 0.0, []
+        self._held = post_weights(named, version)  # the last version's, dropped by now
+        dead = []
+        for i in slots:
+            try:
+                self.pool.engine(i).post(self._held, self.probe)
+            except RolloutEngineDied:
+                dead.append(i)
+        return float(self._held.bytes), dead
+
+    def posted_diff(self) -> float | None:
+        """Rank 0, posted syncs: ``rollout/logprob_diff`` of the version posted last, from the
+        probe of the first serving engine that has loaded it (its next request loads it: by
+        the end of the step that synced it, as a rule); None while none has, and then asked
+        again later. Read once."""
+        if self._probing is None:
+            return None
+        version, mine = self._probing
+        for slot in self.pool.serving:
+            try:
+                theirs = self.pool.engine(slot).probed(version)
+            except RolloutEngineDied:
+                continue  # seen dead at the next agreement
+            if theirs is not None:
+                self._probing = None
+                return logprob_diff(theirs, mine)
+        return None
+
     def _sync_joiners(self, joined: list[int], rounds: int = 0) -> None:
         """The joiners take the trainer's weights (the latest: version ``global_step``) before
         their first request; one that dies meanwhile leaves, and who joins instead syncs."""
@@ -256,18 +307,24 @@ class Engines:
     def sync(self) -> None:
         """Every serving engine takes the trainer's weights as policy version ``global_step``
         (the adapter alone under LoRA), then the probe: ``rollout/logprob_diff``. Every rank.
-        An engine found dead leaves (its replacement syncs when it joins)."""
+        An engine found dead leaves (its replacement syncs when it joins). Posted (an
+        asynchronous run): the engines take the weights at their next request boundary and
+        score the probe then; its difference is read at the step's end (`posted_diff`)."""
         s = self.s
         version = s.progress.global_step
         started = time.perf_counter()
         serving = self.pool.serving
-        sent, dead = self._send(serving, version)
-        diff = None
+        # Posted: the version posted last time, if its probe was not read by its step's end.
+        diff = self.posted_diff() if s.rank == 0 else None
+        self._probing = None
+        sent, dead = (self._post if self.posted else self._send)(serving, version)
         sharded = s.args.strategy == "fsdp"
         if sharded or s.rank == 0:  # the trainer's forward (a collective under FSDP)
             mine = trainer_logprobs(s.parallel.module(), self.probe)
             first = next((i for i in serving if i not in dead), None)
-            if s.rank == 0 and first is not None:
+            if s.rank == 0 and self.posted:  # the engines' probe comes after they load them
+                self._probing = (version, mine)
+            elif s.rank == 0 and first is not None:
                 try:
                     diff = logprob_diff(self.pool.engine(first).probe(self.probe), mine)
                 except RolloutEngineDied:

@@ -34,6 +34,8 @@ MAXIMA = (
     "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
     "sync/bytes", "rollout/logprob_diff", "rollout/engines",
 )  # fmt: skip
+#: Where ``rollout/logprob_diff`` is in :data:`MAXIMA` (a posted sync's is read late).
+PROBE_AT = MAXIMA.index("rollout/logprob_diff")
 #: Asynchronous (``max_staleness`` >= 1): after the per-function sums, these sums ...
 ASYNC_SUMS = ("rollout/stale_dropped", "age_sum")
 #: ... and after :data:`MAXIMA`, these extremes (MAX over the ranks; a min as a negated max).
