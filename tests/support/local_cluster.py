@@ -94,7 +94,7 @@ class LocalCluster:
 
     num_cpus: int = 4
     resources: dict[str, float] = field(default_factory=dict)
-    # Detect a lost node in ~2 s instead of ~15 s (RAY_FACTS.md), and poll Train's workers
+    # Detect a lost node in ~3 s instead of ~15 s (RAY_FACTS.md), and poll Train's workers
     # every 0.25 s instead of 2 s.
     fast_failure_detection: bool = False
     # With node types ({"gpu_workers": {"resources": {...}, "min_workers": 0, "max_workers": 1}}),
@@ -141,9 +141,12 @@ class LocalCluster:
             "DASHBOARD_METRIC_PORT": str(self.ports["dashboard_metric_port"]),
             **(
                 {
+                    # A killed raylet refuses the check at once: seen dead in 5 x 0.5 s. A
+                    # live one starved of CPU (5 fits starting at once on 2 cores) must miss
+                    # 5 checks of 1 s each: 3 of 0.5 s once marked live nodes dead in CI.
                     "RAY_health_check_period_ms": "500",
-                    "RAY_health_check_timeout_ms": "500",
-                    "RAY_health_check_failure_threshold": "3",
+                    "RAY_health_check_timeout_ms": "1000",
+                    "RAY_health_check_failure_threshold": "5",
                     # Ray Train's controller (started by the driver, which passes RAY_TRAIN_*
                     # on) polls its workers every 2 s by default: a dead worker, a resize and
                     # a checkpoint reported within 2 s of the one before wait for that poll.
