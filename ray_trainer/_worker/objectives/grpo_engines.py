@@ -15,8 +15,8 @@ Every method here is entered by every rank at the same point of the step: a weig
 gathers each parameter under FSDP (a collective), and a barrier after it keeps any rank from
 sampling before the engines hold the new weights. In an asynchronous run (``posted``) the sync
 does not wait for the requests the engines are answering: the weights are put in the object
-store once and posted to every engine, which takes them at its next request boundary; a request
-sent after the barrier samples on them (or on a newer version).
+store once and posted to every engine, which takes them at its next request boundary (an idle
+one at once); a request sent after the barrier samples on them (or on a newer version).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class Engines:
         spec: how each engine builds its model (the run's model, its LoRA fields).
         probe: the fixed completion both sides score after each sync.
         posted: sync without waiting for the engines' requests (an asynchronous run): the
-            weights are posted, and taken at each engine's next request boundary.
+            weights are posted, and taken at each engine's next request boundary (an idle
+            engine takes them at once).
         wait_s: how long rank 0 waits for engines to come up (``grpo_pool.ENGINE_WAIT_S``).
     """
 
@@ -308,8 +309,8 @@ class Engines:
         """Every serving engine takes the trainer's weights as policy version ``global_step``
         (the adapter alone under LoRA), then the probe: ``rollout/logprob_diff``. Every rank.
         An engine found dead leaves (its replacement syncs when it joins). Posted (an
-        asynchronous run): the engines take the weights at their next request boundary and
-        score the probe then; its difference is read at the step's end (`posted_diff`)."""
+        asynchronous run): the engines take the weights at their next request boundary (an
+        idle one at once) and score the probe then; its difference is read at the step's end (`posted_diff`)."""
         s = self.s
         version = s.progress.global_step
         started = time.perf_counter()
