@@ -254,20 +254,27 @@ def wrap(
 def quantize_base(
     model: Any, fields: dict[str, Any], shard_modules: list[str] | None = None, world: int = 1
 ) -> list[str]:
-    """Under ``lora.quantize_base`` (QLoRA), store the frozen base's linear layers in NF4, in
-    place, before peft wraps `model` (real or on the meta device; `world`: the ranks FSDP will
-    shard it over, 1 under DDP). The names of the layers quantized (none without it).
+    """Under ``lora.quantize_base`` (QLoRA), store the frozen base's linear layers in NF4 and
+    its embeddings and head in bf16, in place, before peft wraps `model` (real or on the meta
+    device; `world`: the ranks FSDP will shard it over, 1 under DDP). The names of the layers
+    quantized (none without it).
 
     Raises:
         QuantizeError: a layer torchao cannot quantize, named (``_model/nf4.py``).
     """
     if fields.get(QUANTIZE) is None:
         return []
-    from ray_trainer._model.nf4 import check_quantizable, quantize_layers, quantized_layers
+    from ray_trainer._model.nf4 import (
+        check_quantizable,
+        quantize_layers,
+        quantized_layers,
+        store_outside,
+    )
 
     names = quantized_layers(model, shard_modules)
     check_quantizable(model, names, world)
     quantize_layers(model, names, world)
+    store_outside(model, shard_modules)  # the embeddings and the head in bf16
     return names
 
 

@@ -3,9 +3,10 @@
 "aot_eager": the same dynamo and AOTAutograd graphs as inductor's, without its code generation),
 on the model, optimizer and loader that the worker's own assembly builds (`build_workload`,
 `prepare`, the step loader), for DDP, FSDP2, packed rows, LoRA and the chunked loss. No Ray: one
-spawned process in a 1-rank gloo group (its own dynamo state and process group), where accelerate
-wraps the model in DDP as on several ranks (dynamo then splits the compiled forward at DDP's
-buckets).
+spawned process in a 1-rank gloo group (its own dynamo state and process group). On one rank
+`prepare` leaves the model without a DDP wrapper (nothing to average: a one-GPU compiled run's
+step); DDP's split of the compiled forward at its buckets trains in ``test_compile.py``'s
+two-worker run.
 
 The first steps compile: the model's forward (its blocks under FSDP; the transformer body alone
 with the chunked loss) and its backward at the first step's shapes; a padded batch's second
@@ -113,8 +114,8 @@ def _case(rank: int, world: int, model_path: str, cache: str, fields: dict) -> d
         return _optimizer(m, args, acc.device)
 
     parallel = prepare(workload.model, args, acc, make_optimizer, "no", workload.materialize)
-    if isinstance(parallel, Replicated):  # accelerate wraps it in a gloo group of one rank too
-        assert isinstance(parallel.model, torch.nn.parallel.DistributedDataParallel)
+    if isinstance(parallel, Replicated):  # one rank: the model itself, no DDP wrapper
+        assert parallel.model is workload.model
     ctx = TrainingContext(rank=rank, world_size=world, model=parallel.module())
     s = WorkerState(
         spec=None, args=args, rank=rank, world_size=world, accelerator=acc, parallel=parallel,

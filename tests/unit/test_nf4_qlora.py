@@ -73,7 +73,7 @@ def test_the_blocks_linear_layers_are_nf4_within_their_error_bound_and_the_rest_
     _, model, _ = _built(base)
     original = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     weights = dict(original.named_parameters())
-    quantized = bf16_bytes = nf4_bytes = 0
+    quantized = bf16_bytes = nf4_bytes = lowered = 0
     for name, param in model.get_base_model().named_parameters():
         source = name.replace(".base_layer.", ".")
         if ".lora_" in name:
@@ -81,9 +81,11 @@ def test_the_blocks_linear_layers_are_nf4_within_their_error_bound_and_the_rest_
             continue
         assert not param.requires_grad  # the whole base is frozen
         leaf = source.split(".")[-2]  # the layer's name: q_proj, lm_head, norm...
-        if not is_nf4(param):  # embeddings, head, norms: exact, in fp32
+        if not is_nf4(param):  # embeddings and head exact in bf16 (the files'), norms in fp32
             assert leaf not in QUANTIZED, name
-            assert param.dtype == torch.float32 and torch.equal(param, weights[source]), name
+            dtype = torch.bfloat16 if leaf in ("embed_tokens", "lm_head") else torch.float32
+            assert param.dtype == dtype and torch.equal(param.float(), weights[source]), name
+            lowered += dtype == torch.bfloat16
             continue
         assert leaf in QUANTIZED and name.endswith(".weight"), name
         quantized += 1
@@ -96,8 +98,20 @@ def test_the_blocks_linear_layers_are_nf4_within_their_error_bound_and_the_rest_
         assert error.norm() / whole.norm() < 0.12, name
         bf16_bytes += whole.numel() * 2
         nf4_bytes += resident_bytes(param)
-    assert quantized == 2 * len(QUANTIZED)
+    assert quantized == 2 * len(QUANTIZED) and lowered == 2
     assert nf4_bytes <= 0.3 * bf16_bytes, (nf4_bytes, bf16_bytes)
+    # The bf16 embeddings and head compute in the run's fp32: the embedding's rows are cast up,
+    # the head's weight too, so the logits are the fp32 products of the bf16 values.
+    inner = model.get_base_model()
+    with torch.no_grad():
+        rows = inner.model.embed_tokens(IDS)
+        hidden = torch.randn(3, 64)
+        logits = inner.lm_head(hidden)
+    assert rows.dtype == torch.float32 and torch.equal(
+        rows[0], weights["model.embed_tokens.weight"][IDS[0]]
+    )
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden @ weights["lm_head.weight"].T, rtol=0, atol=1e-5)
 
 
 def test_a_qlora_step_trains_the_adapters_and_its_loss_is_close_to_the_full_precision_base(base):
@@ -227,12 +241,19 @@ def sharded_qlora(rank: int, world: int, model_path: str, folder: str) -> dict:
     from ray_trainer._worker.model.parallel import prepare
 
     args, ddp, _ = _built(model_path)
+    codes = {n: p.quantized_data.data_ptr() for n, p in ddp.named_parameters() if is_nf4(p)}
     parallel = prepare(
         ddp, args, Accelerator(cpu=True), lambda m: _optimizer(m, args, torch.device("cpu")), "no"
     )
     ids = IDS + rank
     parallel.model(input_ids=ids, labels=ids).loss.backward()
     out["ddp_ignored"] = sorted(ddp._ddp_params_and_buffers_to_ignore)
+    out["ddp_frozen"] = sorted(n for n, p in ddp.named_parameters() if not p.requires_grad)
+    # Already on the CPU, the model was not moved again: every NF4 weight's codes are the ones
+    # built (accelerate's move copied each of them).
+    out["ddp_placed"] = codes and all(
+        p.quantized_data.data_ptr() == codes[n] for n, p in ddp.named_parameters() if is_nf4(p)
+    )
     out["ddp_grads"] = {n: p.grad for n, p in ddp.named_parameters() if p.grad is not None}
     return out
 
@@ -255,8 +276,14 @@ def test_fsdp2_shards_and_gathers_the_nf4_codes_and_ddp_leaves_them_out_on_two_r
         assert all(".lora_" in k for k in r["saved"]) and r["saved"]  # the adapters alone
     assert torch.equal(r0["async_gathered"], r0["gathered"]) and r1["async_gathered"] is None
     assert r0["loss"] == r1["loss"]
-    assert r0["ddp_ignored"] and all(".base_layer.weight" in n for n in r0["ddp_ignored"])
-    assert len(r0["ddp_ignored"]) == 2 * len(QUANTIZED)
+    # The whole frozen base is left out of DDP: the 4-bit layers, the bf16 embeddings and head,
+    # the norms (each rank reads the same files); only the adapters are DDP's.
+    assert r0["ddp_ignored"] == r0["ddp_frozen"] and r0["ddp_placed"]
+    assert sum(".base_layer.weight" in n for n in r0["ddp_ignored"]) == 2 * len(QUANTIZED)
+    assert {n for n in r0["ddp_ignored"] if "embed_tokens" in n or "lm_head" in n} == {
+        "base_model.model.model.embed_tokens.weight",
+        "base_model.model.lm_head.weight",
+    }
     assert r0["ddp_grads"].keys() == r1["ddp_grads"].keys() and r0["ddp_grads"]
     for name, grad in r0["ddp_grads"].items():  # all-reduced: the same on both ranks
         assert ".lora_" in name and torch.equal(grad, r1["ddp_grads"][name]), name

@@ -176,7 +176,7 @@ class _FusedNllSum(torch.autograd.Function):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]  # only what autograd will ask for
         dtype = torch.get_autocast_dtype(hidden.device.type)
         if not torch.is_autocast_enabled(hidden.device.type):
-            dtype = weight.dtype
+            dtype = hidden.dtype  # QLoRA's bf16 head computes in the run's dtype (nf4.py)
         vocab = weight.shape[0]
         pad = -vocab % align
         w = weight.to(dtype)

@@ -134,8 +134,10 @@ def _liger_forward(self, input_ids=None, attention_mask=None, position_ids=None,
     hidden = outputs[0]
     targets = shift if shift is not None else shifted_targets(labels)
     head = self.get_output_embeddings()
+    weight = head.weight  # QLoRA's bf16 head (nf4.py): in the hidden states' dtype
+    weight = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
     total = fused_linear_ce_sum(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets.reshape(-1)
+        hidden.reshape(-1, hidden.shape[-1]), weight, head.bias, targets.reshape(-1)
     )
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
