@@ -35,3 +35,28 @@ def test_only_the_gcs_servers_of_the_session_are_its_own(tmp_path):
             p.kill()
             p.wait()
     assert session_ray_servers("s1") == []
+
+
+def test_a_cluster_started_at_the_lowest_priority_runs_its_daemons_at_the_normal_one():
+    # The smoke run beside the integration tier runs at SCHED_IDLE (.ci/beside); a cluster it
+    # starts runs `ray start` (so its GCS and raylet) at SCHED_OTHER, anywhere else unchanged.
+    import sys
+
+    from local_cluster import at_normal_priority
+
+    assert at_normal_priority(["ray", "start"]) == ["ray", "start"]
+    if shutil.which("chrt") is None:
+        return
+    probe = "import os; print(os.sched_getscheduler(0) == os.SCHED_IDLE)"
+    code = (
+        "import subprocess, sys; from local_cluster import at_normal_priority; "
+        f"print(subprocess.run(at_normal_priority([sys.executable, '-c', {probe!r}]), "
+        "capture_output=True, text=True).stdout.strip())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    idle = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", probe], env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert idle.stdout.strip() == "True"  # what a process started at SCHED_IDLE runs at
+    started = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", code], env=env,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert started.stdout.strip() == "False"
