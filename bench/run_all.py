@@ -524,11 +524,13 @@ SMOKE_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     # Ray's workers at the niceness of the other benchmarks' processes (Ray's default is 15):
     # beside a benchmark's torchrun or TRL side, a fit's workers would wait for the cores
-    # until its worker start timed out. Beside the integration tests (this process at the
-    # lowest priority, SCHED_IDLE: `.ci/beside`) the daemons run at the normal priority
-    # (`local_cluster.at_normal_priority`) and the workers they start at the lowest niceness,
-    # so that the smoke run takes only the cores the tests leave idle.
-    "RAY_worker_niceness": "19" if os.sched_getscheduler(0) == os.SCHED_IDLE else "0",
+    # until its worker start timed out. Beside the integration tests (`.ci/beside`) every
+    # process of the smoke run is at the lowest priority, SCHED_IDLE, which ignores niceness.
+    "RAY_worker_niceness": "0",
+    # a raylet declared dead after 60 missed health checks, 3 s apart (Ray's default: 5):
+    # beside the integration tests, at the lowest priority, the GCS and the raylets are
+    # starved alike while the tests take both cores
+    "RAY_health_check_failure_threshold": "60",
     # each node's dashboard agent samples every Ray process (psutil) every 5 s by default, for
     # the dashboard's node view and Prometheus: once a minute here (nobody reads them)
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
@@ -583,6 +585,7 @@ class SharedRay:
                                       capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
                 if done.returncode != 0:
                     raise RuntimeError(f"`ray start --head` failed:\n{done.stdout}\n{done.stderr}")
+                self.idle_again()
 
         self._new_cluster = lambda: SmokeCluster(num_cpus=4)
         self.cluster = self._new_cluster()

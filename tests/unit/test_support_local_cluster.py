@@ -37,9 +37,10 @@ def test_only_the_gcs_servers_of_the_session_are_its_own(tmp_path):
     assert session_ray_servers("s1") == []
 
 
-def test_a_cluster_started_at_the_lowest_priority_runs_its_daemons_at_the_normal_one():
+def test_a_cluster_started_at_the_lowest_priority_starts_its_daemons_at_the_normal_one():
     # The smoke run beside the integration tier runs at SCHED_IDLE (.ci/beside); a cluster it
-    # starts runs `ray start` (so its GCS and raylet) at SCHED_OTHER, anywhere else unchanged.
+    # starts runs `ray start` at SCHED_OTHER (its raylet registers within Ray's fixed 30 s),
+    # then `idle_again` puts its processes back at SCHED_IDLE; anywhere else unchanged.
     import sys
 
     from local_cluster import at_normal_priority
@@ -60,3 +61,35 @@ def test_a_cluster_started_at_the_lowest_priority_runs_its_daemons_at_the_normal
     started = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", code], env=env,
                              capture_output=True, text=True, check=True)  # fmt: skip
     assert started.stdout.strip() == "False"
+
+
+def test_idle_again_puts_every_thread_of_the_clusters_processes_at_the_lowest_priority(tmp_path):
+    import sys
+
+    import pytest
+
+    if os.geteuid() != 0:  # back from SCHED_IDLE to SCHED_OTHER takes root (CI runs as root)
+        pytest.skip("needs root to leave SCHED_IDLE again")
+
+    import local_cluster
+
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+                              "threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"])  # fmt: skip
+    try:
+        import psutil
+
+        cluster = local_cluster.LocalCluster.__new__(local_cluster.LocalCluster)
+        cluster.processes = lambda: [psutil.Process(child.pid)]
+        wait_until(lambda: len(psutil.Process(child.pid).threads()) == 2, 10, "the thread")
+        cluster.idle_again()  # this process is not at SCHED_IDLE: nothing changes
+        threads = [t.id for t in psutil.Process(child.pid).threads()]
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_OTHER}
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            cluster.idle_again()
+        finally:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}
+    finally:
+        child.kill()
+        child.wait()
