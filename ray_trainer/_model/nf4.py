@@ -148,18 +148,17 @@ def quantize(weight: torch.Tensor, world: int) -> torch.Tensor:
 OUTSIDE_DTYPE = torch.bfloat16
 
 
-def store_outside(model: nn.Module, shard_modules: list[str] | None = None) -> list[str]:
+def store_outside(model: nn.Module, shard_modules: list[str] | None = None) -> None:
     """Store the weight of every ``nn.Embedding`` and ``nn.Linear`` outside the model's blocks
     (the embeddings and the head) in `OUTSIDE_DTYPE`, in place, real or on the meta device;
     each module still computes in its weight's former dtype: an embedding's output is cast to
     it, a linear layer casts its weight to its input's dtype (under autocast, autocast casts
-    both). Tied weights stay tied. The names of the modules changed."""
+    both). Tied weights stay tied."""
     from ray_trainer._model.blocks import find_blocks
 
     inside = {id(m) for block in find_blocks(model, shard_modules) for m in block.modules()}
     lowered: dict[int, nn.Parameter] = {}
-    changed = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if not isinstance(module, (nn.Embedding, nn.Linear)) or id(module) in inside:
             continue
         weight = module.weight
@@ -174,8 +173,6 @@ def store_outside(model: nn.Module, shard_modules: list[str] | None = None) -> l
             module.register_forward_hook(_embedding_out)
         else:
             module.forward = types.MethodType(_linear_cast, module)
-        changed.append(name)
-    return changed
 
 
 def _embedding_out(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
