@@ -9,9 +9,12 @@ tests"): the head listens on 127.0.0.2 (Ray would replace 127.0.0.1 by the netwo
 every port is explicit and free, `AUTOSCALER_METRIC_PORT` / `DASHBOARD_METRIC_PORT` move the
 two otherwise fixed ports, the session lives in a private `--temp-dir`, token auth is off
 (`RAY_AUTH_MODE=disabled`: a `~/.ray/auth_token` left by another test would turn it on), the
-cluster's own processes know their dashboard (`node_env`), and teardown kills only the
-processes whose command line names this temp dir or one of its ports, with their children.
-Never `ray stop`: it ends every Ray on the machine.
+cluster's own processes know their dashboard (`node_env`), and teardown kills only this
+cluster's processes: those started with its mark in their environment (`CLUSTER_MARK`) or its
+temp dir on their command line, with their children. Never by a port on a command line: a port
+this cluster chose but no process of it listens on (the dashboard's, with the dashboard off) is
+free for another cluster on the machine to take, whose processes would then look like this
+one's. Never `ray stop`: it ends every Ray on the machine.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import psutil
 from waiting import wait_until
 
 HOST = "127.0.0.2"
+#: In the environment of every daemon a `LocalCluster` starts (`node_env`; they pass it on to the
+#: workers they start): the cluster's own id (its temp dir), which `processes()` finds it by.
+CLUSTER_MARK = "RAY_TRAINER_LOCAL_CLUSTER"
 _PORT_NAMES = (
     "port",
     "dashboard_port",
@@ -58,6 +64,22 @@ _NODE_PORT_NAMES = (
     "runtime_env_agent_port",
 )
 _WORKER_PORTS = 100  # one per worker process; a demo run starts about a dozen
+
+
+def at_idle_priority() -> bool:
+    """Whether this process runs at the lowest CPU priority (SCHED_IDLE: the smoke run beside
+    the integration tests, `.ci/beside`)."""
+    return os.sched_getscheduler(0) == os.SCHED_IDLE
+
+
+def at_normal_priority(cmd: list[str]) -> list[str]:
+    """`cmd` run at the normal CPU priority when this process runs at the lowest
+    (`at_idle_priority`): a `ray start` then registers its raylet within the fixed 30 s Ray
+    gives it while other processes take every core; once started, `LocalCluster.idle_again`
+    puts the cluster's processes back at the lowest priority. Anywhere else, `cmd`."""
+    if not at_idle_priority() or shutil.which("chrt") is None:
+        return cmd
+    return ["chrt", "--other", "0", *cmd]
 
 
 def _free_port(taken: set[int]) -> int:
@@ -166,6 +188,7 @@ class LocalCluster:
         A real cluster node runs one Ray and needs nothing: `ray-trainer submit` injects
         nothing into the job for it."""
         env = {**self.env(), "RAY_API_SERVER_ADDRESS": self.dashboard_url}
+        env[CLUSTER_MARK] = self.temp_dir  # what `processes()` finds its daemons by
         if self.autoscaler_node_types is not None:  # the fake provider's and a fast monitor
             env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
         return env
@@ -241,10 +264,23 @@ class LocalCluster:
             ),
         ]
 
+    def idle_again(self) -> None:
+        """Started from a process at the lowest CPU priority (`at_idle_priority`), every process
+        of this cluster so far, each thread of it, back at the lowest (SCHED_IDLE) after its
+        start at the normal one (`at_normal_priority`): the workers its raylets start later
+        inherit it, and the daemons' own polling takes no core another process wants."""
+        if not at_idle_priority():
+            return
+        for proc in self.processes():
+            with contextlib.suppress(OSError, psutil.Error):
+                for thread in proc.threads():
+                    with contextlib.suppress(OSError):
+                        os.sched_setscheduler(thread.id, os.SCHED_IDLE, os.sched_param(0))
+
     def start(self, timeout_s: float = 90.0) -> None:
         """Start the head and wait (bounded) until the dashboard's job API answers."""
         done = subprocess.run(
-            self.start_command(),
+            at_normal_priority(self.start_command()),
             env=self.node_env(),
             capture_output=True,
             text=True,
@@ -272,6 +308,7 @@ class LocalCluster:
                 f"{e} at {self.dashboard_url} (last error: {last_error}); logs in "
                 f"{self.temp_dir}/session_latest/logs"
             ) from None
+        self.idle_again()
 
     def add_node(
         self,
@@ -349,12 +386,17 @@ class LocalCluster:
             mount = f"mount -t tmpfs tmpfs {shlex.quote(hide)} && exec {shlex.join(cmd)}"
             cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
         done = subprocess.run(
-            cmd, env=self.node_env(), capture_output=True, text=True, timeout=timeout_s
+            at_normal_priority(cmd),
+            env=self.node_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
         if done.returncode != 0:
             raise RuntimeError(
                 f"`ray start --address` for {ip} failed:\n{done.stdout}\n{done.stderr}"
             )
+        self.idle_again()
 
     def raylet(self, ip: str) -> psutil.Process:
         """The raylet process of the node on `ip`."""
@@ -374,17 +416,16 @@ class LocalCluster:
         raise LookupError(f"the raylet on {ip} names no node id")
 
     def processes(self) -> list[psutil.Process]:
-        """Every process of this cluster: its command line names the temp dir or one of its
-        ports as `HOST:PORT` (the Ray client server names only `--address=HOST:PORT`), plus all their
-        children (workers rename themselves `ray::IDLE`)."""
-        markers = [self.temp_dir, *(f"{HOST}:{p}" for p in self.ports.values())]
-        for ip, ports in self.node_ports.items():
-            markers += [f"{ip}:{p}" for p in ports.values()]
+        """Every process of this cluster: started with its mark (`CLUSTER_MARK`, this temp dir)
+        in its environment, or naming the temp dir on its command line, plus all their children
+        (workers rename themselves `ray::IDLE`). Not by its ports: another cluster may listen
+        on one that this one chose and left unused."""
         found: dict[int, psutil.Process] = {}
         me = os.getpid()
         for proc in psutil.process_iter(["pid", "cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if proc.info["pid"] != me and any(m in cmdline for m in markers):
+            if proc.info["pid"] == me:
+                continue
+            if self.temp_dir in " ".join(proc.info["cmdline"] or []) or self._marked(proc):
                 found[proc.pid] = proc
         for proc in list(found.values()):
             try:
@@ -393,6 +434,12 @@ class LocalCluster:
             except psutil.NoSuchProcess:
                 pass
         return list(found.values())
+
+    def _marked(self, proc: psutil.Process) -> bool:
+        try:
+            return proc.environ().get(CLUSTER_MARK) == self.temp_dir
+        except psutil.Error:  # ended, a zombie, or another user's
+            return False
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Kill this cluster's processes by pid (SIGTERM, then SIGKILL after `timeout_s`), and

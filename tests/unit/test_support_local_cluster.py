@@ -35,3 +35,114 @@ def test_only_the_gcs_servers_of_the_session_are_its_own(tmp_path):
             p.kill()
             p.wait()
     assert session_ray_servers("s1") == []
+
+
+def test_a_cluster_started_at_the_lowest_priority_starts_its_daemons_at_the_normal_one():
+    # The smoke run beside the integration tier runs at SCHED_IDLE (.ci/beside); a cluster it
+    # starts runs `ray start` at SCHED_OTHER (its raylet registers within Ray's fixed 30 s),
+    # then `idle_again` puts its processes back at SCHED_IDLE; anywhere else unchanged.
+    import sys
+
+    from local_cluster import at_normal_priority
+
+    assert at_normal_priority(["ray", "start"]) == ["ray", "start"]
+    if shutil.which("chrt") is None:
+        return
+    probe = "import os; print(os.sched_getscheduler(0) == os.SCHED_IDLE)"
+    code = (
+        "import subprocess, sys; from local_cluster import at_normal_priority; "
+        f"print(subprocess.run(at_normal_priority([sys.executable, '-c', {probe!r}]), "
+        "capture_output=True, text=True).stdout.strip())"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    idle = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", probe], env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert idle.stdout.strip() == "True"  # what a process started at SCHED_IDLE runs at
+    started = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", code], env=env,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert started.stdout.strip() == "False"
+
+
+def test_idle_again_puts_every_thread_of_the_clusters_processes_at_the_lowest_priority(tmp_path):
+    import sys
+
+    import pytest
+
+    if os.geteuid() != 0:  # back from SCHED_IDLE to SCHED_OTHER takes root (CI runs as root)
+        pytest.skip("needs root to leave SCHED_IDLE again")
+
+    import local_cluster
+
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+                              "threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"])  # fmt: skip
+    try:
+        import psutil
+
+        cluster = local_cluster.LocalCluster.__new__(local_cluster.LocalCluster)
+        cluster.processes = lambda: [psutil.Process(child.pid)]
+        wait_until(lambda: len(psutil.Process(child.pid).threads()) == 2, 10, "the thread")
+        cluster.idle_again()  # this process is not at SCHED_IDLE: nothing changes
+        threads = [t.id for t in psutil.Process(child.pid).threads()]
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_OTHER}
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            cluster.idle_again()
+        finally:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_clusters_processes_are_those_it_started_never_anothers_on_a_port_it_left_unused():
+    # Two clusters on one machine (CI's smoke run beside the integration tier): a port that one
+    # chose and no process of it listens on (its dashboard's, with the dashboard off) is free for
+    # the other to take. A process naming that port belongs to the other cluster, and stopping
+    # or re-prioritising "this" cluster's processes must not reach it.
+    import sys
+
+    from local_cluster import CLUSTER_MARK, HOST, LocalCluster
+
+    ours, theirs = LocalCluster(), LocalCluster()
+    unused = ours.ports["dashboard_port"]
+    sleep = [sys.executable, "-c", "import subprocess, sys, time; "
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"]  # fmt: skip
+    procs = {
+        # a daemon of ours (started with its node_env) and, below, the child it starts
+        "ours": subprocess.Popen([*sleep, "--gcs-address=x"], env=ours.node_env()),
+        # the other cluster's daemon, which took the port this one left unused
+        "theirs": subprocess.Popen([*sleep, f"--gcs-address={HOST}:{unused}"], env=theirs.node_env()),
+        # named by our temp dir on its command line, without the mark (`ray start --temp-dir`)
+        "by temp dir": subprocess.Popen([*sleep, f"--temp-dir={ours.temp_dir}"],
+                                        env={k: v for k, v in os.environ.items() if k != CLUSTER_MARK}),
+    }  # fmt: skip
+    try:
+        import psutil
+
+        def children_started() -> bool:
+            return all(len(psutil.Process(p.pid).children()) == 1 for p in procs.values())
+
+        wait_until(children_started, 20, "the stand-ins' children", interval=0.05)
+        mine = {p.pid for p in ours.processes()}
+        expected = {procs["ours"].pid, procs["by temp dir"].pid}
+        expected |= {
+            c.pid for n in ("ours", "by temp dir") for c in psutil.Process(procs[n].pid).children()
+        }
+        assert mine == expected
+        theirs_pids = {
+            procs["theirs"].pid,
+            *(c.pid for c in psutil.Process(procs["theirs"].pid).children()),
+        }
+        assert {p.pid for p in theirs.processes()} == theirs_pids
+        ours.stop(timeout_s=2)
+        assert procs["theirs"].poll() is None  # stopping ours left theirs running
+        assert procs["ours"].wait(timeout=10) is not None
+        assert not os.path.exists(ours.temp_dir)
+    finally:
+        for p in procs.values():
+            for c in psutil.Process(p.pid).children() if p.poll() is None else []:
+                c.kill()
+            p.kill()
+            p.wait()
+        theirs.stop(timeout_s=1)
