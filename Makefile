@@ -52,17 +52,13 @@ cpu_time = $(if $(CPU_TIME),$(CPU_TIME) $(1))
 # The unit tests' processes: one per core, at most 4 (`make test UNIT_PROCESSES=1` runs them in one).
 UNIT_PROCESSES ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
 
-# BESIDE: a command run beside the integration tier, at the lowest CPU priority, on the cores the
-# tests leave idle (.ci/beside; CI's smoke run of every benchmark); its failure is not the target's.
-BESIDE ?=
-
 test: install-dev
 	@$(VPY) -m compileall -q $(BYTECODE)
 	@# The unit tests first, on one process per core (pytest-xdist: each unit test keeps one core
 	@# busy, and they share nothing), then the integration tests in one process (real Ray and
 	@# local clusters, which already fill every core, and share one Ray session).
 	$(call cpu_time,unit-tier) $(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit
-	$(if $(BESIDE),.ci/beside '$(BESIDE)') $(call cpu_time,integration-tier) $(VPY) -m pytest tests/integration -m "not faults"
+	$(call cpu_time,integration-tier) $(VPY) -m pytest tests/integration -m "not faults"
 
 test-unit: install-dev
 	$(VPY) -m pytest -n $(UNIT_PROCESSES) tests/unit -m "not integration"
@@ -95,15 +91,13 @@ bench: install-dev
 bench-quick: install-dev
 	$(VPY) bench/run_all.py --only loop,hf_trainer,packing
 
-# Every benchmark at its smallest settings into a temporary folder, two at a time; the project's
-# and the benchmarks' bytecode compiled first (see BYTECODE above). About 550 CPU-seconds, 5
-# minutes alone on 2 cores; CI runs it beside the integration tier (`make test BESIDE=...`, on
-# the cores the tests leave idle), then `SMOKE_ARGS="--out=DIR --rerun-failed"` runs again what
-# that left failed (docs/benchmarks.md, "The smoke run"). Under CPU_TIME it prints the
-# CPU-seconds of the run and of each benchmark.
+# Every benchmark at its smallest settings into a temporary folder (CI, after `make test`), two
+# at a time; the project's and the benchmarks' bytecode compiled first (see BYTECODE above).
+# About 720-840 CPU-seconds, so 6-7 minutes at best on 2 cores (docs/benchmarks.md, "The smoke
+# run"); under CPU_TIME it prints the CPU-seconds of the run and of each benchmark.
 bench-smoke: install-dev
 	@$(VPY) -m compileall -q $(BYTECODE) bench
-	$(call cpu_time,bench-smoke) $(VPY) bench/run_all.py --smoke $(SMOKE_ARGS)
+	$(call cpu_time,bench-smoke) $(VPY) bench/run_all.py --smoke
 
 lint: install-dev
 	$(VPY) -m ruff check . && $(VPY) -m ruff format --check .

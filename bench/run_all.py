@@ -7,8 +7,7 @@ section per benchmark: what the baseline is, then its table) and `results.png` (
 ratios per benchmark, see `plot.py`). Every figure is a ratio to a baseline measured side by
 side in the same run.
 
-Usage: python bench/run_all.py [--quick | --smoke [--jobs N] [--rerun-failed]] [--only NAME[,NAME]]
-       [--out DIR]
+Usage: python bench/run_all.py [--quick | --smoke [--jobs N]] [--only NAME[,NAME]] [--out DIR]
 
 ``--quick`` runs fewer steps and rounds; ``--smoke`` (`make bench-smoke`, in CI) runs every
 registered benchmark at its smallest settings into a temporary folder (never the committed
@@ -524,13 +523,8 @@ SMOKE_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     # Ray's workers at the niceness of the other benchmarks' processes (Ray's default is 15):
     # beside a benchmark's torchrun or TRL side, a fit's workers would wait for the cores
-    # until its worker start timed out. Beside the integration tests (`.ci/beside`) every
-    # process of the smoke run is at the lowest priority, SCHED_IDLE, which ignores niceness.
+    # until its worker start timed out
     "RAY_worker_niceness": "0",
-    # a raylet declared dead after 60 missed health checks, 3 s apart (Ray's default: 5):
-    # beside the integration tests, at the lowest priority, the GCS and the raylets are
-    # starved alike while the tests take both cores
-    "RAY_health_check_failure_threshold": "60",
     # each node's dashboard agent samples every Ray process (psutil) every 5 s by default, for
     # the dashboard's node view and Prometheus: once a minute here (nobody reads them)
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
@@ -554,7 +548,7 @@ class SharedRay:
     def __init__(self) -> None:
         sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
         import _bench_path
-        from local_cluster import LocalCluster, at_normal_priority
+        from local_cluster import LocalCluster
 
         paths = [ROOT, *_bench_path.FOLDERS, os.path.join(ROOT, "tests", "support")]
         pythonpath = os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")]))
@@ -581,11 +575,10 @@ class SharedRay:
                     super().start(timeout_s)
                     return
                 # `ray start` returns once the GCS and the raylet are up: nothing else to wait for
-                done = subprocess.run(at_normal_priority(self.start_command()), env=self.node_env(),
+                done = subprocess.run(self.start_command(), env=self.node_env(),
                                       capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
                 if done.returncode != 0:
                     raise RuntimeError(f"`ray start --head` failed:\n{done.stdout}\n{done.stderr}")
-                self.idle_again()
 
         self._new_cluster = lambda: SmokeCluster(num_cpus=4)
         self.cluster = self._new_cluster()
@@ -946,12 +939,6 @@ def write_results(results: dict[str, Any], out_dir: str) -> None:
     write_markdown(results, os.path.join(out_dir, "results.md"))
 
 
-def rerun_needed(report: dict[str, Any] | None) -> bool:
-    """`--rerun-failed`: whether a benchmark's report from the run to complete is missing or
-    failed (or was not normalised)."""
-    return report is None or "error" in report or "normalise_error" in report
-
-
 def smoke_problems(results: dict[str, Any], names: list[str], out_dir: str) -> list[str]:
     """What a smoke run must have, missing: a normalised report of every benchmark it ran, a
     section for each in results.md."""
@@ -995,13 +982,6 @@ def main(argv: list[str] | None = None) -> int:
         "with --smoke)",
     )
     parser.add_argument(
-        "--rerun-failed",
-        action="store_true",
-        help="--smoke --out DIR: run again only the benchmarks DIR's results.json lacks or "
-        "holds failed (CI: what the smoke run beside the integration tier left failed), then "
-        "check them all",
-    )
-    parser.add_argument(
         "--jobs",
         type=int,
         help="--smoke: benchmarks run at once (default 2); a full or quick run times its "
@@ -1014,8 +994,6 @@ def main(argv: list[str] | None = None) -> int:
     if opts.jobs not in (None, 1) and not opts.smoke:
         parser.error("--jobs > 1 is for --smoke only: side by side, the figures would be wrong")
     jobs = opts.jobs or (SMOKE_JOBS if opts.smoke else 1)
-    if opts.rerun_failed and not (opts.smoke and opts.out):
-        parser.error("--rerun-failed needs --smoke and --out (the folder of the run to complete)")
     names = list(BENCHES)
     if opts.only:
         names = [n.strip() for n in opts.only.split(",") if n.strip()]
@@ -1032,18 +1010,9 @@ def main(argv: list[str] | None = None) -> int:
     results_json = os.path.join(out_dir, "results.json")
 
     previous: dict[str, Any] = {}
-    if (opts.only or opts.rerun_failed) and os.path.exists(results_json):
+    if opts.only and os.path.exists(results_json):
         with open(results_json) as f:
             previous = json.load(f).get("benchmarks", {})
-    checked = names  # --rerun-failed: every benchmark is checked, only the failed ones run
-    if opts.rerun_failed:
-        names = [n for n in names if rerun_needed(previous.get(n))]
-        print(f"--rerun-failed: {', '.join(names) or 'none'} again, of {len(checked)}", flush=True)
-        if not names:
-            problems = smoke_problems({"benchmarks": previous}, checked, out_dir)
-            print("SMOKE RUN FAILED:\n  " + "\n  ".join(problems) if problems else
-                  f"smoke run ok: {len(checked)} benchmarks, each normalised (none again)")  # fmt: skip
-            return 1 if problems else 0
 
     load_start = os.getloadavg()[0]
     started, cpu_start = time.perf_counter(), cgroup_cpu_seconds()
@@ -1117,13 +1086,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Kept as written (not normalised; see results.md): {', '.join(kept)}")
     failed = [n for n in names if "error" in fresh[n]]
     if opts.smoke:
-        problems = smoke_problems(results, checked, out_dir)
+        problems = smoke_problems(results, names, out_dir)
         if plot_error:
             problems.append(f"the plot was not drawn: {plot_error}")
         if problems:
             print("SMOKE RUN FAILED:\n  " + "\n  ".join(problems))
             return 1
-        print(f"smoke run ok: {len(checked)} benchmarks, each normalised, in {total:.0f} s")
+        print(f"smoke run ok: {len(names)} benchmarks, each normalised, in {total:.0f} s")
         return 0
     if failed:
         print(f"FAILED benchmarks: {', '.join(failed)} (their logs: {workdir})")

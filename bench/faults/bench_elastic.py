@@ -122,9 +122,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     # The smaller group holds its steps some way after the node's return, until the group has
     # grown (so a slow resize cannot let the run end first; the times measured end earlier).
     hold = {"_hold_while_small": [opts.hold_at, 2], "_step_s": opts.step_s}
-    # --smoke loses no node: Ray's own failure detection (the smoke run may be starved beside
-    # the integration tests, `.ci/beside`, where 1 s health checks would see its nodes dead)
-    cluster = LocalCluster(num_cpus=0, fast_failure_detection=not opts.smoke)
+    cluster = LocalCluster(num_cpus=0, fast_failure_detection=True)
     try:  # a start that times out leaves its daemons running: stopped below too
         cluster.start()
         cluster.add_node(NODE_A, num_cpus=1)

@@ -66,22 +66,6 @@ _NODE_PORT_NAMES = (
 _WORKER_PORTS = 100  # one per worker process; a demo run starts about a dozen
 
 
-def at_idle_priority() -> bool:
-    """Whether this process runs at the lowest CPU priority (SCHED_IDLE: the smoke run beside
-    the integration tests, `.ci/beside`)."""
-    return os.sched_getscheduler(0) == os.SCHED_IDLE
-
-
-def at_normal_priority(cmd: list[str]) -> list[str]:
-    """`cmd` run at the normal CPU priority when this process runs at the lowest
-    (`at_idle_priority`): a `ray start` then registers its raylet within the fixed 30 s Ray
-    gives it while other processes take every core; once started, `LocalCluster.idle_again`
-    puts the cluster's processes back at the lowest priority. Anywhere else, `cmd`."""
-    if not at_idle_priority() or shutil.which("chrt") is None:
-        return cmd
-    return ["chrt", "--other", "0", *cmd]
-
-
 def _free_port(taken: set[int]) -> int:
     while True:
         with socket.socket() as s:
@@ -264,23 +248,10 @@ class LocalCluster:
             ),
         ]
 
-    def idle_again(self) -> None:
-        """Started from a process at the lowest CPU priority (`at_idle_priority`), every process
-        of this cluster so far, each thread of it, back at the lowest (SCHED_IDLE) after its
-        start at the normal one (`at_normal_priority`): the workers its raylets start later
-        inherit it, and the daemons' own polling takes no core another process wants."""
-        if not at_idle_priority():
-            return
-        for proc in self.processes():
-            with contextlib.suppress(OSError, psutil.Error):
-                for thread in proc.threads():
-                    with contextlib.suppress(OSError):
-                        os.sched_setscheduler(thread.id, os.SCHED_IDLE, os.sched_param(0))
-
     def start(self, timeout_s: float = 90.0) -> None:
         """Start the head and wait (bounded) until the dashboard's job API answers."""
         done = subprocess.run(
-            at_normal_priority(self.start_command()),
+            self.start_command(),
             env=self.node_env(),
             capture_output=True,
             text=True,
@@ -308,7 +279,6 @@ class LocalCluster:
                 f"{e} at {self.dashboard_url} (last error: {last_error}); logs in "
                 f"{self.temp_dir}/session_latest/logs"
             ) from None
-        self.idle_again()
 
     def add_node(
         self,
@@ -386,17 +356,12 @@ class LocalCluster:
             mount = f"mount -t tmpfs tmpfs {shlex.quote(hide)} && exec {shlex.join(cmd)}"
             cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount]
         done = subprocess.run(
-            at_normal_priority(cmd),
-            env=self.node_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
+            cmd, env=self.node_env(), capture_output=True, text=True, timeout=timeout_s
         )
         if done.returncode != 0:
             raise RuntimeError(
                 f"`ray start --address` for {ip} failed:\n{done.stdout}\n{done.stderr}"
             )
-        self.idle_again()
 
     def raylet(self, ip: str) -> psutil.Process:
         """The raylet process of the node on `ip`."""

@@ -330,44 +330,6 @@ def test_smoke_fails_on_a_benchmark_without_a_normalised_report(bad, tmp_path, m
     )
 
 
-def test_rerun_failed_runs_again_only_what_the_first_run_left_failed_then_checks_them_all(
-    tmp_path, monkeypatch, capsys
-):
-    # CI: the smoke run beside the integration tier, then `--rerun-failed` into the same folder.
-    flaky = tmp_path / "flaky_fails"
-    flaky.write_text("yes")
-    flaky_code = (
-        f"""
-import os, sys
-if os.path.exists({str(flaky)!r}):
-    os.remove({str(flaky)!r})  # fails the first time only (a start starved past its timeout)
-    sys.exit(3)
-"""
-        + GOOD
-    )
-    _registry(tmp_path, monkeypatch, {"good": GOOD, "flaky": flaky_code,
-                                      "elastic_like": ELASTIC_LIKE})  # fmt: skip
-    out = str(tmp_path / "out")
-    assert run_all.main(["--smoke", "--out", out]) == 1
-    first = json.loads((tmp_path / "out" / "results.json").read_text())["benchmarks"]
-    capsys.readouterr()
-    assert run_all.main(["--smoke", "--out", out, "--rerun-failed"]) == 0
-    printed = capsys.readouterr().out
-    assert "--rerun-failed: flaky again, of 3" in printed
-    assert "smoke run ok: 3 benchmarks" in printed
-    results = json.loads((tmp_path / "out" / "results.json").read_text())["benchmarks"]
-    assert "error" not in results["flaky"] and results["good"] == first["good"]  # not rerun
-    assert "## flaky" in (tmp_path / "out" / "results.md").read_text()
-    # Nothing left failed: nothing runs, every report is checked.
-    assert run_all.main(["--smoke", "--out", out, "--rerun-failed"]) == 0
-    assert "none again, of 3" in capsys.readouterr().out
-    (tmp_path / "out" / "results.md").unlink()
-    assert run_all.main(["--smoke", "--out", out, "--rerun-failed"]) == 1
-    assert "results.md was not written" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # it completes a run's folder: --out is needed
-        run_all.main(["--smoke", "--rerun-failed"])
-
-
 # ---- the smoke run's own settings --------------------------------------------------------------
 
 # The arguments of a full run, as `make bench` has always run them: a smoke setting changed in

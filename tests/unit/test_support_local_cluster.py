@@ -1,6 +1,7 @@
-"""tests/support/local_cluster.py's `session_ray_servers`: the integration tier's check that a
-module left no Ray running counts the Rays of its own test session only, never one that another
-process on the machine started (CI's smoke run of the benchmarks, beside the integration tier)."""
+"""tests/support/local_cluster.py, with two Rays on one machine (another checkout's tests, a
+benchmark run beside the tests): `session_ray_servers`, the integration tier's check that a
+module left no Ray running, counts the Rays of its own test session only; `LocalCluster`
+finds, stops and reaches its own processes only, never another cluster's."""
 
 from __future__ import annotations
 
@@ -35,64 +36,6 @@ def test_only_the_gcs_servers_of_the_session_are_its_own(tmp_path):
             p.kill()
             p.wait()
     assert session_ray_servers("s1") == []
-
-
-def test_a_cluster_started_at_the_lowest_priority_starts_its_daemons_at_the_normal_one():
-    # The smoke run beside the integration tier runs at SCHED_IDLE (.ci/beside); a cluster it
-    # starts runs `ray start` at SCHED_OTHER (its raylet registers within Ray's fixed 30 s),
-    # then `idle_again` puts its processes back at SCHED_IDLE; anywhere else unchanged.
-    import sys
-
-    from local_cluster import at_normal_priority
-
-    assert at_normal_priority(["ray", "start"]) == ["ray", "start"]
-    if shutil.which("chrt") is None:
-        return
-    probe = "import os; print(os.sched_getscheduler(0) == os.SCHED_IDLE)"
-    code = (
-        "import subprocess, sys; from local_cluster import at_normal_priority; "
-        f"print(subprocess.run(at_normal_priority([sys.executable, '-c', {probe!r}]), "
-        "capture_output=True, text=True).stdout.strip())"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    idle = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", probe], env=env,
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    assert idle.stdout.strip() == "True"  # what a process started at SCHED_IDLE runs at
-    started = subprocess.run(["chrt", "--idle", "0", sys.executable, "-c", code], env=env,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-    assert started.stdout.strip() == "False"
-
-
-def test_idle_again_puts_every_thread_of_the_clusters_processes_at_the_lowest_priority(tmp_path):
-    import sys
-
-    import pytest
-
-    if os.geteuid() != 0:  # back from SCHED_IDLE to SCHED_OTHER takes root (CI runs as root)
-        pytest.skip("needs root to leave SCHED_IDLE again")
-
-    import local_cluster
-
-    child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
-                              "threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"])  # fmt: skip
-    try:
-        import psutil
-
-        cluster = local_cluster.LocalCluster.__new__(local_cluster.LocalCluster)
-        cluster.processes = lambda: [psutil.Process(child.pid)]
-        wait_until(lambda: len(psutil.Process(child.pid).threads()) == 2, 10, "the thread")
-        cluster.idle_again()  # this process is not at SCHED_IDLE: nothing changes
-        threads = [t.id for t in psutil.Process(child.pid).threads()]
-        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_OTHER}
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        try:
-            cluster.idle_again()
-        finally:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_a_clusters_processes_are_those_it_started_never_anothers_on_a_port_it_left_unused():
