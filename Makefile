@@ -73,8 +73,9 @@ test-faults: install-dev
 
 # The real-vLLM tests (tests/vllm, not part of `make test`): build or reuse the vLLM env
 # (.venv-vllm/, by bench/eval/vllm_env.sh; minutes the first time), then run the generation child
-# under its python. Each vLLM engine start costs about a minute on an idle 2-core machine (three
-# under load); the rollout engine's tests (tests/vllm/test_rollout_engine.py) make two.
+# under its python. Each GenerationEval engine start costs about a minute on an idle 2-core machine
+# (three under load), a rollout engine's about 12 s (its engine core in the child's process); the
+# rollout engine's tests (tests/vllm/test_rollout_engine.py) make four. All of it: about 8 minutes.
 .PHONY: test-vllm
 test-vllm: install-dev
 	RAY_TRAINER_VLLM_PYTHON="$$(bash bench/eval/vllm_env.sh)" && export RAY_TRAINER_VLLM_PYTHON && \

@@ -10,9 +10,9 @@ each waiting with a timeout, and a dead actor raised as `RolloutEngineDied` (or 
 Its calls run one at a time, in the order sent, so a sync sent after a request waits for it;
 except `post`, `probed` and `info`, in a concurrency group of their own (`CONTROL`), answered
 while a request runs: an asynchronous run posts each version's weights (put in the object store once,
-``transport.post_weights``) and the engine takes them at its next request boundary, between two
-batches of a request (at once when idle), so the trainer never waits for the requests ahead of
-a sync (the ``hf`` engine's pause-and-update). Ray does not restart it (``max_restarts=0``): replacing
+``transport.post_weights``) and the engine takes them at its next request boundary: between two
+batches of a request for ``hf``, between two decoding steps for ``vllm`` (at once when idle), so
+the trainer never waits for the requests ahead of a sync (the engines' pause-and-update). Ray does not restart it (``max_restarts=0``): replacing
 it, and syncing the replacement, is the training loop's policy (``grpo_pool.py``).
 """
 
@@ -126,6 +126,8 @@ class RolloutActor:
                 self._take_posted()
             finally:
                 self._busy.release()
+        else:  # a request runs: its engine may take them inside it (vLLM: between two steps)
+            self.engine.posted()
         return self.engine.version
 
     def probed(self, version: int) -> list[float] | None:

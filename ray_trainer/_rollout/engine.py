@@ -199,11 +199,17 @@ class RolloutEngine(abc.ABC):
 
     def boundary(self) -> None:
         """A request boundary: before each batch of sequences ``generate`` samples (``hf``:
-        each ``batch_size`` rows; ``vllm``: each request). Weights posted meanwhile are taken
-        here, so a request may cross versions; each completion records the version that
-        sampled it."""
+        each ``batch_size`` rows; ``vllm``: each request, and inside it between two decoding
+        steps once weights are `posted`). Weights posted meanwhile are taken here, so a
+        request may cross versions; each completion records the version that sampled it."""
         if self.on_boundary is not None:
             self.on_boundary()
+
+    def posted(self) -> None:  # noqa: B027  (a backend that can pause inside a request says so)
+        """Weights were posted while a request runs (the rollout actor's ``post``, on another
+        thread): a backend that can take them inside the request sooner than at its next
+        `boundary` arranges it here (``vllm``: between two decoding steps); they are loaded
+        on the request's thread either way."""
 
     def close(self) -> None:  # noqa: B027  (a backend with processes of its own ends them)
         """Free what the engine holds."""

@@ -10,7 +10,12 @@ client:
   a Hugging Face folder the child's vLLM starts from (a local folder is used as it is), and takes
   the weights' names and shapes (the LoRA adapter's, for LoRA) for the sync's checks;
 - ``generate`` sends prompts as token ids, one row per completion with its own seed, and builds
-  `Completion`s from vLLM's sampled ids and its sampling log-probs at the temperature;
+  `Completion`s from vLLM's sampled ids and its sampling log-probs at the temperature. Weights
+  posted while it runs (``posted``: the rollout actor's ``post``) are taken between two of
+  vLLM's decoding steps: the child pauses the request (its rows kept in vLLM's batch), this
+  engine loads them through the same ops as any sync, then the request goes on; each
+  completion records the version of its first token and where newer weights took over
+  (`Completion.newer_versions`);
 - ``logprobs`` (the probe) is vLLM's teacher-forced ``prompt_logprobs``;
 - a sync's buckets are checked here (`shm.ShmReceiver`) and their tensors written to shared
   memory, one safetensors file per bucket that the child loads into its weights in place; a LoRA
@@ -45,6 +50,7 @@ from ray_trainer._rollout.shm import (
     ADAPTER_FILE,
     BEGIN_REQUEST,
     END_REQUEST,
+    PAUSE_FILE,
     ShmReceiver,
     adapter_file_name,
     adapter_request,
@@ -117,6 +123,8 @@ class VllmEngine(RolloutEngine):
         self._adapter: list[tuple[str, str, list[int], Any]] = []
         self._written = 0
         self.lora_id: int | None = None
+        #: Created by `posted`: the child pauses its request at its next decoding step's end.
+        self.pause_file = self.shm / PAUSE_FILE
 
     @classmethod
     def build(cls, spec: EngineSpec, state_dict: dict[str, Any] | None = None) -> VllmEngine:
@@ -165,7 +173,8 @@ class VllmEngine(RolloutEngine):
         try:
             # The child removes them too when it ends: this actor may be killed (a run's
             # engines end with their worker group) and never reach `close`.
-            answer = _ask(child, start_request(spec, folder, rank, remove_at_exit=folders))
+            request = start_request(spec, folder, rank, remove_at_exit=folders)
+            answer = _ask(child, {**request, "pause_file": str(shm / PAUSE_FILE)})
         except BaseException:
             child.close()
             for f in folders:
@@ -183,19 +192,43 @@ class VllmEngine(RolloutEngine):
         params: SamplingParams,
         prompt_indices: list[int] | None = None,
     ) -> list[Completion]:
-        self.boundary()  # vLLM's batch is one request to the child: weights taken before it
+        self.pause_file.unlink(missing_ok=True)  # what was posted before is taken just below
+        self.boundary()  # weights posted before the request: taken before it
         self._check_ready()
         rows = sample_rows(prompts, params, prompt_indices)
+        first = self.version
         answer = _ask(
             self.child, sample_request([ids for _, ids in rows], params, self.eos_token_ids)
         )
+        after: list[int] = []  # the version held after each pause
+        try:
+            while answer.get("paused"):  # weights posted during it: taken between two steps
+                self.boundary()
+                self._check_ready()
+                after.append(self.version)
+                answer = _ask(self.child, {"op": "resume"})
+        except BaseException:
+            with contextlib.suppress(Exception):  # the rows dropped; refused if not paused
+                _ask(self.child, {"op": "abort"})
+            raise
         out = answer["completions"]
         if len(out) != len(rows):
             raise VllmError(f"{len(rows)} completions asked, {len(out)} came back")
-        return [
-            completion_of(index, ids, sample, self.eos_token_ids, self.version)
-            for (index, ids), sample in zip(rows, out, strict=True)
-        ]
+        changed = answer.get("pauses") or []
+        completions = []
+        for (index, ids), sample in zip(rows, out, strict=True):
+            at = sample.get("at") or []
+            changes = [(a, v) for a, v, c in zip(at, after, changed, strict=False) if c]
+            completions.append(
+                completion_of(index, ids, sample, self.eos_token_ids, first, changes)
+            )
+        return completions
+
+    def posted(self) -> None:
+        """Weights were posted while a request runs: the child pauses it at its next decoding
+        step's end (it looks for this file after each step) and this engine's request thread
+        takes them (`boundary`) before the request goes on."""
+        self.pause_file.touch()
 
     def logprobs(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float
@@ -312,17 +345,32 @@ def sample_request(
 
 
 def completion_of(
-    index: int, prompt: list[int], sample: dict[str, Any], eos_token_ids: list[int], version: int
+    index: int,
+    prompt: list[int],
+    sample: dict[str, Any],
+    eos_token_ids: list[int],
+    version: int,
+    changes: list[tuple[int, int]] = (),
 ) -> Completion:
     """The `Completion` of one sampled row: its ids up to and including the first end token
-    (vLLM's own list holds it), truncated when it ended for its length."""
+    (vLLM's own list holds it), truncated when it ended for its length. `version` held when
+    the request began; `changes`: ``(tokens sampled before, version)`` per pause in which the
+    row's weights changed: its tokens from there on are that version's."""
     ids, logprobs = list(sample["ids"]), list(sample["logprobs"])
     ends = set(eos_token_ids)
     stop = next((at for at, token in enumerate(ids) if token in ends), None)
     if stop is not None:
         ids, logprobs = ids[: stop + 1], logprobs[: stop + 1]
     truncated = stop is None and sample.get("finish_reason") == "length"
-    return Completion(index, list(prompt), ids, [float(v) for v in logprobs], truncated, version)
+    newer: list[tuple[int, int]] = []
+    for at, held in changes:
+        if at <= 0:  # before its first token: all of it is the newer version's
+            version = held
+        elif at < len(ids) and held != (newer[-1][1] if newer else version):
+            newer.append((int(at), int(held)))
+    return Completion(
+        index, list(prompt), ids, [float(v) for v in logprobs], truncated, version, newer
+    )
 
 
 def vllm_lora_rank(rank: int, pattern: dict[str, int] | None = None) -> int:

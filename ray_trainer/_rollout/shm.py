@@ -36,6 +36,9 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
              "U8": 1, "BOOL": 1}  # fmt: skip
 #: The file vLLM (and peft) read a LoRA adapter's tensors from.
 ADAPTER_FILE = "adapter_model.safetensors"
+#: In an engine's folder while weights posted during a request wait: the vLLM child pauses the
+#: request at its next decoding step's end when it finds it (``engine_vllm.VllmEngine.posted``).
+PAUSE_FILE = "posted"
 
 
 def shm_folder(prefix: str = "ray-trainer-rollout") -> Path:

@@ -7,7 +7,7 @@ batch, its rewards and its importance-sampling correction from them. The record 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -27,7 +27,12 @@ class Completion:
         truncated: ``max_completion_length`` tokens were sampled without an end-of-sequence
             token.
         version: the policy version of the weights that sampled it (0: the engine's first
-            weights; each weight sync sets the version it was given).
+            weights; each weight sync sets the version it was given); where weights changed
+            while it was sampled, the version of its first token (its oldest).
+        newer_versions: ``(position, version)`` for each change of weights while it was sampled
+            (the ``"vllm"`` engine takes weights posted during a request between two decoding
+            steps): from token ``position`` on, ``version``'s weights sampled it. Empty: one
+            version sampled it all. Its `logprobs` are the sampling weights' own, token by token.
     """
 
     prompt_index: int
@@ -36,6 +41,7 @@ class Completion:
     logprobs: list[float]
     truncated: bool
     version: int
+    newer_versions: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

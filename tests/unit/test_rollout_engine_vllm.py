@@ -293,6 +293,7 @@ def test_the_child_removes_the_engines_folders_when_it_ends(tmp_path, monkeypatc
     # The child's side, with a stand-in for vllm.LLM (no vLLM in this environment).
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: object()))
     monkeypatch.setattr(rollout, "AT_EXIT", [])
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after: it sets "0"
     engine = rollout.RolloutLLM(start)
     assert [str(f) for f in folders] == rollout.AT_EXIT and all(f.exists() for f in folders)
     engine.close()
@@ -317,3 +318,270 @@ def test_a_new_engine_removes_the_folders_of_engines_whose_process_ended(tmp_pat
         (folder / "adapter-v1").mkdir(parents=True)
     assert remove_stale(tmp_path, "ray-trainer-rollout") == [dead]
     assert not dead.exists() and live.exists() and other.exists()
+
+
+# ---- weights posted during a request: taken between two of vLLM's decoding steps ---------------
+
+
+def test_a_completion_records_the_version_of_its_first_token_and_where_newer_ones_took_over():
+    sample = {"ids": [5, 6, 7, 8, 2, 9], "logprobs": [-1.0] * 6, "finish_reason": "stop"}
+    # 2 tokens under version 3, then 4 from the first pause, 5 from the second
+    c = completion_of(0, [1], sample, [2], 3, [(2, 4), (3, 5)])
+    assert (c.completion_ids, c.version, c.newer_versions) == ([5, 6, 7, 8, 2], 3, [(2, 4), (3, 5)])
+    # no token before the first pause: all of it is version 4's, then 5's from token 1
+    c = completion_of(0, [1], sample, [2], 3, [(0, 4), (1, 5)])
+    assert (c.version, c.newer_versions) == (4, [(1, 5)])
+    # ended (at its end token) before the pause: one version
+    c = completion_of(0, [1], sample, [2], 3, [(5, 4)])
+    assert (c.version, c.newer_versions) == (3, [])
+    # no change: as before
+    assert completion_of(0, [1], sample, [2], 3).newer_versions == []
+
+
+class _PausingChild(_FakeChild):
+    """The child's side of a paused sample: the first answer to ``sample`` is a pause; what
+    comes until ``resume`` is recorded; ``resume`` answers the sample (rows' ``at``)."""
+
+    def __init__(self, pauses=1):
+        super().__init__()
+        self.pauses = pauses
+
+    def handle(self, request):
+        op = request["op"]
+        if op in ("sample", "resume") and self.pauses:
+            self.pauses -= 1
+            self.requests.append(request)
+            return {"ok": True, "paused": True}
+        if op in ("sample", "resume"):
+            self.requests.append(request)
+            n = 2
+            return {"ok": True, "pauses": [True], "completions": [
+                {"ids": [5, 6, 7], "logprobs": [-1.0] * 3, "finish_reason": "length", "at": [a]}
+                for a in (1, 3)][:n]}  # fmt: skip
+        return super().handle(request)
+
+
+def test_weights_posted_during_a_request_load_between_two_decoding_steps_then_it_goes_on():
+    model = _tiny_llama()
+    engine = _engine(model)
+    engine.child = _PausingChild()
+    loaded = []
+
+    def boundary():  # the rollout actor's: loads what was posted (here at the first pause)
+        if engine.child.requests and engine.child.requests[-1]["op"] == "sample":
+            sync_weights(LocalTransport(engine), model.named_parameters(), 7, bucket_bytes=1 << 16)
+            loaded.append(engine.version)
+
+    engine.on_boundary = boundary
+    try:
+        engine.posted()
+        assert engine.pause_file.exists()  # the child looks for it after each decoding step
+        params = SamplingParams(num_generations=2, max_completion_length=3, seed=1)
+        got = engine.generate([[1, 2]], params)
+        assert not engine.pause_file.exists()  # a post before the request: taken before it
+        ops = [r["op"] for r in engine.child.requests]
+        assert ops[0] == "sample" and ops[1] == "begin_weights" and ops[-2] == "weights_loaded"
+        assert ops[-1] == "resume" and loaded == [7]
+        # row 0 had 1 token before the pause, row 1 all 3 (finished before it)
+        assert [(c.version, c.newer_versions) for c in got] == [(0, [(1, 7)]), (0, [])]
+        assert engine.version == 7
+    finally:
+        engine.close()
+
+
+def test_a_failed_load_during_a_pause_aborts_the_request():
+    engine = _engine(_tiny_llama())
+    engine.child = _PausingChild()
+
+    def boundary():
+        if engine.child.requests and engine.child.requests[-1]["op"] == "sample":
+            raise WeightSyncError("the bucket of version 3 is not the one expected")
+
+    engine.on_boundary = boundary
+    try:
+        with pytest.raises(WeightSyncError, match="not the one expected"):
+            engine.generate([[1, 2]], SamplingParams(num_generations=2, max_completion_length=3))
+        assert [r["op"] for r in engine.child.requests] == ["sample", "abort"]
+    finally:
+        engine.close()
+
+
+class _FakeVllmEngine:
+    """Stands for vLLM's ``LLMEngine`` with its core in-process (pure logic): each `step`
+    decodes one token for every running request; a token is ``100 + the weights' number``, so
+    what sampled each token shows; `collective_rpc`'s reload ends bump that number; LoRA ids
+    hold adapters by path."""
+
+    def __init__(self):
+        self.weights, self.running, self.loras, self.resets = 0, {}, {}, []
+
+    def add_request(self, rid, prompt, params, lora_request=None):
+        self.running[rid] = {"prompt": prompt["prompt_token_ids"], "params": params, "ids": [],
+                             "lora": lora_request}  # fmt: skip
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.running.pop(rid, None)
+
+    def step(self):
+        import types
+
+        outs = []
+        for rid, r in list(self.running.items()):
+            if r["params"].prompt_logprobs is not None:  # a score: prompt log-probs at once
+                n = len(r["prompt"])
+                logprobs = [None] + [{t: types.SimpleNamespace(logprob=-float(self.weights))}
+                                     for t in r["prompt"][1:]]  # fmt: skip
+                del self.running[rid]
+                outs.append(types.SimpleNamespace(request_id=rid, finished=True,
+                                                  prompt_logprobs=logprobs[:n], outputs=[]))  # fmt: skip
+                continue
+            lora = r["lora"] and self.loras[r["lora"].lora_int_id]
+            r["ids"].append(100 + self.weights + (1000 if lora == "new" else 0))
+            done = len(r["ids"]) == r["params"].max_tokens
+            if done:
+                del self.running[rid]
+            sample = types.SimpleNamespace(
+                token_ids=list(r["ids"]), finish_reason="length" if done else None,
+                logprobs=[{t: types.SimpleNamespace(logprob=-0.5)} for t in r["ids"]])  # fmt: skip
+            outs.append(types.SimpleNamespace(request_id=rid, finished=done, outputs=[sample]))
+        return outs
+
+    def add_lora(self, request):
+        self.loras[request.lora_int_id] = request.lora_path
+        return True
+
+    def remove_lora(self, lora_id):
+        self.loras.pop(lora_id)
+
+
+class _FakeLLM:
+    def __init__(self):
+        self.llm_engine = _FakeVllmEngine()
+
+    def collective_rpc(self, fn, args=()):
+        if fn.__name__ == "finish_reload":
+            self.llm_engine.weights += 1
+        return [0]
+
+    def reset_prefix_cache(self):
+        reset = not self.llm_engine.running  # vLLM refuses while requests hold blocks
+        self.llm_engine.resets.append(reset)
+        return reset
+
+
+class _ScriptedWire:
+    """The child's wire with the parent's requests scripted; what it answers is kept."""
+
+    def __init__(self, requests):
+        self.requests, self.answers = list(requests), []
+
+    def read(self):
+        return self.requests.pop(0) if self.requests else None
+
+    def write(self, response):
+        self.answers.append(response)
+
+
+def _child_rollout(monkeypatch, tmp_path, requests):
+    import sys
+    import types
+
+    from callbacks.builtin.generation.child.generation_child import rollout
+
+    def params(**kw):
+        return types.SimpleNamespace(prompt_logprobs=kw.get("prompt_logprobs"), **{
+            k: v for k, v in kw.items() if k != "prompt_logprobs"})  # fmt: skip
+
+    lora = types.SimpleNamespace(LoRARequest=lambda name, i, path: types.SimpleNamespace(
+        lora_name=name, lora_int_id=i, lora_path=path))  # fmt: skip
+    fake = types.SimpleNamespace(LLM=lambda **kw: _FakeLLM(), SamplingParams=params)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.SimpleNamespace(request=lora))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    monkeypatch.setattr(rollout, "AT_EXIT", [])
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    wire = _ScriptedWire(requests)
+    session = Session(wire)
+    pause = tmp_path / "posted"
+    start = {"op": "rollout_start", "model": "m", "pause_file": str(pause)}
+    monkeypatch.setattr("callbacks.builtin.generation.child.generation_child.session.vllm_missing",
+                        lambda: None)  # fmt: skip
+    assert session.handle(start)["ok"]
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the core in the child itself
+    return session, wire, pause
+
+
+def _sample_line(max_tokens=4, rows=2):
+    return {"op": "sample", "prompts": [[1, 2]] * rows, "seeds": list(range(rows)),
+            "max_tokens": max_tokens, "temperature": 1.0}  # fmt: skip
+
+
+def test_the_child_pauses_a_sample_between_two_steps_and_serves_the_weights_and_probe(
+    monkeypatch, tmp_path
+):
+    """The child's side: after each decoding step it looks for the pause file; found, it
+    answers "paused", serves the full-weight ops and the probe (whose forward steps the paused
+    rows too, on the new weights), then goes on at "resume"; each row says how many of its
+    tokens came before the pause, and the prefix cache is reset once no row runs."""
+    served = [{"op": "begin_weights"}, {"op": "load_weights", "path": "/dev/null"},
+              {"op": "weights_loaded"}, {"op": "score", "prompt": [1], "completion": [7, 8]},
+              {"op": "sample", "prompts": [[1]]}, {"op": "resume"}]  # fmt: skip
+    session, wire, pause = _child_rollout(monkeypatch, tmp_path, served)
+    engine = session._rollout.llm.llm_engine
+    original = engine.step
+    steps = []
+
+    def step():  # the parent posts weights while the first step runs
+        steps.append(1)
+        if len(steps) == 1:
+            pause.touch()
+        return original()
+
+    engine.step = step
+    answer = session.handle(_sample_line(max_tokens=4))
+    assert wire.answers[0] == {"ok": True, "paused": True} and not pause.exists()
+    assert [a["ok"] for a in wire.answers[1:4]] == [True, True, True]
+    assert wire.answers[3]["prefix_cache_reset"] is False  # rows hold blocks: reset later
+    assert wire.answers[4] == {"ok": True, "logprobs": [-1.0, -1.0]}  # the new weights' probe
+    assert "a sample is paused" in wire.answers[5]["error"]  # one sample at a time
+    assert answer["ok"] and answer["pauses"] == [True]
+    completions = answer["completions"]
+    # one token before the pause (weights 0), one during the probe's step and two after (1)
+    assert [c["ids"] for c in completions] == [[100, 101, 101, 101]] * 2
+    assert [c["at"] for c in completions] == [[1], [1]]
+    assert engine.resets == [False, True] and not engine.running
+    # outside a pause, resume and abort are refused
+    assert "no sample is paused" in session.handle({"op": "resume"})["error"]
+
+
+def test_the_child_replaces_the_adapter_under_the_rows_id_in_a_pause_and_aborts_on_request(
+    monkeypatch, tmp_path
+):
+    served = [{"op": "load_adapter", "path": "new"}, {"op": "resume"},
+              {"op": "abort"}]  # fmt: skip
+    session, wire, pause = _child_rollout(monkeypatch, tmp_path, served)
+    rollout = session._rollout
+    assert rollout.handle({"op": "load_adapter", "path": "old"}) == {"ok": True, "lora_id": 1}
+    engine = rollout.llm.llm_engine
+    original = engine.step
+    count = []
+
+    def step():
+        count.append(1)
+        if len(count) in (2, 3):  # pauses after steps 2 (adapter replaced) and 3 (aborted)
+            pause.touch()
+        return original()
+
+    engine.step = step
+    answer = session.handle(_sample_line(max_tokens=6, rows=1))
+    assert wire.answers[0] == {"ok": True, "paused": True}
+    assert wire.answers[1] == {"ok": True, "lora_id": 1}  # the same id: the rows keep it
+    assert engine.loras == {1: "new"}
+    assert wire.answers[2] == {"ok": True, "paused": True}
+    assert answer == {"ok": False, "kind": "aborted",
+                      "error": "the paused sample was aborted; its rows dropped"}  # fmt: skip
+    assert not engine.running  # its rows aborted

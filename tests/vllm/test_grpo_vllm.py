@@ -77,26 +77,33 @@ def ray_session():
     ray.shutdown()
 
 
-def test_grpo_trains_on_vllm_completions_with_adapter_only_syncs(models, ray_session, tmp_path):
+def _run(models, tmp_path, run_name, prompts, completion_tokens, max_length, steps, **fields):
+    """One GRPO run on a vLLM engine (one worker, LoRA, `prompts` prompts); its result and the
+    records its `Watch` wrote."""
     from ray_trainer import run_training
 
     data = tmp_path / "prompts.jsonl"
     with open(data, "w") as f:
-        for i in range(8):
+        for i in range(prompts):
             f.write(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i}."}]}) + "\n")
     folder = tmp_path / "watch"
     folder.mkdir()
     result = run_training(
-        objective="grpo", model=str(models["c0"]), data=str(data), run_name="grpo-vllm",
+        objective="grpo", model=str(models["c0"]), data=str(data), run_name=run_name,
         reward_fns=[varied], lora=LORA, seed=5,
-        grpo={"num_generations": 2, "max_completion_length": 6, "log_completions": True},
-        rollout_backend="vllm", rollout_resources={"CPU": 1}, max_length=64, num_workers=1,
-        batch_size=2, max_steps=STEPS, learning_rate=1e-2, log_every_steps=1,
+        grpo={"num_generations": 2, "max_completion_length": completion_tokens,
+              "log_completions": True},
+        rollout_backend="vllm", rollout_resources={"CPU": 1}, max_length=max_length,
+        num_workers=1, batch_size=2, max_steps=steps, learning_rate=1e-2, log_every_steps=1,
         save_at_end=False, storage_path=str(tmp_path / "storage"), dashboard=False,
-        callbacks=[Watch(str(folder))],
+        callbacks=[Watch(str(folder))], **fields,
     )  # fmt: skip
+    return result, [json.loads(line) for line in (folder / "watch.jsonl").open()]
+
+
+def test_grpo_trains_on_vllm_completions_with_adapter_only_syncs(models, ray_session, tmp_path):
+    result, records = _run(models, tmp_path, "grpo-vllm", 8, 6, 64, STEPS)
     assert result.global_step == STEPS
-    records = [json.loads(line) for line in (folder / "watch.jsonl").open()]
     engines = [r for r in records if r["kind"] == "engine"]
     logs = {r["step"]: r for r in records if r["kind"] == "log"}
     # vLLM served every step, one engine, never restarted; after step s it holds version s - 1
@@ -134,3 +141,32 @@ def test_grpo_trains_on_vllm_completions_with_adapter_only_syncs(models, ray_ses
     wait_until(lambda: not os.path.exists(f"/proc/{engines[0]['pid']}"), 60, "the engine's end")
     shm_folder().rmdir()  # a new engine's folder
     assert not list(Path("/dev/shm").glob(left))
+
+
+def test_asynchronous_grpo_on_vllm_trains_completions_at_most_one_version_old(
+    models, ray_session, tmp_path
+):
+    """`max_staleness=1` on a vLLM engine: the engine samples the next step's rollout while the
+    step trains, each version's adapter posted to it without waiting (taken between two of
+    vLLM's decoding steps when a request runs); every trained completion is at most one
+    version behind its step's, newer weights inside a completion only newer than its first
+    token's, and the probe's log-probs match the trainer's after every sync."""
+    steps = 4
+    result, records = _run(models, tmp_path, "grpo-vllm-async", 10, 24, 96, steps, max_staleness=1)
+    assert result.global_step == steps
+    logs = [r for r in records if r["kind"] == "log"]
+    assert {r["backend"] for r in records if r["kind"] == "engine"} == {"vllm"}
+    for log in logs:
+        if "rollout/logprob_diff" in log:
+            assert 0 <= log["rollout/logprob_diff"] < LOGPROB_BOUND, log
+    assert max(log.get("rollout/age_max", 0) for log in logs) <= 1
+    run = tmp_path / "storage" / "grpo-vllm-async"
+    lines = [json.loads(line) for line in (run / "rollouts.jsonl").open()]
+    assert {r["step"] for r in lines} == set(range(1, steps + 1))
+    for r in lines:
+        assert 0 <= (r["step"] - 1) - r["version"] <= 1, r
+        for position, version in r["newer_versions"]:
+            assert position > 0 and r["version"] < version <= r["step"] - 1, r
+    crossed = sum(bool(r["newer_versions"]) for r in lines)
+    print(f"\nasync GRPO on vLLM: {len(lines)} completions logged, {crossed} crossed a sync "
+          f"inside their decoding; ages {[r['step'] - 1 - r['version'] for r in lines]}")  # fmt: skip

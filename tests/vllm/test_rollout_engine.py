@@ -5,8 +5,9 @@ the trainer's side is transformers in this process. Two engines start (about a m
 cores): one for full weights in this process, one with LoRA in a Ray actor as a run holds it.
 Shown: vLLM's completions and log-probs against the trainer's teacher-forced forward (``rollout/logprob_diff``, reported
 and bounded), a full-weight sync through shared memory that makes the engine sample the new
-weights' completions and, synced back, exactly its first ones again (never restarted), and LoRA
-syncs of the adapter only, each a new LoRA id, the base untouched.
+weights' completions and, synced back, exactly its first ones again (never restarted), LoRA
+syncs of the adapter only, each a new LoRA id, the base untouched, and weights posted during a
+request taken between two of vLLM's decoding steps (a third engine, in a Ray actor).
 """
 
 from __future__ import annotations
@@ -174,3 +175,103 @@ def test_lora_syncs_the_adapter_only_under_new_ids_the_base_untouched(models, ra
     finally:
         engine.close()
     assert not list(Path("/dev/shm").glob("ray-trainer-rollout-*"))  # the engine's files went
+
+
+def test_weights_posted_during_a_request_are_taken_between_two_decoding_steps(models, ray_session):
+    """vLLM's pause inside a request: weights posted while a long request samples (the
+    asynchronous run's `post`, answered at once) are loaded by the child between two of vLLM's
+    decoding steps, its rows kept in the batch; the request goes on, on the new weights, and
+    each completion records the version of its first token and the token from which the new
+    weights sampled it. Here the new weights say CERTAIN whatever came before, so every token
+    after the change shows which weights sampled it, and its log-prob is 0."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_trainer._rollout.actor import RemoteEngine
+    from ray_trainer._rollout.transport import post_weights
+
+    engine = RemoteEngine("vllm", _spec(models["c0"]), {"CPU": 1})
+    try:
+        long = SamplingParams(num_generations=2, max_completion_length=240, seed=5)
+        ref = engine.submit(PROMPTS, long, [7, 8, 9])
+        certain = _certain(AutoModelForCausalLM.from_pretrained(models["c0"]))
+        posted = post_weights(certain.named_parameters(), 1, bucket_bytes=64 << 10)
+        probe = Probe(prompt_ids=(5, 6), completion_ids=(CERTAIN,) * 4, temperature=1.0)
+        from waiting import wait_until
+
+        wait_until(lambda: engine.info()["requests"] >= 1, 120, "the request to reach the engine",
+                   interval=0.01)  # fmt: skip
+        assert engine.post(posted, probe) == 0  # answered while version 0 samples
+        completions, began, ended = engine.result(ref)
+        print(f"\nlong request: {ended - began:.2f} s; changes at "
+              f"{[c.newer_versions for c in completions]}")  # fmt: skip
+        changed = [c for c in completions if c.newer_versions]
+        assert changed, "no completion crossed the load: the request ended before it"
+        assert all(c.version == 0 for c in completions)
+        for c in changed:
+            ((at, version),) = c.newer_versions
+            assert version == 1 and 0 < at < len(c.completion_ids)
+            assert c.completion_ids[at:] == [CERTAIN] * (len(c.completion_ids) - at)
+            assert max(abs(v) for v in c.logprobs[at:]) < 1e-4
+        # the rows ran in one batch: the ones still running at the pause changed at one step
+        assert len({c.newer_versions[0][0] for c in changed}) == 1
+        assert any(CERTAIN not in c.completion_ids[: c.newer_versions[0][0]] for c in changed)
+        assert max(abs(v) for v in engine.probed(1)) < 1e-4  # scored on the new weights
+        # The next request: all of it version 1's, the prefix cache of version 0 reset.
+        after = _sample(engine)
+        assert all(c.version == 1 and not c.newer_versions for c in after)
+        assert all(c.completion_ids == [CERTAIN] * 8 for c in after)
+    finally:
+        engine.close()
+
+
+def test_an_adapter_posted_during_a_request_replaces_the_rows_adapter_under_its_id(
+    models, ray_session
+):
+    """LoRA: weights posted during a request are an adapter, loaded between two decoding steps
+    under the LoRA id the request's rows hold, so they decode on it from their next step. The
+    request starts on a zero adapter (the base); its tokens before the change are the base's
+    (their recorded log-probs are the base's, teacher-forced), those after are not; the next
+    request samples the new adapter exactly (the prefix cache of the old one was reset)."""
+    from transformers import AutoModelForCausalLM
+    from waiting import wait_until
+
+    from ray_trainer._lora.config import wrap
+    from ray_trainer._rollout.actor import RemoteEngine
+    from ray_trainer._rollout.transport import post_weights
+
+    trainer = wrap(AutoModelForCausalLM.from_pretrained(models["c0"]), LORA).eval()
+    adapter = [(n, p) for n, p in trainer.named_parameters() if ".lora_" in n]
+    engine = RemoteEngine("vllm", _spec(models["c0"], lora=LORA), {"CPU": 1})
+    try:
+        assert engine.sync(adapter, 1).receiver["lora_id"] == 1  # zeros: the base's outputs
+        long = SamplingParams(num_generations=2, max_completion_length=240, seed=5)
+        ref = engine.submit(PROMPTS, long, [7, 8, 9])
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            for name, param in adapter:
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+        posted = post_weights(adapter, 2)
+        wait_until(lambda: engine.info()["requests"] >= 1, 120, "the request to reach the engine",
+                   interval=0.01)  # fmt: skip
+        engine.post(posted)
+        completions, began, ended = engine.result(ref)
+        print(f"\nlong LoRA request: {ended - began:.2f} s; changes at "
+              f"{[c.newer_versions for c in completions]}")  # fmt: skip
+        changed = [c for c in completions if c.newer_versions]
+        assert changed, "no completion crossed the load: the request ended before it"
+        with trainer.disable_adapter():
+            for c in changed:
+                ((at, version),) = c.newer_versions
+                assert c.version == 1 and version == 2 and 0 < at < len(c.completion_ids)
+                base = trainer_logprobs(trainer, Probe.of(c))
+                before = logprob_diff(c.logprobs[:at], base[:at])
+                after = logprob_diff(c.logprobs[at:], base[at:])
+                print(f"vs the base: before the change {before:.2e}, after {after:.2e}")
+                assert before < LOGPROB_BOUND < after  # the new adapter sampled the rest
+        tuned = _sample(engine)
+        assert all(c.version == 2 and not c.newer_versions for c in tuned)
+        assert _worst(trainer, tuned) < LOGPROB_BOUND  # the new adapter, its cache fresh
+        assert engine.info()["version"] == 2
+    finally:
+        engine.close()

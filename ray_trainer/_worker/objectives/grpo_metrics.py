@@ -168,13 +168,15 @@ def completion_lines(
     keep: int,
 ) -> list[str]:
     """The first `keep` completions of a scored step as ``rollouts.jsonl`` lines: the step
-    (1-based, as the logs count it), the policy version that sampled it, the prompt, the
+    (1-based, as the logs count it), the policy version that sampled it (its first token's, and
+    ``[position, version]`` where newer weights took over during its decoding), the prompt, the
     completion's text, each function's reward (None: it abstained), the reward, the advantage."""
     lines = []
     for i, comp in enumerate(scored.completions[:keep]):
         record = {
             "step": step + 1,
             "version": comp.version,
+            "newer_versions": [list(change) for change in comp.newer_versions],
             "prompt_index": comp.prompt_index,
             "prompt": prompts[comp.prompt_index].prompt,
             "completion": decode(list(comp.completion_ids)),

@@ -23,8 +23,10 @@ at stderr, so what libraries print never lands in it. Requests:
   "error", "error": ...}`` when it cannot.
 
 - the rollout engine's ops (``rollout_start``, ``sample``, ``score``, ``begin_weights``,
-  ``load_weights``, ``weights_loaded``, ``load_adapter``; ray-trainer's ``"vllm"`` rollout
-  engine sends them, prompts as token ids, weights through ``/dev/shm``): see ``rollout``.
+  ``load_weights``, ``weights_loaded``, ``load_adapter``, and ``resume`` / ``abort`` for a
+  sample paused between two decoding steps, whose pause is the one answer that is not the last
+  for its request; ray-trainer's ``"vllm"`` rollout engine sends them, prompts as token ids,
+  weights through ``/dev/shm``): see ``rollout``.
 
 One Session keeps its vLLM engine warm: a model of the same shape reloads its weights in place
 (and resets the prefix cache), an adapter gets a new LoRA id whenever it changes.

@@ -34,26 +34,43 @@ def _kill_own_group() -> None:
         os.killpg(os.getpid(), signal.SIGKILL)
 
 
+class Wire:
+    """The JSON-lines wire: requests read from `lines`, responses written to `protocol`. A paused
+    rollout sample (``rollout.RolloutLLM``) reads and answers the requests that come while it
+    is paused through it too."""
+
+    def __init__(self, lines: Any, protocol: Any) -> None:
+        self.lines = lines
+        self.protocol = protocol
+
+    def read(self) -> dict[str, Any] | None:
+        """The next request (None: the input ended); a line that is not JSON is answered with
+        an error here and skipped."""
+        for line in self.lines:
+            if not line.strip():
+                continue
+            try:
+                return json.loads(line)
+            except ValueError as exc:
+                self.write({"ok": False, "kind": "error", "error": f"not a JSON line: {exc}"})
+        return None
+
+    def write(self, response: dict[str, Any]) -> None:
+        self.protocol.write(json.dumps(response) + "\n")
+        self.protocol.flush()
+
+
 def main() -> int:
     """Runs in the generation subprocess: one response line per request line until EOF/exit."""
     _end_group_on_sigterm()
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # fd 1 (and so print, C libraries, engine processes) now writes to stderr
-    session = Session()
+    wire = Wire(sys.stdin, protocol)
+    session = Session(wire)
     asked_to_exit = False
     try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                request = json.loads(line)
-            except ValueError as exc:
-                response = {"ok": False, "kind": "error", "error": f"not a JSON line: {exc}"}
-                request = {}
-            else:
-                response = session.handle(request)
-            protocol.write(json.dumps(response) + "\n")
-            protocol.flush()
+        while (request := wire.read()) is not None:
+            wire.write(session.handle(request))
             if isinstance(request, dict) and request.get("op") == "exit":
                 asked_to_exit = True
                 break

@@ -30,7 +30,10 @@ class Session:
         >>> session.close()
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wire: Any = None) -> None:
+        #: The subprocess's wire (``main.Wire``), through which a rollout sample paused between
+        #: two decoding steps answers the requests that come meanwhile; None: imported, no wire.
+        self.wire = wire
         self._engine: VllmEngine | None = None
         self._rollout: RolloutLLM | None = None  # the rollout engine's (its ops: rollout.py)
 
@@ -71,7 +74,7 @@ class Session:
             missing = vllm_missing()
             if missing:
                 raise Refusal("missing_backend", missing)
-            self._rollout = RolloutLLM(request)
+            self._rollout = RolloutLLM(request, self.wire, self.handle)
             return {"ok": True, "seconds": self._rollout.seconds, "versions": versions()}
         if self._rollout is None:
             raise Refusal("error", f"{request['op']}: send rollout_start first")
