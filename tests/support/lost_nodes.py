@@ -159,13 +159,13 @@ def _elastic_reference(tmp: Path, records: Path) -> Any:
     )
 
 
-def drain(cluster: LocalCluster, ip: str) -> None:
+def drain(cluster: LocalCluster, ip: str, deadline_s: int = 5) -> None:
     """What the cloud's autoscaler does on a spot reclaim notice: drain the node, with the time
-    left before it goes away."""
+    left before it goes away (`deadline_s`)."""
     done = subprocess.run(
         ["ray", "drain-node", f"--address={cluster.gcs_address}",
          f"--node-id={cluster.node_id(ip)}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
-         "--reason-message=spot reclaim (test)", "--deadline-remaining-seconds=5"],
+         "--reason-message=spot reclaim (test)", f"--deadline-remaining-seconds={deadline_s}"],
         env=cluster.env(),
         capture_output=True,
         text=True,
@@ -195,7 +195,10 @@ def _lose_and_drain(cluster, lock, drivers, runs, tmp: Path) -> dict[str, Any]:
         cluster.raylet(NODE).kill()
     at = max(rank0_steps(runs["preempted"]["_records"], 0))
     with lock:
-        drain(cluster, PREEMPTED)
+        # 10 s: the notice reaches rank 0 through Ray Train's watcher (polled every 0.5 s) and
+        # the save must be written before the node goes, while three other runs share the 2
+        # cores; with 5 s one clean-clone CI run (a5dc2b8) saw the node go first, no save made
+        drain(cluster, PREEMPTED, deadline_s=10)
     (tmp / "preempted-hold" / "release").write_text("go")
     outcomes = _outcomes(drivers, "node was lost or drained")
     return {"tmp_path": tmp, "at": at, "outcomes": outcomes}
