@@ -111,9 +111,10 @@ class RolloutLLM:
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]
-        if op in ("resume", "abort") or (self._paused and op == "sample"):
-            raise Refusal("error", f"{op}: no sample is paused" if not self._paused else
-                          "sample: a sample is paused; resume or abort it first")  # fmt: skip
+        if op in ("resume", "abort"):
+            raise Refusal("error", f"{op}: no sample is paused")
+        if op == "sample" and self._paused:
+            raise Refusal("error", "sample: a sample is paused; resume or abort it first")
         if op == "sample":
             completions, pauses = self.sample(request)
             return {"ok": True, "completions": completions, "pauses": pauses}
@@ -161,7 +162,7 @@ class RolloutLLM:
         at: list[list[int]] = []  # per pause: each row's tokens before it
         pauses: list[bool] = []
 
-        def between_steps(unfinished: set[str]) -> None:
+        def between_steps() -> None:
             if self.pause_file is None or not os.path.exists(self.pause_file):
                 return
             at.append([self._tokens(r) for r in rows])
@@ -229,7 +230,7 @@ class RolloutLLM:
     def _drive(self, ids: list[str], between_steps: Any = None) -> None:
         """Step the engine until the requests `ids` have finished, keeping each request's last
         output (every running request's: a score during a paused sample steps its rows too);
-        `between_steps(unfinished)` after each step while some of them run."""
+        `between_steps()` after each step while some of them run."""
         engine = self.llm.llm_engine
         unfinished = set(ids)
         while unfinished:
@@ -242,7 +243,7 @@ class RolloutLLM:
                 if out.finished:
                     unfinished.discard(out.request_id)
             if between_steps is not None and unfinished:
-                between_steps(unfinished)
+                between_steps()
 
     def _tokens(self, request_id: str) -> int:
         out = self._latest.get(request_id)
