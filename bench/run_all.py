@@ -451,10 +451,11 @@ def bench_args(name: str, mode: str) -> list[str]:
 
 
 def run_one(
-    name: str, mode: str, workdir: str, env: dict[str, str] | None = None
+    name: str, mode: str, workdir: str, env: dict[str, str] | None = None, forker: Any = None
 ) -> dict[str, Any]:
-    """Run one benchmark script in a subprocess (in `env`, else this process's environment);
-    returns its JSON report (or an error)."""
+    """Run one benchmark script in a subprocess (in `env`, else this process's environment),
+    forked by `forker` (a `_forkrun.Forker`: the smoke run) where given; returns its JSON
+    report (or an error)."""
     bench = BENCHES[name]
     out = os.path.join(workdir, f"{name}.json")
     log = os.path.join(workdir, f"{name}.log")
@@ -463,20 +464,24 @@ def run_one(
     cmd = [sys.executable, os.path.join(HERE, bench.script), "--json", out, *args]
     print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
     started, cpu_before = time.perf_counter(), cgroup_cpu_seconds()
-    with open(log, "w") as f:
-        try:
-            proc = subprocess.run(
-                cmd,
-                cwd=ROOT,
-                env=env,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                timeout=TIMEOUT_S,
-                check=False,
-            )
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+    if forker is not None:
+        open(log, "w").close()
+        code = forker.run(cmd, ROOT, dict(os.environ if env is None else env), log, TIMEOUT_S)
+    else:
+        with open(log, "w") as f:
+            try:
+                proc = subprocess.run(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=TIMEOUT_S,
+                    check=False,
+                )
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
     seconds = time.perf_counter() - started
     cpu_after = cgroup_cpu_seconds()
     # the run's cgroup over this benchmark's wall time: its own CPU-seconds where it ran alone
@@ -531,6 +536,10 @@ SMOKE_RAY_ENV = {
 }
 
 
+#: --smoke: each driver forked from one process with its imports done (`_forkrun`);
+#: RAY_TRAINER_SMOKE_FORK=0 starts a fresh Python per benchmark, as a full run does
+FORK_SMOKE = os.environ.get("RAY_TRAINER_SMOKE_FORK", "1") == "1"
+
 #: --smoke: the shared Rays with their dashboard (off: Ray's own default for `ray start` is on)
 SMOKE_DASHBOARD = os.environ.get("RAY_TRAINER_SMOKE_DASHBOARD", "0") == "1"
 
@@ -560,27 +569,11 @@ class SharedRay:
             def start_command(self) -> list[str]:
                 # no log monitor: it tails every worker's log files to forward them to drivers
                 # that ask for them (`_support.init_ray` does not; the logs stay in the temp dir)
-                command = [*super().start_command(), "--include-log-monitor=false"]
-                if SMOKE_DASHBOARD:
-                    return command
-                # no dashboard: its head process and nine module processes per head, and its
-                # start, which timed out under load (no benchmark of the smoke run reads it)
-                dashboard = ("--dashboard-host=", "--dashboard-port=")
-                command = [a for a in command if not a.startswith(dashboard)]
-                return [a.replace("--include-dashboard=true", "--include-dashboard=false")
-                        for a in command]  # fmt: skip
+                return [*super().start_command(), "--include-log-monitor=false"]
 
-            def start(self, timeout_s: float = 90.0) -> None:
-                if SMOKE_DASHBOARD:
-                    super().start(timeout_s)
-                    return
-                # `ray start` returns once the GCS and the raylet are up: nothing else to wait for
-                done = subprocess.run(self.start_command(), env=self.node_env(),
-                                      capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
-                if done.returncode != 0:
-                    raise RuntimeError(f"`ray start --head` failed:\n{done.stdout}\n{done.stderr}")
-
-        self._new_cluster = lambda: SmokeCluster(num_cpus=4)
+        # no dashboard: its head process and nine module processes per head, and its start,
+        # which timed out under load (no benchmark of the smoke run reads it)
+        self._new_cluster = lambda: SmokeCluster(num_cpus=4, dashboard=SMOKE_DASHBOARD)
         self.cluster = self._new_cluster()
 
     def start(self, timeout_s: float = RAY_START_TIMEOUT_S, attempts: int = 2) -> None:
@@ -652,10 +645,15 @@ def run_benchmarks(
             events.put((_RAY_STARTED, (ray, None)))
 
     alone = {**os.environ, **SMOKE_RAY_ENV} if mode == "smoke" else None
+    forker = None
+    if mode == "smoke" and FORK_SMOKE:
+        from _forkrun import Forker
+
+        forker = Forker(SMOKE_RAY_ENV)
 
     def one(name: str, ray: SharedRay | None) -> None:
         try:
-            report = run_one(name, mode, workdir, ray.env() if ray else alone)
+            report = run_one(name, mode, workdir, ray.env() if ray else alone, forker)
         except Exception as exc:  # run_one's own failure: this benchmark's
             report = {"error": f"{type(exc).__name__}: {exc}", "seconds": 0.0}
         events.put((name, report))

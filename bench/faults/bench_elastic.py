@@ -19,8 +19,9 @@ Reported, from every rank's event log (`time.monotonic`, one clock on one host):
   losses after each change are those of the uninterrupted run, up to the reduction order).
 
 Not in CI; in ``make bench`` (about 8 minutes): ``python bench/faults/bench_elastic.py [--json OUT]``.
-``--smoke`` (`run_all.py --smoke`, in CI) is its smallest piece: the same cluster and the
-uninterrupted run of 6 steps over both nodes, no node lost; its table has the one row.
+``--smoke`` (`run_all.py --smoke`, in CI) is its smallest piece: the same cluster, without its
+dashboard, and the uninterrupted run of 6 steps over both nodes, no node lost; its table has
+the one row.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     # The smaller group holds its steps some way after the node's return, until the group has
     # grown (so a slow resize cannot let the run end first; the times measured end earlier).
     hold = {"_hold_while_small": [opts.hold_at, 2], "_step_s": opts.step_s}
-    cluster = LocalCluster(num_cpus=0, fast_failure_detection=True)
+    # --smoke: no dashboard (nothing of its run reads it; its head and nine module processes)
+    cluster = LocalCluster(num_cpus=0, fast_failure_detection=True, dashboard=not opts.smoke)
     try:  # a start that times out leaves its daemons running: stopped below too
         cluster.start()
         cluster.add_node(NODE_A, num_cpus=1)

@@ -107,6 +107,10 @@ class LocalCluster:
     # the head runs a real autoscaler (Ray's monitor with a cluster config) whose node provider
     # is Ray's fake multi-node one: it starts a raylet on this host for each node it launches.
     autoscaler_node_types: dict[str, Any] | None = None
+    # False: no dashboard (its head process and nine module processes), so no job API to wait
+    # for, nor a state API: Ray Train's placement group cleaner is left out of a run's fits
+    # (`_driver/trainer.py`). For clusters that only run drivers joined by address.
+    dashboard: bool = True
     temp_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     ports: dict[str, int] = field(default_factory=dict)
     node_ports: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -216,6 +220,10 @@ class LocalCluster:
 
     def start_command(self) -> list[str]:
         p = self.ports
+        dashboard = ["--include-dashboard=false"]
+        if self.dashboard:
+            dashboard = ["--include-dashboard=true", f"--dashboard-host={HOST}",
+                         f"--dashboard-port={p['dashboard_port']}"]  # fmt: skip
         return [
             sys.executable,
             "-m",
@@ -227,9 +235,7 @@ class LocalCluster:
             "--num-gpus=0",
             f"--temp-dir={self.temp_dir}",
             f"--port={p['port']}",
-            "--include-dashboard=true",
-            f"--dashboard-host={HOST}",
-            f"--dashboard-port={p['dashboard_port']}",
+            *dashboard,
             f"--metrics-export-port={p['metrics_export_port']}",
             f"--node-manager-port={p['node_manager_port']}",
             f"--object-manager-port={p['object_manager_port']}",
@@ -249,7 +255,8 @@ class LocalCluster:
         ]
 
     def start(self, timeout_s: float = 90.0) -> None:
-        """Start the head and wait (bounded) until the dashboard's job API answers."""
+        """Start the head and wait (bounded) until the dashboard's job API answers (without a
+        dashboard: until `ray start` returns, the GCS and the raylet up)."""
         done = subprocess.run(
             self.start_command(),
             env=self.node_env(),
@@ -260,6 +267,8 @@ class LocalCluster:
         if done.returncode != 0:
             self.stop()
             raise RuntimeError(f"`ray start --head` failed:\n{done.stdout}\n{done.stderr}")
+        if not self.dashboard:
+            return
         last_error: Exception | None = None
 
         def answers() -> bool:

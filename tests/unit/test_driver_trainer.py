@@ -1,11 +1,15 @@
-"""Driver: the trainer class a run is launched with leaves out only Ray Train's Ray Data
-callback, and only without a Ray Dataset. Built, not fitted: no Ray starts."""
+"""Driver: the trainer class a run is launched with leaves out Ray Train's Ray Data callback
+without a Ray Dataset, and its placement group cleaner without a dashboard (whose state API the
+cleaner polls). Built, not fitted: no Ray starts; whether a dashboard runs is what Ray's
+`get_dashboard_url` answers (what it answers on a real Ray with and without one was checked by
+hand: '' without, the address with)."""
 
+import pytest
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-from ray_trainer._driver.trainer import torch_trainer_class
+from ray_trainer._driver.trainer import dashboard_running, torch_trainer_class
 
 
 def _callbacks(trainer) -> list[str]:
@@ -36,3 +40,27 @@ def test_a_trainer_given_a_dataset_keeps_ray_datas_callback():
 
 def test_the_class_is_built_once():
     assert torch_trainer_class() is torch_trainer_class()
+
+
+@pytest.mark.parametrize("url", ["", None])
+def test_without_a_dashboard_the_placement_group_cleaner_is_left_out(monkeypatch, url):
+    monkeypatch.setattr("ray._private.worker.get_dashboard_url", lambda: url)
+    assert not dashboard_running()
+    ours = torch_trainer_class()(_noop, scaling_config=ScalingConfig(num_workers=2))
+    plain = TorchTrainer(_noop, scaling_config=ScalingConfig(num_workers=2))
+    left_out = {DatasetsCallback.__name__, "PlacementGroupCleanerCallback"}
+    assert "PlacementGroupCleanerCallback" in _callbacks(plain)
+    assert _callbacks(ours) == [n for n in _callbacks(plain) if n not in left_out]
+
+
+def test_with_a_dashboard_or_unknown_the_cleaner_is_kept(monkeypatch):
+    monkeypatch.setattr("ray._private.worker.get_dashboard_url", lambda: "127.0.0.1:8265")
+    assert dashboard_running()
+    ours = torch_trainer_class()(_noop, scaling_config=ScalingConfig(num_workers=1))
+    assert "PlacementGroupCleanerCallback" in _callbacks(ours)
+
+    def not_connected():
+        raise RuntimeError("Ray has not been started yet.")
+
+    monkeypatch.setattr("ray._private.worker.get_dashboard_url", not_connected)
+    assert dashboard_running()
