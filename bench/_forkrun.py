@@ -53,6 +53,16 @@ class Forker:
         with _environ(env):  # the server's environment, read at its start
             forkserver.ensure_running()
 
+    def close(self) -> None:
+        """Stop the fork server and `multiprocessing`'s resource tracker it started, and wait
+        for both (each would otherwise end on its own a moment after this process: still
+        running when `.ci/cpu_seconds` looks for what is left of the run)."""
+        from multiprocessing import forkserver, resource_tracker
+
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            with contextlib.suppress(Exception):  # internal to multiprocessing: best effort
+                helper._stop()
+
     def run(self, cmd: list[str], cwd: str, env: dict[str, str], log: str,
             timeout_s: float) -> int | str:  # fmt: skip
         """Runs ``python SCRIPT ARGS...`` (`cmd`) forked; its exit code, or "timeout"."""

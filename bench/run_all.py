@@ -709,6 +709,8 @@ def run_benchmarks(
             thread.join(timeout=len(rays) * (RAY_START_TIMEOUT_S + 30))
         for ray in list(live):
             stop(ray)
+        if forker is not None:
+            forker.close()
 
 
 def smoke_sharing(names: list[str]) -> dict[str, str]:

@@ -17,7 +17,9 @@ from _forkrun import Forker
 
 @pytest.fixture(scope="module")
 def forker():
-    return Forker({"RAY_TRAINER_TEST_SERVER": "1"}, preload=[])
+    forker = Forker({"RAY_TRAINER_TEST_SERVER": "1"}, preload=[])
+    yield forker
+    forker.close()
 
 
 def _script(folder, body: str) -> str:
@@ -84,3 +86,19 @@ def test_a_script_past_its_time_is_killed(forker, tmp_path):
         forker.run([sys.executable, script], str(tmp_path), {}, str(tmp_path / "x.log"), 1)
         == "timeout"
     )
+
+
+def test_close_stops_the_fork_server_and_its_resource_tracker(tmp_path):
+    from multiprocessing import forkserver, resource_tracker
+
+    forker = Forker({}, preload=[])
+    assert forker.run([sys.executable, _script(tmp_path, "pass")], str(tmp_path), {},
+                      str(tmp_path / "x.log"), 60) == 0  # fmt: skip
+    pids = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+    assert all(pids)
+    forker.close()
+    for pid in pids:  # waited for by close: gone, not a zombie
+        assert not os.path.exists(f"/proc/{pid}")
+    assert forker.run([sys.executable, _script(tmp_path, "pass")], str(tmp_path), {},
+                      str(tmp_path / "x.log"), 60) == 0  # a later run starts a new one  # fmt: skip
+    forker.close()
