@@ -30,6 +30,15 @@ CONFIGS = {  # name: (workers, loss_fn)
 }
 
 
+#: Per configuration, the class of every Ray actor its run started (from the GCS's actor table,
+#: which keeps those that ended).
+STARTED_ACTORS: dict[str, list[str]] = {}
+
+
+def _actors(ray) -> dict[str, str]:
+    return {i: a["ActorClassName"] for i, a in ray._private.state.actors().items()}
+
+
 @pytest.fixture(scope="module")
 def runs(ray_session, tmp_path_factory):
     """The result and records of each configuration, trained on first use."""
@@ -39,6 +48,7 @@ def runs(ray_session, tmp_path_factory):
 
     def get(name: str):
         if name not in done:
+            before = _actors(ray_session)
             workers, with_loss_fn = CONFIGS[name]
             folder = str(tmp_path_factory.mktemp(name))
             result = run_training(
@@ -57,6 +67,8 @@ def runs(ray_session, tmp_path_factory):
                 callbacks=[PlainRecorder(folder)],
             )
             done[name] = (result, read_records(folder, "plain"), folder)
+            after = _actors(ray_session)
+            STARTED_ACTORS[name] = sorted(c for i, c in after.items() if i not in before)
         return done[name]
 
     return get
@@ -104,3 +116,13 @@ def test_the_checkpoint_loads_as_the_trained_module(runs, name):
     for params in trained:  # every rank ends with the weights the checkpoint holds
         for key, value in params.items():
             assert torch.equal(loaded[key], value), key
+
+
+def test_on_a_ray_without_a_dashboard_no_placement_group_cleaner_starts(runs):
+    """The session's Ray has no dashboard (conftest.py): Ray Train's placement-group cleaner,
+    which can only ask the dashboard's state API whether the controller lives, is left out of
+    the run (`_driver/trainer.py`); a bare `TorchTrainer` on the same Ray starts one per fit."""
+    runs("1-worker-own-loss")
+    started = STARTED_ACTORS["1-worker-own-loss"]
+    assert {"TrainController", "RayTrainWorker", "SynchronizationActor"} <= set(started), started
+    assert "PlacementGroupCleaner" not in started, started

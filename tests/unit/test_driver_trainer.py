@@ -1,8 +1,9 @@
 """Driver: the trainer class a run is launched with leaves out Ray Train's Ray Data callback
 without a Ray Dataset, and its placement group cleaner without a dashboard (whose state API the
 cleaner polls). Built, not fitted: no Ray starts; whether a dashboard runs is what Ray's
-`get_dashboard_url` answers (what it answers on a real Ray with and without one was checked by
-hand: '' without, the address with)."""
+`get_dashboard_url` answers. On a real Ray without a dashboard, the integration test
+`test_plain_torch.py::test_on_a_ray_without_a_dashboard_no_placement_group_cleaner_starts`
+checks that a run starts no cleaner."""
 
 import pytest
 from ray.train import ScalingConfig
