@@ -94,7 +94,7 @@ bench-quick: install-dev
 
 # Every benchmark at its smallest settings into a temporary folder (CI, after `make test`), two
 # at a time; the project's and the benchmarks' bytecode compiled first (see BYTECODE above).
-# About 470 CPU-seconds in 256 s on the idle 2-core machine (docs/benchmarks.md, "The smoke
+# About 410 CPU-seconds in 229 s on the idle 2-core machine (docs/benchmarks.md, "The smoke
 # run"); under CPU_TIME it prints the CPU-seconds of the run and of each benchmark.
 bench-smoke: install-dev
 	@$(VPY) -m compileall -q $(BYTECODE) bench

@@ -4,8 +4,10 @@ Imported by every process of a run: the driver, each training worker and the cal
 Each side imports this module; none imports another side's package (``_driver`` never imports
 ``_worker``; ``_worker`` and ``_actor`` never import each other). What travels, and how:
 
-* driver -> every worker: a ``RunSpec`` in Ray Train's ``train_loop_config``; the callbacks as
-  one Ray object reference inside it (cloudpickled lists, see ``_placement.py``). The driver
+* driver -> every worker: a ``RunSpec``, as a Ray object reference in Ray Train's
+  ``train_loop_config`` (Ray Train's controller holds that config too and so never unpickles
+  the spec, nor imports what it names); the callbacks as one Ray object reference inside it
+  (cloudpickled lists, see ``_placement.py``). The driver
   hands Ray Train the worker's entry (``_worker/entry.py``), which imports the worker loop
   only once it runs inside a worker process.
 * driver -> callback actor: its constructor arguments (the same callbacks reference). Every run
@@ -177,7 +179,8 @@ class Retention:
 
 @dataclass
 class RunSpec:
-    """What the driver hands every worker, through Ray Train's ``train_loop_config``."""
+    """What the driver hands every worker, by object reference through Ray Train's
+    ``train_loop_config``."""
 
     args: TrainingArgs  # without callbacks: those travel in `callbacks_ref`
     callbacks_ref: Any  # ray.ObjectRef of the cloudpickled {"core", "user", "global"} lists

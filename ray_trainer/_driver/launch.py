@@ -216,9 +216,14 @@ def _fit(
     check_shared_storage(args, nodes)
     launch = prepare_launch(args, lists, run, plans)
     forget_ray_checkpoint_list(run)
+    import ray
+
     trainer = torch_trainer_class()(
         train_loop_per_worker,
-        train_loop_config={"spec": launch.spec},
+        # The spec by reference: Ray Train hands train_loop_config to its controller too, which
+        # would unpickle the spec's model class, callbacks and data there (importing torch, the
+        # user's modules, transformers: 2-3 CPU-seconds of every run's start); the workers get it.
+        train_loop_config={"spec": ray.put(launch.spec)},
         scaling_config=ScalingConfig(
             num_workers=args.num_workers,
             use_gpu=args.use_gpu,
@@ -240,8 +245,6 @@ def _fit(
         ),
     )
     if args.elastic:  # the actor's evaluation reservation comes before the workers' request
-        import ray
-
         ray.get(launch.actor_ready, timeout=args.callback_timeout_s)
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)

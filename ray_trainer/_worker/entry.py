@@ -11,7 +11,11 @@ from typing import Any
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Run one rank of the training loop on the ``RunSpec`` in ``config["spec"]`` (worker)."""
+    """Run one rank of the training loop on the ``RunSpec`` whose object ref is
+    ``config["spec"]`` (worker). A ref, not the spec: Ray Train's controller holds the config as
+    well, and never needs to unpickle what the spec names (the model's and callbacks' modules)."""
+    import ray
+
     from ray_trainer._worker.step.loop import run_worker
 
-    run_worker(config["spec"])
+    run_worker(ray.get(config["spec"]))

@@ -126,3 +126,12 @@ def test_on_a_ray_without_a_dashboard_no_placement_group_cleaner_starts(runs):
     started = STARTED_ACTORS["1-worker-own-loss"]
     assert {"TrainController", "RayTrainWorker", "SynchronizationActor"} <= set(started), started
     assert "PlacementGroupCleaner" not in started, started
+
+
+def test_the_controller_never_imports_torch(runs):
+    """Ray Train's controller unpickles the run's backend config, `LeanTorchConfig`, whose module
+    imports no torch (`_driver/torch_backend.py`): its process has no torch library mapped
+    while the workers train (a `TorchConfig` loads it there), and the gloo group it set up
+    trained both ranks (the other tests of this module)."""
+    _, records, _ = runs("2-workers-loss-fn")
+    assert [r["torch_loaded"] for r in records if r["event"] == "controller"] == [False]

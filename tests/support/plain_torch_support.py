@@ -79,6 +79,10 @@ class PlainRecorder(TrainerCallback):
         self.folder = folder
         self.log = _FileLog(folder, "plain")
 
+    def on_train_begin(self, context, **kwargs):
+        if context.rank == 0:  # the run's live controller: has it loaded torch's library?
+            self.log.write(event="controller", torch_loaded=controller_has_torch())
+
     def on_after_forward(self, context, batch=None, outputs=None, micro_step=None, **kwargs):
         with torch.no_grad():
             total = loss_sum(outputs, batch)
@@ -95,6 +99,21 @@ class PlainRecorder(TrainerCallback):
         model = getattr(context.model, "module", context.model)  # DDP's wrapper, if any
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         torch.save(state, os.path.join(self.folder, f"params-{context.rank}.pt"))
+
+
+def controller_has_torch() -> bool:
+    """In a training process: whether the live Ray Train controller's process (on this machine,
+    the GCS's actor table gives its pid) has torch's library mapped."""
+    import ray
+
+    alive = [
+        a["Pid"]
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"] == "TrainController" and a["State"] == "ALIVE"
+    ]
+    assert len(alive) == 1, alive
+    with open(f"/proc/{alive[0]}/maps") as f:
+        return "libtorch" in f.read()
 
 
 def read_params(folder: str, rank: int) -> dict[str, Any]:

@@ -3,14 +3,20 @@ without a Ray Dataset, and its placement group cleaner without a dashboard (whos
 cleaner polls). Built, not fitted: no Ray starts; whether a dashboard runs is what Ray's
 `get_dashboard_url` answers. On a real Ray without a dashboard, the integration test
 `test_plain_torch.py::test_on_a_ray_without_a_dashboard_no_placement_group_cleaner_starts`
-checks that a run starts no cleaner."""
+checks that a run starts no cleaner.
+
+And its backend config, `LeanTorchConfig` (`_driver/torch_backend.py`): `TorchConfig` field for
+field, the process group started with Ray Train's own worker functions, Ray Train's config where
+those differ. That its module loads no torch is `test_layout.py`'s probe; that a real run's
+controller has none is `test_plain_torch.py::test_the_controller_never_imports_torch`."""
 
 import pytest
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-from ray_trainer._driver.trainer import dashboard_running, torch_trainer_class
+from ray_trainer._driver.console import cluster_has_dashboard
+from ray_trainer._driver.trainer import torch_trainer_class
 
 
 def _callbacks(trainer) -> list[str]:
@@ -46,7 +52,7 @@ def test_the_class_is_built_once():
 @pytest.mark.parametrize("url", ["", None])
 def test_without_a_dashboard_the_placement_group_cleaner_is_left_out(monkeypatch, url):
     monkeypatch.setattr("ray._private.worker.get_dashboard_url", lambda: url)
-    assert not dashboard_running()
+    assert not cluster_has_dashboard()
     ours = torch_trainer_class()(_noop, scaling_config=ScalingConfig(num_workers=2))
     plain = TorchTrainer(_noop, scaling_config=ScalingConfig(num_workers=2))
     left_out = {DatasetsCallback.__name__, "PlacementGroupCleanerCallback"}
@@ -56,7 +62,7 @@ def test_without_a_dashboard_the_placement_group_cleaner_is_left_out(monkeypatch
 
 def test_with_a_dashboard_or_unknown_the_cleaner_is_kept(monkeypatch):
     monkeypatch.setattr("ray._private.worker.get_dashboard_url", lambda: "127.0.0.1:8265")
-    assert dashboard_running()
+    assert cluster_has_dashboard()
     ours = torch_trainer_class()(_noop, scaling_config=ScalingConfig(num_workers=1))
     assert "PlacementGroupCleanerCallback" in _callbacks(ours)
 
@@ -64,4 +70,144 @@ def test_with_a_dashboard_or_unknown_the_cleaner_is_kept(monkeypatch):
         raise RuntimeError("Ray has not been started yet.")
 
     monkeypatch.setattr("ray._private.worker.get_dashboard_url", not_connected)
-    assert dashboard_running()
+    assert cluster_has_dashboard()
+
+
+# ---- the backend config: Ray Train's TorchConfig without torch in the controller ----------
+
+
+def test_the_lean_config_is_torchconfig_field_for_field():
+    import dataclasses
+
+    from ray.train.torch.config import TorchConfig, TorchConfigContextManager, _TorchBackend
+
+    from ray_trainer._driver.torch_backend import LeanTorchBackend, LeanTorchConfig
+
+    def fields(cls):
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert fields(LeanTorchConfig) == fields(TorchConfig)
+    lean, ray_own = LeanTorchConfig(), TorchConfig()
+    assert lean.to_dict() == ray_own.to_dict()
+    assert lean.framework == ray_own.framework
+    assert lean.train_func_context is TorchConfigContextManager
+    assert LeanTorchBackend.share_cuda_visible_devices == _TorchBackend.share_cuda_visible_devices
+
+
+@pytest.mark.parametrize(("use_gpu", "backend"), [(False, "gloo"), (True, "nccl")])
+def test_a_run_takes_the_lean_config_with_the_backend_torchtrainer_chooses(use_gpu, backend):
+    from ray_trainer._driver.torch_backend import LeanTorchConfig
+
+    scaling = ScalingConfig(num_workers=2, use_gpu=use_gpu)
+    config = torch_trainer_class()(_noop, scaling_config=scaling).backend_config
+    assert type(config) is LeanTorchConfig and config.backend == backend
+    assert TorchTrainer(_noop, scaling_config=scaling).backend_config.backend == backend
+
+
+def test_a_torch_config_given_is_kept():
+    from ray.train.torch.config import TorchConfig
+
+    given = TorchConfig(timeout_s=60)
+    assert torch_trainer_class()(_noop, torch_config=given).backend_config is given
+
+
+def test_where_ray_trains_worker_functions_differ_or_for_tpus_the_run_takes_torchconfig(
+    monkeypatch,
+):
+    from ray_trainer._driver.torch_backend import lean_torch_config
+
+    assert lean_torch_config(ScalingConfig(num_workers=1)) is not None
+
+    class Tpu:
+        use_tpu = True
+
+    assert lean_torch_config(Tpu()) is None
+    monkeypatch.setattr("ray.train.torch.config._shutdown_torch", lambda: None)
+    assert lean_torch_config(ScalingConfig(num_workers=1)) is None
+    monkeypatch.delattr("ray.train.torch.config._setup_torch_process_group")
+    assert lean_torch_config(ScalingConfig(num_workers=1)) is None
+
+
+class _Group:
+    """Ray Train's worker group as a backend sees it, recording what it is asked to run."""
+
+    def __init__(self, size: int, gpus: int = 0) -> None:
+        self.size, self.gpus, self.calls = size, gpus, []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get_resources_per_worker(self) -> dict:
+        return {"CPU": 1, "GPU": self.gpus}
+
+    def _record(self, ranks, func, args, kwargs):
+        self.calls.append((ranks, func.__name__, args, kwargs))
+        if func.__name__ == "get_address_and_port":
+            return "10.0.0.7", 29500
+        return None
+
+    def execute(self, func, *args, **kwargs):
+        return self._record("all", func, args, kwargs)
+
+    execute_async = execute
+
+    def execute_single(self, rank, func, *args, **kwargs):
+        return self._record(rank, func, args, kwargs)
+
+    execute_single_async = execute_single
+
+
+@pytest.mark.parametrize(
+    ("init_method", "url"), [("env", "env://"), ("tcp", "tcp://10.0.0.7:29500")]
+)
+def test_the_backend_starts_the_group_as_ray_trains_does(monkeypatch, init_method, url):
+    from ray_trainer._driver import torch_backend
+
+    monkeypatch.setattr(torch_backend.ray, "get", lambda refs, timeout=None: refs)
+    group = _Group(2)
+    config = torch_backend.LeanTorchConfig(init_method=init_method)
+    torch_backend.LeanTorchBackend().on_start(group, config)
+    master = [("all", "_set_master", (), {"addr": "10.0.0.7", "port": 29500})]
+    setup = {"backend": "gloo", "world_size": 2, "init_method": url, "timeout_s": 1800}
+    assert group.calls == [
+        (0, "get_address_and_port", (), {}),
+        *(master if init_method == "env" else []),
+        ("all", "_on_worker", ("_set_torch_distributed_env_vars",), {}),
+        *[
+            (rank, "_on_worker", ("_setup_torch_process_group",), {**setup, "world_rank": rank})
+            for rank in range(2)
+        ],
+    ]
+    group = _Group(1)
+    torch_backend.LeanTorchBackend().on_shutdown(group, config)
+    assert group.calls == [
+        ("all", "_on_worker", ("_shutdown_torch",), {"destroy_process_group": False})
+    ]
+
+
+def test_an_unknown_init_method_is_refused_naming_the_field(monkeypatch):
+    from ray_trainer._driver import torch_backend
+
+    with pytest.raises(ValueError, match=r"LeanTorchConfig.init_method='file'.*'env' or 'tcp'"):
+        torch_backend.LeanTorchBackend().on_start(
+            _Group(1), torch_backend.LeanTorchConfig(init_method="file")
+        )
+
+
+def test_the_functions_sent_to_the_workers_run_ray_trains_own(monkeypatch):
+    """In the worker: `_on_worker` calls Ray Train's function by name; `_set_master` sets what
+    init_method 'env' reads."""
+    from ray_trainer._driver import torch_backend
+
+    seen = []
+    monkeypatch.setattr(
+        "ray.train.torch.config._shutdown_torch", lambda **kw: seen.append(kw) or "done"
+    )
+    assert torch_backend._on_worker("_shutdown_torch", destroy_process_group=True) == "done"
+    assert seen == [{"destroy_process_group": True}]
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    torch_backend._set_master(addr="10.0.0.7", port=29500)
+    import os
+
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.7", "29500")

@@ -258,7 +258,8 @@ RUN_ONLY_WHEN_NEEDED = ("transformers", "peft", "torchao", "liger_kernel", "data
 
 def test_importing_the_package_and_each_process_door_loads_no_optional_library():
     # In a fresh interpreter (what each Ray worker, actor and task is): `import ray_trainer`
-    # (the driver, `ray-trainer status`) loads no torch either; the driver's launch, the
+    # (the driver, `ray-trainer status`) loads no torch either, nor does the run's backend config
+    # where Ray Train's controller unpickles it; the driver's launch, the
     # actor and the worker's loop load none of the optional libraries above, which are imported
     # where a run needs them (an HF model, LoRA, QLoRA, liger kernels, a `datasets.Dataset`).
     import os
@@ -272,8 +273,13 @@ def test_importing_the_package_and_each_process_door_loads_no_optional_library()
             return sorted({{m.split(".")[0] for m in sys.modules}} & set(heavy))
         import callbacks, ray_trainer
         top = loaded()
+        # what Ray Train's controller does with a run's backend config: unpickle it, build its
+        # backend (`_driver/torch_backend.py`)
+        import pickle, ray_trainer._driver.torch_backend as tb
+        pickle.loads(pickle.dumps(tb.LeanTorchConfig(backend="gloo"))).backend_cls()
+        controller = loaded()
         import ray_trainer._actor.actor, ray_trainer._driver.launch, ray_trainer._worker.step.loop
-        print(json.dumps({{"top": top, "doors": loaded()}}))
+        print(json.dumps({{"top": top, "controller": controller, "doors": loaded()}}))
     """)
     env = {
         **os.environ,
@@ -291,7 +297,7 @@ def test_importing_the_package_and_each_process_door_loads_no_optional_library()
     import json
 
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found["top"] == [], found
+    assert found["top"] == [] and found["controller"] == [], found
     assert found["doors"] == ["torch"], found  # the worker's loop stands on torch, nothing more
 
 
