@@ -104,22 +104,26 @@ GROUP_RATIO = 0.5
 
 @dataclass
 class PackedLayout:
-    """Where each sample of a packed row is, by groups of similar lengths: for each group of g
-    samples padded to L, the row positions to gather (``gather``, g*L), the entries that are
-    real (``keep``) and their row positions (``place``). Planned on the host as int64 arrays;
-    `to` makes them tensors on the model's device."""
+    """Where each sample of a packed row is, two ways. By groups of similar lengths (what an
+    eager model's attention reads): for each group of g samples padded to L, the row positions
+    to gather (``gather``, g*L), the entries that are real (``keep``) and their row positions
+    (``place``). And by position (what a compiled model's attention reads): ``segments``, the
+    sample of each position of the row, one array of the row's width whatever its samples, so
+    that a new row compiles nothing anew (the groups' sizes and count change from row to row).
+    Planned on the host as int64 arrays; `to` makes them tensors on the model's device."""
 
     groups: list[tuple[Any, Any, Any, int, int]]
+    segments: Any
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedLayout:
         """The layout as tensors on `device` (the loop moves every value of a batch so)."""
         import torch
 
-        moved = [
-            (*(torch.as_tensor(x).to(device, non_blocking=non_blocking) for x in (a, b, c)), g, n)
-            for a, b, c, g, n in self.groups
-        ]
-        return PackedLayout(moved)
+        def move(x: Any) -> Any:
+            return torch.as_tensor(x).to(device, non_blocking=non_blocking)
+
+        moved = [(move(a), move(b), move(c), g, n) for a, b, c, g, n in self.groups]
+        return PackedLayout(moved, move(self.segments))
 
 
 def layout(lengths: list[int]) -> PackedLayout:
@@ -144,4 +148,5 @@ def layout(lengths: list[int]) -> PackedLayout:
         real = np.concatenate([steps < lengths[i] for i in members])
         keep = np.flatnonzero(real)
         planned.append((gather, keep, gather[keep], len(members), width))
-    return PackedLayout(planned)
+    segments = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    return PackedLayout(planned, segments)

@@ -11,7 +11,9 @@ two-worker run.
 The first steps compile: the model's forward (its blocks under FSDP; the transformer body alone
 with the chunked loss) and its backward at the first step's shapes; a padded batch's second
 length marks the sequence dimension dynamic (one recompile, at the second step). Packed rows
-have one shape (``pad_to`` the packing budget) and compile once.
+have one shape (``pad_to`` the packing budget) and compile once: their attention reads the
+layout's per-position ``segments``, not its groups, whose sizes and count change from row to row
+and recompiled every new row before (``_worker/model/packed_attention.py``).
 """
 
 from __future__ import annotations
@@ -147,21 +149,7 @@ def results(setup):
     return by_case
 
 
-#: Packed rows recompile when a row's layout changes: `PackedLayout` reaches the compiled model
-#: (down to its attention) as a list of groups, each group's gather/keep/place tensors of a size
-#: that changes from row to row (the first change recompiles with them dynamic: "tensor
-#: 'kwargs['packed'].groups[0][0]' size mismatch at index 0. expected 51, actual 57", at the
-#: third step here), and the number of groups is a list length dynamo guards on.
-PACKED_RECOMPILES = pytest.mark.xfail(
-    strict=True,
-    reason="a packed row's PackedLayout changes size from row to row: the compiled model "
-    "recompiles for a new layout (issue 49, part 1: not fixed yet)",
-)
-
-
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=PACKED_RECOMPILES) if c == "packed" else c for c in CASES]
-)
+@pytest.mark.parametrize("case", list(CASES))
 def test_no_graph_break_and_no_recompile_after_the_first_steps(results, case):
     assert _problems(results[case]) == []
 

@@ -38,3 +38,33 @@ def test_each_sample_attends_to_itself_alone_in_sdpa_s_dtype(autocast):
     assert got.shape == (1, sum(lengths), HEADS, DIM)
     assert got.dtype == want.dtype == (torch.bfloat16 if autocast else torch.float32)
     assert torch.allclose(got.float(), want.float(), atol=1e-2 if autocast else 1e-6)
+
+
+def test_under_torch_compile_every_row_of_one_width_runs_one_graph():
+    """compile=True pads every packed row to the packing budget: rows of other samples, so other
+    groups, compile nothing anew (the attention reads the layout's per-position `segments`, one
+    masked SDPA), and each sample still attends to itself alone."""
+    from torch._dynamo.utils import counters
+
+    def attend(q, k, v, plan):
+        return packed_attention(torch.nn.Module(), q, k, v, None, packed=plan)[0]
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    width = 24
+    g = torch.Generator().manual_seed(1)
+    for lengths in ([7, 3, 6, 2, 6], [20, 4], [1, 1, 5, 9, 8], [24]):  # the last part: a filler
+        assert sum(lengths) == width
+        q, k, v = (torch.randn(1, HEADS, width, DIM, generator=g) for _ in range(3))
+        got = compiled(q, k, v, layout(lengths).to("cpu"))
+        assert torch.allclose(got, _alone(q, k, v, lengths), atol=1e-6), lengths
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+def test_the_layout_names_each_positions_sample():
+    plan = layout([3, 1, 2])
+    assert plan.segments.tolist() == [0, 0, 0, 1, 2, 2]
+    assert plan.to("cpu").segments.tolist() == [0, 0, 0, 1, 2, 2]

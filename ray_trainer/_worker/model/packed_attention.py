@@ -9,7 +9,14 @@ sets it on the model: the loader hands each packed row's layout (`PackedLayout`,
 host by ``ray_trainer._data.packing``: which positions belong to which sample) as a keyword the
 model passes down to attention, which gathers the samples into a padded batch of similar
 lengths, runs SDPA causally (the fused kernels, no mask) and scatters the result back. With no
-layout (validation, padded batches) it is SDPA with the batch's padding mask. The check in
+layout (validation, padded batches) it is SDPA with the batch's padding mask.
+
+Under ``torch.compile`` (``compile=True``) the groups would recompile the model for every new
+row: their sizes and their number are shapes and list lengths dynamo guards on (issue 49). There
+attention reads the layout's ``segments`` instead, one tensor of the row's width (``compile=True``
+pads every packed row to the packing budget), and runs SDPA once over the row with a causal mask
+that keeps each sample to itself: one graph for every row, at the cost of the T x T attention
+the groups avoid (the mask is built on the device from the segments, in the graph). The check in
 ``packing_check.py`` runs the real model through this path before training.
 """
 
@@ -38,10 +45,18 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature: query [B, H, T, D], key and value
     [B, Hkv, T, D]; returns [B, T, H, D]. Packed rows (B = 1) take their samples one group at a
-    time; anything else is causal SDPA with the 2-D padding mask the model passed through."""
+    time (in one masked SDPA under torch.compile); anything else is causal SDPA with the 2-D
+    padding mask the model passed through."""
     gqa = key.shape[1] != query.shape[1]
     if packed is None:
         return _dense(query, key, value, attention_mask, dropout, scaling, gqa), None
+    if torch.compiler.is_compiling():  # one graph for every row: see the module's docstring
+        return _segments(query, key, value, packed.segments, dropout, scaling, gqa), None
+    return _grouped(query, key, value, packed, dropout, scaling, gqa), None
+
+
+def _grouped(query, key, value, packed: PackedLayout, dropout, scaling, gqa) -> torch.Tensor:
+    """A packed row (B = 1) one group of samples at a time: [1, T, H, D]."""
     heads, t = query.shape[1], query.shape[2]
     out = None  # in SDPA's dtype: under autocast, bf16 from an fp32 query (rotary in fp32)
     for gather, keep, place, g, width in packed.groups:
@@ -53,7 +68,20 @@ def packed_attention(
         if out is None:
             out = y.new_empty(heads, t, y.shape[-1])
         out.index_copy_(1, place, y.index_select(1, keep))
-    return out.unsqueeze(0).transpose(1, 2).contiguous(), None
+    return out.unsqueeze(0).transpose(1, 2).contiguous()
+
+
+def _segments(q, k, v, segments: torch.Tensor, dropout, scaling, gqa) -> torch.Tensor:
+    """A packed row (B = 1) in one SDPA, each position seeing the positions before it in its own
+    sample (itself included, so no row of the mask is empty): [1, T, H, D]."""
+    seg = segments.view(-1)
+    t = seg.shape[0]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    keep = (seg[:, None] == seg[None, :]) & causal
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep[None, None], dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )
+    return y.transpose(1, 2).contiguous()
 
 
 def _group(x: torch.Tensor, gather: torch.Tensor, g: int, width: int) -> torch.Tensor:
