@@ -4,8 +4,8 @@
 Ray Train's controller unpickles the run's backend config and calls its backend's `on_start`
 and `on_shutdown`, which only send functions to the workers. `TorchConfig`'s module imports
 torch at its top, so each run's controller imported torch for nothing: 1.2 CPU-seconds and
-about a second of every run's start on the 2-core test machine (docs/benchmarks.md, "The
-controller without torch"). `LeanTorchConfig` is the same configuration, whose backend sends
+about a second of every run's start on the 2-core test machine (docs/benchmarks.md,
+"Start-up, 2026-11-29: Ray Train's controller without torch"). `LeanTorchConfig` is the same configuration, whose backend sends
 Ray Train's own worker-side functions (`_setup_torch_process_group`,
 `_set_torch_distributed_env_vars`, `_shutdown_torch`) by name, so that only the workers, which
 train with torch anyway, import their module.

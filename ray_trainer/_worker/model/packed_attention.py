@@ -76,8 +76,7 @@ def _segments(q, k, v, segments: torch.Tensor, dropout, scaling, gqa) -> torch.T
     sample (itself included, so no row of the mask is empty): [1, T, H, D]."""
     seg = segments.view(-1)
     t = seg.shape[0]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    keep = (seg[:, None] == seg[None, :]) & causal
+    keep = (seg[:, None] == seg[None, :]) & _causal(t, q.device)
     y = F.scaled_dot_product_attention(
         q, k, v, attn_mask=keep[None, None], dropout_p=dropout, scale=scaling, enable_gqa=gqa
     )
@@ -89,15 +88,17 @@ def _group(x: torch.Tensor, gather: torch.Tensor, g: int, width: int) -> torch.T
     return x.index_select(1, gather).view(x.shape[0], g, width, x.shape[-1]).transpose(0, 1)
 
 
+def _causal(t: int, device: Any) -> torch.Tensor:
+    """[T, T]: True where a position may attend (itself and the positions before it)."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+
 def _dense(q, k, v, mask2d, dropout, scaling, gqa) -> torch.Tensor:
     """Causal SDPA over a padded batch: a 2-D mask (1 = token) becomes a [B, 1, T, T] one; a
     batch without padding runs the fused causal kernel."""
     if mask2d is not None and mask2d.dim() == 2 and not bool(mask2d.all()):
         t = q.shape[2]
-        keep = (
-            mask2d.bool()[:, None, None, :]
-            & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        )
+        keep = mask2d.bool()[:, None, None, :] & _causal(t, q.device)
         keep = keep | torch.eye(t, dtype=torch.bool, device=q.device)  # a pad row sees itself
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, dropout_p=dropout, scale=scaling, enable_gqa=gqa
