@@ -34,9 +34,14 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "accelerate"]
 def _entry(
     rank: int, world: int, port: int, out: str, fn: Any, args: tuple, env: dict[str, str]
 ) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A rank that dies of a signal (a native crash: SIGSEGV, glibc's SIGABRT on a corrupted heap)
+    # prints every thread's Python stack to stderr, which pytest captures: where it died.
+    faulthandler.enable(all_threads=True)
     os.environ.clear()  # the caller's, not the forkserver's of its start
     os.environ.update(env)
     torch.set_num_threads(1)  # the ranks share this machine's cores
