@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -110,20 +110,47 @@ class PackedLayout:
     (``place``). And by position (what a compiled model's attention reads): ``segments``, the
     sample of each position of the row, one array of the row's width whatever its samples, so
     that a new row compiles nothing anew (the groups' sizes and count change from row to row).
-    Planned on the host as int64 arrays; `to` makes them tensors on the model's device."""
 
-    groups: list[tuple[Any, Any, Any, int, int]]
-    segments: Any
+    All of them are views of one int64 array, `buffer` (the segments first, at offset 0, then
+    each group's three arrays), planned on the host: `to` copies it to the model's device once,
+    not once per array (a row of 5 groups was 16 copies, each a host-to-device transfer call on
+    a GPU), and `pin_memory` page-locks it, so that the copy is queued like a kernel. `index`
+    holds each group's g, L and real entries, in order; `width` is the row's."""
+
+    buffer: Any
+    index: tuple[tuple[int, int, int], ...]
+    width: int
+    groups: list[tuple[Any, Any, Any, int, int]] = field(init=False, repr=False)
+    segments: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sizes = [self.width]
+        for g, width, real in self.index:
+            sizes += [g * width, real, real]
+        if isinstance(self.buffer, np.ndarray):  # planned: slices (np.split is slower)
+            parts, at = [], 0
+            for n in sizes:
+                parts.append(self.buffer[at : at + n])
+                at += n
+        else:  # a tensor: its views in one call (faster than a slice each)
+            parts = self.buffer.split(sizes)
+        self.segments = parts[0]
+        self.groups = [(*parts[1 + 3 * i : 4 + 3 * i], g, width)
+                       for i, (g, width, _) in enumerate(self.index)]  # fmt: skip
 
     def to(self, device: Any, non_blocking: bool = False) -> PackedLayout:
-        """The layout as tensors on `device` (the loop moves every value of a batch so)."""
+        """The layout as tensors on `device` (the loop moves every value of a batch so): one
+        copy of `buffer`, the arrays views of it."""
         import torch
 
-        def move(x: Any) -> Any:
-            return torch.as_tensor(x).to(device, non_blocking=non_blocking)
+        buffer = torch.as_tensor(self.buffer).to(device, non_blocking=non_blocking)
+        return PackedLayout(buffer, self.index, self.width)
 
-        moved = [(move(a), move(b), move(c), g, n) for a, b, c, g, n in self.groups]
-        return PackedLayout(moved, move(self.segments))
+    def pin_memory(self) -> PackedLayout:
+        """The layout in page-locked host memory (as a tensor's ``pin_memory``)."""
+        import torch
+
+        return PackedLayout(torch.as_tensor(self.buffer).pin_memory(), self.index, self.width)
 
 
 def layout(lengths: list[int]) -> PackedLayout:
@@ -140,13 +167,15 @@ def layout(lengths: list[int]) -> PackedLayout:
         current.append(i)
     if current:
         groups.append(current)
-    planned = []
+    width = sum(lengths)
+    parts = [np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)]  # the segments
+    index = []
     for members in groups:
-        width = lengths[members[0]]
-        steps = np.arange(width, dtype=np.int64)
+        longest = lengths[members[0]]
+        steps = np.arange(longest, dtype=np.int64)
         gather = np.concatenate([starts[i] + np.minimum(steps, lengths[i] - 1) for i in members])
         real = np.concatenate([steps < lengths[i] for i in members])
         keep = np.flatnonzero(real)
-        planned.append((gather, keep, gather[keep], len(members), width))
-    segments = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    return PackedLayout(planned, segments)
+        parts += [gather, keep, gather[keep]]
+        index.append((len(members), longest, len(keep)))
+    return PackedLayout(np.concatenate(parts), tuple(index), width)

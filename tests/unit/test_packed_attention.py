@@ -64,7 +64,38 @@ def test_under_torch_compile_every_row_of_one_width_runs_one_graph():
     torch._dynamo.reset()
 
 
-def test_the_layout_names_each_positions_sample():
+def test_the_layout_names_each_positions_sample_and_moves_in_one_copy(monkeypatch):
     plan = layout([3, 1, 2])
     assert plan.segments.tolist() == [0, 0, 0, 1, 2, 2]
-    assert plan.to("cpu").segments.tolist() == [0, 0, 0, 1, 2, 2]
+    # Groups: [3, 2] (2 >= half of 3) padded to 3, then [1]: gather, keep, place, g, width.
+    want = [
+        ([0, 1, 2, 4, 5, 5], [0, 1, 2, 3, 4], [0, 1, 2, 4, 5], 2, 3),
+        ([3], [0], [3], 1, 1),
+    ]
+    assert [(a.tolist(), b.tolist(), c.tolist(), g, w) for a, b, c, g, w in plan.groups] == want
+    moved = plan.to("meta")  # where .to copies (an accelerator's transfer call, one per array
+    # before); its views' offsets are the host's
+    assert moved.buffer.device.type == "meta" and moved.buffer.shape == plan.buffer.shape
+    on_cpu = plan.to("cpu")
+    assert on_cpu.segments.tolist() == [0, 0, 0, 1, 2, 2]
+    assert [(a.tolist(), b.tolist(), c.tolist(), g, w) for a, b, c, g, w in on_cpu.groups] == want
+    # One copy: the segments (at offset 0, so a compiled graph sees the same input every row)
+    # and every group's arrays are views of the one moved buffer.
+    views = [on_cpu.segments, *(t for a, b, c, _, _ in on_cpu.groups for t in (a, b, c))]
+    assert on_cpu.segments.storage_offset() == 0
+    storage = on_cpu.buffer.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in views)
+    moves = []
+    real_to = torch.Tensor.to
+
+    def counted(self, *args, **kwargs):
+        moves.append(self.shape)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted)
+    plan = layout([5, 1, 9, 2, 30, 12])  # 59 positions; groups [30], [12, 9], [5], [2, 1]
+    assert [g for _, _, _, g, _ in plan.groups] == [1, 2, 1, 2]
+    plan.to("cpu")
+    # One copy of 240 values: the segments (59), each group's gather (g x L: 30 + 24 + 5 + 4)
+    # and its keep and place (59 each); 13 copies before.
+    assert moves == [(240,)]

@@ -200,8 +200,9 @@ class StepLoader:
 
 
 def _pinned(micro: MicroBatch) -> MicroBatch:
-    """`micro` with its tensors in page-locked host memory (torch's caching host allocator)."""
-    batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in micro.batch.items()}
+    """`micro` with its tensors, and a packed row's layout, in page-locked host memory (torch's
+    caching host allocator)."""
+    batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in micro.batch.items()}
     return MicroBatch(batch, micro.tokens, micro.positions, micro.targets)
 
 
