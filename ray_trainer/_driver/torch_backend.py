@@ -11,7 +11,11 @@ Ray Train's own worker-side functions (`_setup_torch_process_group`,
 train with torch anyway, import their module.
 
 The config is built in the driver (`_driver/trainer.py`); `LeanTorchBackend`'s methods run in
-the controller; the functions below them named `_on_worker`/`_set_master` run in the workers.
+the controller; the functions below them (`_set_master`, `_prepare_worker`, `_on_worker`) run in
+the workers. `_prepare_worker` also has the workers send `torch.__version__` as a plain `str`,
+so that Ray Train's state tracking, which asks rank 0 for it, does not make the controller
+import torch to unpickle it.
+
 `lean_torch_config` gives one only where this Ray Train has those functions as this module
 calls them, and not for TPUs (whose multi-slice setup is not repeated here); anywhere else the
 run takes Ray Train's `TorchConfig` unchanged.
@@ -100,7 +104,7 @@ class LeanTorchBackend(Backend):
                 "use 'env' or 'tcp'."
             )
         # torch.distributed's backends read LOCAL_RANK and the others before the group starts
-        worker_group.execute(_on_worker, "_set_torch_distributed_env_vars")
+        worker_group.execute(_prepare_worker)
         ray.get(
             [
                 worker_group.execute_single_async(
@@ -145,6 +149,21 @@ def _set_master(addr: str, port: int) -> None:
     """Runs in each worker: where rank 0's process group listens (init_method 'env')."""
     os.environ["MASTER_ADDR"] = addr
     os.environ["MASTER_PORT"] = str(port)
+
+
+def _prepare_worker() -> None:
+    """Runs in each worker, before its process group starts: the environment variables
+    torch.distributed reads (Ray Train's `_set_torch_distributed_env_vars`); and torch's version
+    sent through Ray as a plain `str`. Ray Train's state tracking (on where the cluster has a
+    dashboard) asks rank 0 for `torch.__version__`, a `TorchVersion`, before the run's function
+    starts; unpickling one imports torch, so the controller imported it there (1.3 s, each
+    run's start held up by it) and the state actor too."""
+    from ray.train.torch import config
+    from ray.util import register_serializer
+    from torch.torch_version import TorchVersion
+
+    config._set_torch_distributed_env_vars()
+    register_serializer(TorchVersion, serializer=str, deserializer=str)
 
 
 def _on_worker(name: str, **kwargs: Any) -> Any:

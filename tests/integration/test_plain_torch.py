@@ -11,6 +11,8 @@ of 2 micro-batches of 8 samples per worker. Two configurations, not four: each r
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from plain_torch_support import (
@@ -28,6 +30,11 @@ CONFIGS = {  # name: (workers, loss_fn)
     "1-worker-own-loss": (1, False),  # issue 47's regression: it failed at its first step
     "2-workers-loss-fn": (2, True),
 }
+#: Runs with Ray Train's state tracking on, as on a cluster with a dashboard (the session's Ray
+#: has none, where the runner turns it off): the controller asks rank 0 for torch's version.
+STATE_TRACKED = {"2-workers-loss-fn"}
+#: Per state-tracked configuration, the framework versions Ray Train's state actor recorded.
+TRACKED_VERSIONS: dict[str, dict] = {}
 
 
 #: Per configuration, the class of every Ray actor its run started (from the GCS's actor table,
@@ -51,21 +58,34 @@ def runs(ray_session, tmp_path_factory):
             before = _actors(ray_session)
             workers, with_loss_fn = CONFIGS[name]
             folder = str(tmp_path_factory.mktemp(name))
-            result = run_training(
-                model=PredictModel if with_loss_fn else LossModel,
-                loss_fn=mse if with_loss_fn else None,
-                data=PlainPairs(512),
-                num_workers=workers,
-                batch_size=BATCH,
-                grad_accum_steps=ACCUM,
-                max_steps=STEPS,
-                learning_rate=0.05,
-                lr_schedule="constant",
-                log_every_steps=1,
-                storage_path=str(tmp_path_factory.mktemp("storage")),
-                run_name=name,
-                callbacks=[PlainRecorder(folder)],
-            )
+            tracked = name in STATE_TRACKED
+            if tracked:  # a value the user set is kept (`_driver/console.py`)
+                os.environ["RAY_TRAIN_ENABLE_STATE_TRACKING"] = "1"
+            try:
+                result = run_training(
+                    model=PredictModel if with_loss_fn else LossModel,
+                    loss_fn=mse if with_loss_fn else None,
+                    data=PlainPairs(512),
+                    num_workers=workers,
+                    batch_size=BATCH,
+                    grad_accum_steps=ACCUM,
+                    max_steps=STEPS,
+                    learning_rate=0.05,
+                    lr_schedule="constant",
+                    log_every_steps=1,
+                    storage_path=str(tmp_path_factory.mktemp("storage")),
+                    run_name=name,
+                    callbacks=[PlainRecorder(folder)],
+                )
+            finally:
+                os.environ.pop("RAY_TRAIN_ENABLE_STATE_TRACKING", None)
+            if tracked:  # then the detached state actor goes: nothing else here reads it
+                from ray.train.v2._internal.state.state_actor import get_state_actor
+
+                actor = get_state_actor()
+                runs_ = ray_session.get(actor.get_train_runs.remote()).values()
+                TRACKED_VERSIONS[name] = next(r for r in runs_ if r.name == name).framework_versions
+                ray_session.kill(actor)
             done[name] = (result, read_records(folder, "plain"), folder)
             after = _actors(ray_session)
             STARTED_ACTORS[name] = sorted(c for i, c in after.items() if i not in before)
@@ -135,3 +155,15 @@ def test_the_controller_never_imports_torch(runs):
     trained both ranks (the other tests of this module)."""
     _, records, _ = runs("2-workers-loss-fn")
     assert [r["torch_loaded"] for r in records if r["event"] == "controller"] == [False]
+
+
+def test_state_tracking_records_torchs_version_without_torch_in_the_controller(runs):
+    """With Ray Train's state tracking on (a cluster with a dashboard), the controller asks rank
+    0 for torch's version before the run's function starts; the workers send it as a plain
+    `str` (`_driver/torch_backend.py`), so the controller, still without torch when the run
+    begins (the test above, on this state-tracked run), and the state actor record it without
+    importing torch."""
+    runs("2-workers-loss-fn")
+    assert "2-workers-loss-fn" in STATE_TRACKED
+    versions = TRACKED_VERSIONS["2-workers-loss-fn"]
+    assert versions["torch"] == torch.__version__ and type(versions["torch"]) is str, versions

@@ -172,7 +172,7 @@ def test_the_backend_starts_the_group_as_ray_trains_does(monkeypatch, init_metho
     assert group.calls == [
         (0, "get_address_and_port", (), {}),
         *(master if init_method == "env" else []),
-        ("all", "_on_worker", ("_set_torch_distributed_env_vars",), {}),
+        ("all", "_prepare_worker", (), {}),
         *[
             (rank, "_on_worker", ("_setup_torch_process_group",), {**setup, "world_rank": rank})
             for rank in range(2)
@@ -211,3 +211,38 @@ def test_the_functions_sent_to_the_workers_run_ray_trains_own(monkeypatch):
     import os
 
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.7", "29500")
+
+
+def test_a_prepared_worker_sends_torchs_version_as_a_plain_str(monkeypatch):
+    """`_prepare_worker` sets torch.distributed's variables (Ray Train's function) and has Ray
+    pickle `torch.__version__` as a `str`: what unpickles it (Ray Train's controller, asking rank
+    0 for it when state tracking is on) does not import torch for it."""
+    import subprocess
+    import sys
+
+    import torch
+    from ray import cloudpickle
+    from ray.util import deregister_serializer
+    from torch.torch_version import TorchVersion
+
+    from ray_trainer._driver import torch_backend
+
+    seen = []
+    monkeypatch.setattr(
+        "ray.train.torch.config._set_torch_distributed_env_vars", lambda: seen.append("env")
+    )
+    assert b"torch_version" in cloudpickle.dumps(torch.__version__)  # Ray's default
+    try:
+        torch_backend._prepare_worker()
+        data = cloudpickle.dumps({"torch": torch.__version__})
+    finally:
+        deregister_serializer(TorchVersion)
+    assert seen == ["env"]
+    load = (
+        "import pickle, sys; v = pickle.load(sys.stdin.buffer)['torch'];"
+        "print(type(v).__name__, v, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", load], input=data, capture_output=True, check=True
+    ).stdout.decode()
+    assert out.split() == ["str", str(torch.__version__), "False"]
