@@ -26,7 +26,7 @@ from callbacks._manager_async import AsyncCallbackManager
 from ray_trainer._actor.evaluation import EvalTracker
 from ray_trainer._actor.requests import OutsideRequests
 from ray_trainer._actor.retention import CheckpointKeeper
-from ray_trainer._actor.state import ActorStateWriter, restore
+from ray_trainer._actor.state import ActorStateWriter
 from ray_trainer._actor.storage import RunStorage
 from ray_trainer._contract import (
     NAMESPACE,
@@ -119,7 +119,7 @@ class CallbackActor:
         self._train_end: tuple | None = None  # rank 0's last on_train_end: wire, kwargs, attempt
         self.attempts = 0
         self.worker_summary: WorkerSummary | None = None
-        self.restored_from = restore(self.manager, run)
+        self.restored_from = self.writer.restore()
         self.restarted = _was_restarted()
         if max_workers:
             threading.Thread(
