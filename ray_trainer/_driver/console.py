@@ -23,7 +23,11 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
 * Ray Train's preemption watcher is not started on the embedded Ray: a single local node is
   never drained, and the watcher's actor process would wake up ~150 times a second during the
   steps (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0`` for the processes Ray starts; a value the
-  user set is kept).
+  user set is kept);
+* on the embedded Ray, Ray Train's controller polls its workers every 0.25 s instead of 2 s
+  (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, as the tests' Rays run; a value the user set is
+  kept): a checkpoint's report waits while the one before is not taken, and the run's end
+  waits for a poll, so a short run ended 2-4 s later at 2 s.
 """
 
 from __future__ import annotations
@@ -52,6 +56,15 @@ DASHBOARD_PORTS = range(8265, 8300)
 _AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 _PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 _STATE_TRACKING = "RAY_TRAIN_ENABLE_STATE_TRACKING"
+#: What the embedded Ray's processes start with (`start_embedded_ray`), where the user set none.
+EMBEDDED_RAY_ENV = {
+    # one local node is never drained: no preemption watcher actor
+    _PREEMPTION_WATCHER: "0",
+    # Ray Train's controller takes the workers' reports every 0.25 s, not 2 s: a worker's
+    # report waits while the one before is not taken (a queue of one), and the run's end
+    # waits for a poll (docs/benchmarks.md, "The controller's poll on one machine")
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+}
 
 
 @contextlib.contextmanager
@@ -122,17 +135,16 @@ def start_embedded_ray(num_cpus: int, dashboard: bool) -> str | None:
     auth = logging.getLogger(_AUTH_LOGGER)
     level = auth.level
     auth.setLevel(logging.ERROR)  # our one line below says what Ray's warning says
-    # One local node is never drained: no preemption watcher actor. Set for the processes Ray
-    # starts now (its controller reads it) and gone from this process after; a user's is kept.
-    ours = _PREEMPTION_WATCHER not in os.environ
-    if ours:
-        os.environ[_PREEMPTION_WATCHER] = "0"
+    # Set for the processes Ray starts now (Ray Train's controller reads them) and gone from
+    # this process after; a user's value is kept.
+    ours = [k for k in EMBEDDED_RAY_ENV if k not in os.environ]
+    os.environ.update({k: EMBEDDED_RAY_ENV[k] for k in ours})
     try:
         ray.init(**options)
     finally:
         auth.setLevel(level)
-        if ours:
-            del os.environ[_PREEMPTION_WATCHER]
+        for k in ours:
+            del os.environ[k]
     filter_ray_noise()
     return url
 

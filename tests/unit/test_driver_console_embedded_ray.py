@@ -18,6 +18,7 @@ def _start(monkeypatch, dashboard: bool = False) -> dict:
     def fake_init(**options):
         seen["niceness"] = console.os.environ.get("RAY_worker_niceness")
         seen["watcher"] = console.os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER")
+        seen["poll"] = console.os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
         seen["options"] = options
 
     monkeypatch.setattr(ray, "init", fake_init)
@@ -44,6 +45,17 @@ def test_no_preemption_watcher_on_the_embedded_ray_and_nothing_left_in_the_drive
     monkeypatch.delenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", raising=False)
     assert _start(monkeypatch, dashboard=True)["watcher"] == "0"
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in console.os.environ
+
+
+def test_the_controller_polls_every_quarter_second_on_the_embedded_ray(monkeypatch):
+    """Ray's processes start with the controller's poll at 0.25 s, gone from the driver's own
+    environment after the start; a value the user set is kept."""
+    monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
+    assert _start(monkeypatch)["poll"] == "0.25"
+    assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in console.os.environ
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "5")
+    assert _start(monkeypatch)["poll"] == "5"
+    assert console.os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "5"
 
 
 def test_a_preemption_watcher_setting_the_user_made_is_kept(monkeypatch):
