@@ -28,6 +28,9 @@ HERE = Path(__file__).resolve().parent
 #: This session's mark on every process it starts (`local_cluster.SESSION_MARK`): the check after
 #: each module counts this session's Rays only.
 SESSION = os.environ.setdefault(SESSION_MARK, f"pytest-{os.getpid()}")
+#: The shared `ray_session`'s session folder, once started: the check after each module leaves
+#: that Ray up, also after the module that started it.
+SHARED_SESSION: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(items):
@@ -73,6 +76,7 @@ def ray_session():
     finally:
         for key in ours:
             del os.environ[key]
+    SHARED_SESSION["folder"] = ray._private.worker._global_node.get_session_dir_path()
     yield ray
     ray.shutdown()
 
@@ -88,6 +92,13 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
+def _is_shared_session(gcs_server) -> bool:
+    """Whether a GCS server is the shared `ray_session`'s (its command line names the session
+    folder `ray_session` recorded)."""
+    folder = SHARED_SESSION.get("folder")
+    return bool(folder) and f"{folder}/" in " ".join(gcs_server.cmdline())
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_resources_left_behind(request):
     """After each module: no Ray cluster it started is still up, and every logical CPU of the
@@ -100,7 +111,11 @@ def _no_resources_left_behind(request):
     import ray
 
     def extra_clusters() -> list:  # another cluster (`ray start`, an embedded Ray) still up
-        return [p for p in session_ray_servers(SESSION) if p.pid not in before]
+        return [  # the shared session's Ray stays up, also where this module started it
+            p
+            for p in session_ray_servers(SESSION)
+            if p.pid not in before and not _is_shared_session(p)
+        ]
 
     try:
         wait_until(lambda: not extra_clusters(), 30, "its Ray clusters to stop", interval=0.2)
