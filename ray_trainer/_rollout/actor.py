@@ -63,7 +63,8 @@ class RolloutActor:
         #: A version posted and not taken yet: (version, its buckets' references, the probe).
         self._posted: tuple[int, list[Any], Probe | None] | None = None
         self._probed: dict[int, list[float]] = {}  # the probe's log-probs of the last taken
-        self.engine.on_boundary = self._take_posted
+        self.boundaries = 0  # request boundaries passed inside requests (weights fixed there)
+        self.engine.on_boundary = self._at_boundary
 
     def generate(
         self,
@@ -135,6 +136,12 @@ class RolloutActor:
         not loaded yet, or passed over for a newer one)."""
         return self._probed.get(int(version))
 
+    def _at_boundary(self) -> None:
+        """A boundary inside a request (`EngineBase.boundary`): posted weights taken, then
+        counted, so that once `info` shows it the batch after it samples with those weights."""
+        self._take_posted()
+        self.boundaries += 1
+
     def _take_posted(self) -> None:
         """Load the version posted, if any: at a request boundary (on the request's thread),
         or when posted to an idle engine (the caller holds `_busy` either way)."""
@@ -156,7 +163,8 @@ class RolloutActor:
 
     def info(self) -> dict[str, Any]:
         """Who answers: the backend, the policy version held, the device, the process id, the
-        requests answered and the version that answered the first."""
+        requests answered, the version that answered the first, and the boundaries passed
+        inside requests (``hf``: a batch's start; ``vllm``: a decoding step's)."""
         device = getattr(self.engine, "device", None)
         return {
             "backend": self.backend,
@@ -165,6 +173,7 @@ class RolloutActor:
             "pid": os.getpid(),
             "requests": self.requests,
             "first_version": self.first_version,
+            "boundaries": self.boundaries,
         }
 
     def close(self) -> None:

@@ -106,8 +106,13 @@ def test_a_rollout_engine_actor_generates_syncs_in_buckets_and_passes_the_probe(
         assert logprob_diff(engine.probe(probe), trainer_logprobs(trainer, probe)) < 1e-5
         # Pause-and-update: weights posted while a long request samples (64 rows, 32 batches)
         # are answered at once, taken between two of its batches, and probed after the load.
+        # Posted once the request's first batch has its weights (its first boundary passed):
+        # that it started (`requests`) let a post under load land before that boundary.
+        passed = engine.info()["boundaries"]
         long = engine.submit([[5, 6, 7], [8, 9]], SamplingParams(32, 48, seed=2))
-        wait_until(lambda: engine.info()["requests"] == 3, 60, "the long request to start")
+        wait_until(
+            lambda: engine.info()["boundaries"] > passed, 60, "the long request's first batch"
+        )
         with torch.no_grad():
             for p in trainer.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=generator))

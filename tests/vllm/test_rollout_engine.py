@@ -192,14 +192,15 @@ def test_weights_posted_during_a_request_are_taken_between_two_decoding_steps(mo
     engine = RemoteEngine("vllm", _spec(models["c0"]), {"CPU": 1})
     try:
         long = SamplingParams(num_generations=2, max_completion_length=240, seed=5)
+        passed = engine.info()["boundaries"]  # the request's weights fixed once one more passed
         ref = engine.submit(PROMPTS, long, [7, 8, 9])
         certain = _certain(AutoModelForCausalLM.from_pretrained(models["c0"]))
         posted = post_weights(certain.named_parameters(), 1, bucket_bytes=64 << 10)
         probe = Probe(prompt_ids=(5, 6), completion_ids=(CERTAIN,) * 4, temperature=1.0)
         from waiting import wait_until
 
-        wait_until(lambda: engine.info()["requests"] >= 1, 120, "the request to reach the engine",
-                   interval=0.01)  # fmt: skip
+        wait_until(lambda: engine.info()["boundaries"] > passed, 120,
+                   "the request's first boundary", interval=0.01)  # fmt: skip
         assert engine.post(posted, probe) == 0  # answered while version 0 samples
         completions, began, ended = engine.result(ref)
         print(f"\nlong request: {ended - began:.2f} s; changes at "
@@ -245,6 +246,7 @@ def test_an_adapter_posted_during_a_request_replaces_the_rows_adapter_under_its_
     try:
         assert engine.sync(adapter, 1).receiver["lora_id"] == 1  # zeros: the base's outputs
         long = SamplingParams(num_generations=2, max_completion_length=240, seed=5)
+        passed = engine.info()["boundaries"]  # the request's weights fixed once one more passed
         ref = engine.submit(PROMPTS, long, [7, 8, 9])
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(2)
@@ -252,8 +254,8 @@ def test_an_adapter_posted_during_a_request_replaces_the_rows_adapter_under_its_
                 if "lora_B" in name:
                     param.normal_(0, 0.5)
         posted = post_weights(adapter, 2)
-        wait_until(lambda: engine.info()["requests"] >= 1, 120, "the request to reach the engine",
-                   interval=0.01)  # fmt: skip
+        wait_until(lambda: engine.info()["boundaries"] > passed, 120,
+                   "the request's first boundary", interval=0.01)  # fmt: skip
         engine.post(posted)
         completions, began, ended = engine.result(ref)
         print(f"\nlong LoRA request: {ended - began:.2f} s; changes at "
