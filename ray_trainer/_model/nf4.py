@@ -315,6 +315,23 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
+def dequantized_shards(tensor: torch.Tensor) -> torch.Tensor:
+    """`dequantized`, keeping an FSDP2 shard a shard: each rank dequantizes its own rows (NF4
+    blocks never span ranks), so gathering it (``full_tensor()``) is a plain all-gather of the
+    dtype. Gathering the NF4 DTensor itself goes through torchao's NF4 handling of the
+    functional collectives (three asynchronous all-gathers, waited when each part is read),
+    where a rank died in the wait, twice, on gloo (docs/lora.md)."""
+    from torch.distributed.tensor import DTensor
+
+    if not (isinstance(tensor, DTensor) and is_nf4(tensor._local_tensor)):
+        return dequantized(tensor)
+    local = tensor._local_tensor.get_original_weight()
+    return DTensor.from_local(
+        local, tensor.device_mesh, tensor.placements, run_check=False,
+        shape=tensor.shape, stride=tensor.stride(),
+    )  # fmt: skip
+
+
 def resident_bytes(tensor: torch.Tensor) -> int:
     """The bytes `tensor` (this rank's shard of a DTensor) holds in memory: an NF4 weight's
     codes, scales and their factors, or a plain tensor's elements."""

@@ -35,7 +35,7 @@ from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import CheckpointError
 from ray_trainer._lora import quantize_base, trainable_names, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint, lora_state
-from ray_trainer._model.nf4 import dequantized
+from ray_trainer._model.nf4 import dequantized_shards
 from ray_trainer._model.pretrained.safetensors import write_weights
 from ray_trainer._model.spec import ModelSpec
 from ray_trainer._worker.checkpoints.export import ModelWeights, SavePretrained, untied
@@ -270,9 +270,8 @@ class MergePlan:
         when `gather` is: A and B are gathered right after their weight."""
 
         def merged(tensor: Any) -> Any:
-            value = gather(tensor)
-            if value is not None:  # QLoRA's NF4 base: written dequantized, in its dtype
-                value = dequantized(value)
+            # QLoRA's NF4 base: written dequantized, in its dtype (each rank its own rows first)
+            value = gather(dequantized_shards(tensor))
             adapter = self.adapters.get(id(tensor))
             if adapter is None:
                 return value
