@@ -316,15 +316,16 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dequantized_shards(tensor: torch.Tensor) -> torch.Tensor:
-    """`dequantized`, keeping an FSDP2 shard a shard: each rank dequantizes its own rows (NF4
-    blocks never span ranks), so gathering it (``full_tensor()``) is a plain all-gather of the
-    dtype. Gathering the NF4 DTensor itself goes through torchao's NF4 handling of the
-    functional collectives (three asynchronous all-gathers, waited when each part is read),
-    where a rank died in the wait, twice, on gloo (docs/lora.md)."""
+    """An FSDP2 shard of an NF4 weight dequantized on its own rank, still a shard (NF4 blocks
+    never span ranks), so that gathering it (``full_tensor()``) is a plain all-gather of the
+    dtype; any other tensor as it is (a whole NF4 weight: `dequantized`, where it is written).
+    Gathering the NF4 DTensor itself goes through torchao's NF4 handling of the functional
+    collectives (three asynchronous all-gathers, waited when each part is read), where a rank
+    died in the wait, twice, on gloo (docs/lora.md)."""
     from torch.distributed.tensor import DTensor
 
     if not (isinstance(tensor, DTensor) and is_nf4(tensor._local_tensor)):
-        return dequantized(tensor)
+        return tensor
     local = tensor._local_tensor.get_original_weight()
     return DTensor.from_local(
         local, tensor.device_mesh, tensor.placements, run_check=False,

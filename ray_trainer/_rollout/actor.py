@@ -137,7 +137,7 @@ class RolloutActor:
         return self._probed.get(int(version))
 
     def _at_boundary(self) -> None:
-        """A boundary inside a request (`EngineBase.boundary`): posted weights taken, then
+        """A boundary inside a request (`RolloutEngine.boundary`): posted weights taken, then
         counted, so that once `info` shows it the batch after it samples with those weights."""
         self._take_posted()
         self.boundaries += 1

@@ -35,7 +35,7 @@ from ray_trainer._config.args import TrainingArgs
 from ray_trainer._errors import CheckpointError
 from ray_trainer._lora import quantize_base, trainable_names, wrap
 from ray_trainer._lora.fingerprint import base_fingerprint, lora_state
-from ray_trainer._model.nf4 import dequantized_shards
+from ray_trainer._model.nf4 import dequantized, dequantized_shards
 from ray_trainer._model.pretrained.safetensors import write_weights
 from ray_trainer._model.spec import ModelSpec
 from ray_trainer._worker.checkpoints.export import ModelWeights, SavePretrained, untied
@@ -270,8 +270,11 @@ class MergePlan:
         when `gather` is: A and B are gathered right after their weight."""
 
         def merged(tensor: Any) -> Any:
-            # QLoRA's NF4 base: written dequantized, in its dtype (each rank its own rows first)
+            # QLoRA's NF4 base: written dequantized, in its dtype (under FSDP2 each rank
+            # dequantizes its own rows before the gather; under DDP the rank that writes)
             value = gather(dequantized_shards(tensor))
+            if value is not None:
+                value = dequantized(value)
             adapter = self.adapters.get(id(tensor))
             if adapter is None:
                 return value
