@@ -13,18 +13,14 @@ limit=$1
 shift
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
-# Again when a wheel carried since (liger-kernel's, for liger_kernel=True) is not installed yet.
-if [ ! -d /tmp/site/ray ] || { compgen -G '.whl/liger_kernel-*.whl' > /dev/null && [ ! -d /tmp/site/liger_kernel ]; }; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source bench/gpu/_gpu_env.sh
 for table in "$@"; do
   started=$(date +%s)
   extra=()
   [ "$table" = 1 ] && extra=(--steps "${STEPS:-150}" --skip 50)  # about 6 minutes, not 10
   [ "$table" = 1 ] && [ -n "${CONFIGS:-}" ] && extra+=(--configs "$CONFIGS")
   [ "$table" = 1 ] && [ "${BASELINE:-1}" = 0 ] && extra+=(--no-baseline)
+  [ "${SMOKE_CPU:-0}" = 1 ] && extra+=(--smoke-cpu)
   timeout "$limit" python3 bench/gpu/bench_gpu.py --table "$table" "${extra[@]}" \
     --json "$out/gpu-$table.json" > "$out/gpu-$table.log" 2>&1
   echo "== table $table: exit $?, $(( $(date +%s) - started )) s"
