@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# The next GPU lease, prepared: what issues 49 and 52 still need measured, in their order, as
+# The next GPU lease, prepared: what issues 49, 51 and 52 still need measured, in their order, as
 # calls that each fit one `run` command (at most 10 minutes; a session has 15 device-minutes in
 # all, a machine's start included). Each step writes its report to $OUT before the next starts
-# (tables: $OUT/gpu-<N>.json and .log; the probe: $OUT/probe-fsdp.log), so a call cut short keeps
-# what it finished; a step that no longer fits in what is left of the call is skipped and says so,
-# for the next call or lease to take up.
+# (tables: $OUT/gpu-<N>.json and .log; the others: $OUT/<step>.json or .log), so a call cut short
+# keeps what it finished; a step that no longer fits in what is left of the call is skipped and
+# says so, for the next call or lease to take up (`lease.sh STEP [SECONDS]` runs one step).
 #
-#   call 1: table 4 (LoRA and QLoRA against a full fine-tune: the last figure issue 52 needs);
-#           table 2's FSDP run profiled (why FSDP took 2.79x DDP's step, issue 49); table 5
-#   call 2: table 3 (packed against padded); table 1's Llama pair, chunked loss against
-#           liger-kernel (decides liger_kernel's default, issue 49)
-#   call 3: tables 6, 7, 8
+#   call 1: gpu-4     table 4, LoRA and QLoRA against a full fine-tune: the last figure of the
+#                     QLoRA issue (52)
+#           async_rl, async_rl_loss  bench_async_rl.py on the machine's 16 CPU cores, the GPU
+#                     unused: every trainer and engine process on a core of its own, which this
+#                     2-core machine cannot give (its settings, then the engine-loss run: 51)
+#   call 2: probe-fsdp (why FSDP took 2.79x DDP's step, issue 49), gpu-5, gpu-3
+#   call 3: gpu-1-liger (table 1's Llama pair: chunked loss against liger-kernel, for
+#           liger_kernel's default), gpu-6
+#   call 4: gpu-7, gpu-8
 #
 # Usage (from the checkout's root, .whl/ carried: ../shared/gpu/prepare_wheels.sh, then
 # `bash bench/gpu/lease.sh wheels` for liger-kernel's and torchao's wheels, on the CPU machine):
-#   bash bench/gpu/lease.sh CALL [SECONDS]     (SECONDS: the call's budget, default 560)
-#   SMOKE_CPU=1 bash bench/gpu/lease.sh CALL   (the same steps on this CPU machine, tiny shapes:
-#                                               checks the scripts, its figures mean nothing)
+#   bash bench/gpu/lease.sh CALL|STEP [SECONDS]  (SECONDS: the call's budget, default 560)
+#   SMOKE_CPU=1 bash bench/gpu/lease.sh CALL     (the same steps on this CPU machine, tiny
+#                                                 shapes: checks the scripts; figures mean nothing)
 set -uo pipefail
-call=${1:?usage: bash bench/gpu/lease.sh CALL|wheels [SECONDS]}
+call=${1:?usage: bash bench/gpu/lease.sh CALL|STEP|wheels [SECONDS]}
 if [ "$call" = wheels ]; then  # on the CPU machine: the extras' wheels for Python 3.12
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
@@ -59,25 +63,42 @@ table() {  # table N NEEDS_S LIMIT_S [bench_gpu.py options]
     --json "$out/gpu-$n.json"
 }
 
+# run_step NAME: one step, with what it needs (s) and the most it may take (s)
+run_step() {
+  case $1 in
+    gpu-3) table 3 230 270 ;;  # its padded run alone took 80 s, Ray's start and the data 30
+    gpu-6) table 6 200 280 ;;
+    gpu-[2-8]) table "${1#gpu-}" 120 220 ;;
+    gpu-1-liger) table 1 300 330 --steps 100 --skip 40 --no-baseline \
+      --configs runner_compiled_llama,runner_compiled_liger ;;
+    probe-fsdp) step probe-fsdp 90 170 python3 bench/gpu/gpu_probe.py --runner --compiled --fsdp \
+      --checkpointing ;;
+    async_rl | async_rl_loss)
+      # no GPU for any process of it: generation and training on CPU cores, as on the 2-core
+      # machine, but each on a core of its own. async_rl: every setting, two seeds of the
+      # synchronous one; async_rl_loss: the engine-loss run and its twin (and the 2x1 setting)
+      local sizes=(--settings 1x0,1x1,1x2,2x0,2x1 --seeds 2 --rounds 1 --loss-step 0) needs=200
+      [ "$1" = async_rl_loss ] && sizes=(--settings 2x1 --seeds 1 --rounds 1 --steps 8 --skip 2) needs=120
+      if [ "${SMOKE_CPU:-0}" = 1 ]; then  # --smoke runs no engine-loss run: smaller sizes by hand
+        sizes=(--smoke)
+        [ "$1" = async_rl_loss ] && sizes=(--settings 2x1 --seeds 1 --rounds 1 --steps 3 --skip 1
+          --loss-step 3 --loss-steps 8 --hidden-size 32 --layers 1 --prompts 8 --batch-prompts 2
+          --generations 2 --completion-length 4 --reward-window 1)
+      fi
+      step "$1" "$needs" 330 env CUDA_VISIBLE_DEVICES= python3 bench/runner/bench_async_rl.py \
+        "${sizes[@]}" --json "$out/$1.json" ;;
+    *) echo "unknown step $1" >&2; return 2 ;;
+  esac
+}
+
 case $call in
-  1)
-    table 4 150 220
-    step probe-fsdp 90 170 python3 bench/gpu/gpu_probe.py --runner --compiled --fsdp --checkpointing
-    table 5 100 170
-    ;;
-  2)
-    table 3 230 270
-    table 1 300 330 --steps 100 --skip 40 --no-baseline \
-      --configs runner_compiled_llama,runner_compiled_liger
-    ;;
-  3)
-    table 6 200 260
-    table 7 120 170
-    table 8 100 150
-    ;;
-  *)
-    echo "unknown call $call: 1, 2, 3 or wheels" >&2
-    exit 2
-    ;;
+  1) steps=(gpu-4 async_rl async_rl_loss) ;;
+  2) steps=(probe-fsdp gpu-5 gpu-3) ;;
+  3) steps=(gpu-1-liger gpu-6) ;;
+  4) steps=(gpu-7 gpu-8) ;;
+  *) steps=("$call") ;;
 esac
+for name in "${steps[@]}"; do
+  run_step "$name" || exit 2
+done
 echo "lease call $call: $(($(date +%s) - began)) s of its $budget"
