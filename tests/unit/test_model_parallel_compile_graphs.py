@@ -14,6 +14,13 @@ length marks the sequence dimension dynamic (one recompile, at the second step).
 have one shape (``pad_to`` the packing budget) and compile once: their attention reads the
 layout's per-position ``segments``, not its groups, whose sizes and count change from row to row
 and recompiled every new row before (``_worker/model/packed_attention.py``).
+
+Under FSDP each block is compiled on its own (``parallel._compile``), and every block runs the
+same code: dynamo keeps one set of graphs per code object and gives up after
+``recompile_limit`` (8) of them, running the rest eagerly. So the blocks must share their
+graphs, whatever their number: the ``fsdp_deep`` case runs FSDP on a model of one block more
+than that limit and must compile no more graphs than the one-block model (a 12-block GPT-2 and
+Llama compiled 2 graphs, like 1 block: checked by hand, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ CASES = {
     "packed": {"packing": True, "max_tokens_per_batch": 40, "chunked_loss": False},
     "lora": {"lora": {"r": 4, "lora_alpha": 8}, "chunked_loss": False},
     "chunked": {"chunked_loss": True, "loss_chunk_size": 8},
+    "fsdp_deep": {"strategy": "fsdp", "chunked_loss": False},
 }
+#: The cases that run on the deep model (one block more than dynamo's recompile limit).
+ON_DEEP = {"fsdp_deep"}
 #: Every case compiles with "aot_eager": dynamo and AOTAutograd exactly as under inductor (graph
 #: breaks and recompiles are dynamo's, whatever the backend; DDP's graph split at its buckets too),
 #: without inductor's C++ code generation, which took about 170 s a case on 2 cores with an empty
@@ -53,10 +63,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    import torch._dynamo.config
+
     from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
 
     root = tmp_path_factory.mktemp("graphs")
     model = make_tiny_causal_lm(root / "model", n_layer=1, n_embd=16, n_positions=48)
+    blocks = torch._dynamo.config.recompile_limit + 1
+    deep = make_tiny_causal_lm(root / "deep", n_layer=blocks, n_embd=16, n_positions=48)
     rng = np.random.default_rng(0)
     samples = []
     for _ in range(16):  # variable lengths, masked prompts: every padded step its own length
@@ -69,17 +83,20 @@ def setup(tmp_path_factory):
     lengths = np.array([len(i) for i, _ in samples], dtype=np.int32)
     targets = np.array([sum(x != -100 for x in lab[1:]) for _, lab in samples], dtype=np.int32)
     write_meta(location, {}, [PieceResult(0, lengths, targets, len(samples), 0, 0, [])])
-    return str(model), location.name
+    return str(model), str(deep), location.name
 
 
-def compiled_steps(rank: int, world: int, model_path: str, cache: str) -> dict:
+def compiled_steps(rank: int, world: int, model_path: str, deep_path: str, cache: str) -> dict:
     """Each case's dynamo counters after its first steps and after the checked ones."""
     import torch
 
     compile_module = torch.nn.Module.compile
     torch.nn.Module.compile = lambda m, *a, **k: compile_module(m, *a, **{**k, "backend": BACKEND})
     try:
-        return {name: _case(rank, world, model_path, cache, f) for name, f in CASES.items()}
+        return {
+            name: _case(rank, world, deep_path if name in ON_DEEP else model_path, cache, f)
+            for name, f in CASES.items()
+        }
     finally:
         torch.nn.Module.compile = compile_module
 
@@ -143,8 +160,7 @@ def _case(rank: int, world: int, model_path: str, cache: str, fields: dict) -> d
 @pytest.fixture(scope="module")
 def results(setup):
     """Every case's counters, from one spawned process (imports and gloo set up once)."""
-    model_path, cache = setup
-    (by_case,) = run_ranks(compiled_steps, 1, model_path, cache)
+    (by_case,) = run_ranks(compiled_steps, 1, *setup)
     assert set(by_case) == set(CASES)
     return by_case
 
@@ -152,6 +168,12 @@ def results(setup):
 @pytest.mark.parametrize("case", list(CASES))
 def test_no_graph_break_and_no_recompile_after_the_first_steps(results, case):
     assert _problems(results[case]) == []
+
+
+def test_fsdp_blocks_share_their_graphs_past_dynamos_recompile_limit(results):
+    deep, one = results["fsdp_deep"]["after"], results["fsdp"]["after"]
+    assert deep["stats"]["unique_graphs"] == one["stats"]["unique_graphs"]
+    assert not deep.get("recompiles")
 
 
 def test_the_checked_steps_change_shape_where_a_padded_batch_does(results):
