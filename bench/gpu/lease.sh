@@ -8,9 +8,10 @@
 #
 #   call 1: gpu-4     table 4, LoRA and QLoRA against a full fine-tune: the last figure of the
 #                     QLoRA issue (52)
-#           async_rl, async_rl_loss  bench_async_rl.py on the machine's 16 CPU cores, the GPU
-#                     unused: every trainer and engine process on a core of its own, which this
-#                     2-core machine cannot give (its settings, then the engine-loss run: 51)
+#           async_rl_loss  bench_async_rl.py's engine-loss run on the machine's 16 CPU cores,
+#                     the GPU unused: every trainer and engine process on a core of its own,
+#                     which this 2-core machine cannot give (`async_rl`, its settings so, ran
+#                     on 2026-11-29: docs/benchmarks.md)
 #   call 2: probe-fsdp (why FSDP took 2.79x DDP's step, issue 49), gpu-5, gpu-3
 #   call 3: gpu-1-liger (table 1's Llama pair: chunked loss against liger-kernel, for
 #           liger_kernel's default), gpu-6
@@ -51,7 +52,9 @@ step() {
   [ "$limit" -gt "$left" ] && limit=$left
   local started
   started=$(date +%s)
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  # a run stopped by SIGTERM saves and stops at its next step boundary; killed 15 s later (a
+  # stopped table 4 held on for 60 s more, 2026-11-29)
+  timeout -k 15 "$limit" "$@" > "$out/$name.log" 2>&1
   echo "== $name: exit $?, $(($(date +%s) - started)) s (limit $limit s)"
   grep -v -e '^\s*$' -e 'Warning' -e 'warn(' "$out/$name.log" | tail -25
 }
@@ -68,6 +71,9 @@ run_step() {
   case $1 in
     gpu-3) table 3 230 270 ;;  # its padded run alone took 80 s, Ray's start and the data 30
     gpu-6) table 6 200 280 ;;
+    # table 4's three 1.1B runs took 77 s (full), 58 s (LoRA) and over 80 s (QLoRA) on an H200
+    # (2026-11-29, cut at 220 s): a call's budget of its own but for the engine-loss run
+    gpu-4) table 4 330 420 ;;
     gpu-[2-8]) table "${1#gpu-}" 120 220 ;;
     gpu-1-liger) table 1 300 330 --steps 100 --skip 40 --no-baseline \
       --configs runner_compiled_llama,runner_compiled_liger ;;
@@ -92,7 +98,7 @@ run_step() {
 }
 
 case $call in
-  1) steps=(gpu-4 async_rl async_rl_loss) ;;
+  1) steps=(gpu-4 async_rl_loss) ;;  # async_rl: measured on 2026-11-29 (docs/benchmarks.md)
   2) steps=(probe-fsdp gpu-5 gpu-3) ;;
   3) steps=(gpu-1-liger gpu-6) ;;
   4) steps=(gpu-7 gpu-8) ;;
