@@ -6,8 +6,8 @@
 if [ "${SMOKE_CPU:-0}" != 1 ]; then
   missing=0
   [ -d /tmp/site/ray ] || missing=1
-  for pair in liger_kernel:liger_kernel torchao:torchao; do
-    if compgen -G ".whl/${pair%%:*}-*.whl" > /dev/null && [ ! -d "/tmp/site/${pair#*:}" ]; then
+  for pkg in liger_kernel torchao; do  # a wheel's name starts with its package's
+    if compgen -G ".whl/$pkg-*.whl" > /dev/null && [ ! -d "/tmp/site/$pkg" ]; then
       missing=1
     fi
   done
