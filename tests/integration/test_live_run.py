@@ -19,6 +19,10 @@ from support_paths import pythonpath
 from waiting import wait_until
 
 ERROR_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ E \d+ \d+\]|\bERROR\b|Traceback")
+# The host's state, not the run's: raylet logs at level E every 10 s while the disk under
+# /tmp/ray is over 95% full (a CI machine with 12 of 252 GB free failed the console check on it).
+# A user should see it; it says nothing about the demo.
+HOST_LINE = re.compile(r"\(raylet\).*file_system_monitor\.cc:\d+: .* is over \d+% full")
 
 
 def _free_port() -> int:
@@ -65,7 +69,7 @@ def test_the_demo_console_is_clean_and_the_dashboard_shows_the_run(tmp_path):
     console = done.stdout + done.stderr
     assert done.returncode == 0, console[-4000:]
     lines = console.splitlines()
-    bad = [line for line in lines if ERROR_LINE.search(line)]
+    bad = [line for line in lines if ERROR_LINE.search(line) and not HOST_LINE.search(line)]
     assert bad == [], bad
     for noise in ("DeprecationWarning", "PlacementGroupCleaner", "Token authentication is"):
         assert noise not in console, noise
