@@ -12,7 +12,9 @@
 #                     the GPU unused: every trainer and engine process on a core of its own,
 #                     which this 2-core machine cannot give (`async_rl`, its settings so, ran
 #                     on 2026-11-29: docs/benchmarks.md)
-#   call 2: probe-fsdp (why FSDP took 2.79x DDP's step, issue 49), gpu-5, gpu-3
+#   call 2: fsdp-host (FSDP2's host time per block on this host's CPU, the GPU hidden: 41 s on
+#           the 2-core machine), probe-fsdp (why FSDP took 2.79x DDP's step, issue 49), gpu-5,
+#           gpu-3
 #   call 3: gpu-1-liger (table 1's Llama pair: chunked loss against liger-kernel, for
 #           liger_kernel's default), gpu-6
 #   call 4: gpu-7, gpu-8
@@ -77,6 +79,11 @@ run_step() {
     gpu-[2-8]) table "${1#gpu-}" 120 220 ;;
     gpu-1-liger) table 1 300 330 --steps 100 --skip 40 --no-baseline \
       --configs runner_compiled_llama,runner_compiled_liger ;;
+    fsdp-host)
+      local sizes=(--rounds 2)
+      [ "${SMOKE_CPU:-0}" = 1 ] && sizes=(--rounds 1 --steps 6 --layers 2)
+      CUDA_VISIBLE_DEVICES= step fsdp-host 60 120 python3 bench/gpu/fsdp_host.py --optimizer fused \
+        --compile aot_eager "${sizes[@]}" --json "$out/fsdp-host.json" ;;
     probe-fsdp) step probe-fsdp 90 170 python3 bench/gpu/gpu_probe.py --runner --compiled --fsdp \
       --checkpointing ;;
     async_rl | async_rl_loss)
@@ -99,7 +106,7 @@ run_step() {
 
 case $call in
   1) steps=(gpu-4 async_rl_loss) ;;  # async_rl: measured on 2026-11-29 (docs/benchmarks.md)
-  2) steps=(probe-fsdp gpu-5 gpu-3) ;;
+  2) steps=(fsdp-host probe-fsdp gpu-5 gpu-3) ;;
   3) steps=(gpu-1-liger gpu-6) ;;
   4) steps=(gpu-7 gpu-8) ;;
   *) steps=("$call") ;;
