@@ -105,15 +105,35 @@ def _token_fields(cpu: bool, make: Any, shape: dict[str, int], steps: int) -> di
 # ---- table 2: FSDP against DDP --------------------------------------------------------------
 
 
-def table_2(cpu: bool) -> dict[str, Any]:
-    """FSDP (one rank, nccl) against DDP: bf16, compile=True, activation checkpointing; the
-    GPT-2 124M shape of table 1. Target: FSDP's step at most 1.05x DDP's."""
+def table_2(cpu: bool, model: str = "gpt2") -> dict[str, Any]:
+    """FSDP (one rank, nccl) against DDP: bf16, compile=True, activation checkpointing. Target:
+    FSDP's step at most 1.05x DDP's. `model`: ``"gpt2"``, the GPT-2 124M shape of table 1 (12
+    blocks, a ~30 ms step: FSDP2's host time of 1.3-1.9 ms a block a step, measured on the CPU
+    by `fsdp_host.py`, may exceed its GPU time); ``"llama1b"``, table 4's 1.1B Llama shape (22
+    blocks of width 2,048, sequence 1,024, batch 8: each block's GPU time well above that host
+    time, the size FSDP is for)."""
     from _gpu_shapes import FULL, TINY, make_model
 
-    shape = TINY if cpu else FULL
-    steps, skip = (12, 4) if cpu else (120, 40)
+    if model == "llama1b":
+        config = LLAMA_TINY if cpu else LLAMA_1B
+        shape = {
+            "vocab": config["vocab_size"],
+            "seq": 64 if cpu else 1024,
+            "batch": 2 if cpu else 8,
+        }
+        make = lambda: make_llama(config)  # noqa: E731
+        steps, skip = (8, 3) if cpu else (60, 20)
+        what = (f"Llama shape ({config['num_hidden_layers']} blocks, width "
+                f"{config['hidden_size']})")  # fmt: skip
+    elif model == "gpt2":
+        shape = TINY if cpu else FULL
+        make = lambda: make_model(shape)  # noqa: E731
+        steps, skip = (12, 4) if cpu else (120, 40)
+        what = f"GPT-2 shape ({shape['n_layer']} blocks, width {shape['n_embd']})"
+    else:
+        raise ValueError(f"table 2's model: {model!r}; known: 'gpt2', 'llama1b'")
     common = {
-        **_token_fields(cpu, lambda: make_model(shape), shape, steps),
+        **_token_fields(cpu, make, shape, steps),
         "compile": True,
         "activation_checkpointing": True,
         "log_every_steps": skip if not cpu else 4,
@@ -136,11 +156,11 @@ def table_2(cpu: bool) -> dict[str, Any]:
     ]
     ratio = runs["fsdp"]["step_s"] / base["step_s"]
     head = (
-        f"GPT-2 shape ({shape['n_layer']} blocks, width {shape['n_embd']}), sequence "
-        f"{shape['seq']}, batch {shape['batch']}, one worker; mean step over steps {skip}-{steps}."
+        f"{what}, sequence {shape['seq']}, batch {shape['batch']}, one worker; mean step over "
+        f"steps {skip}-{steps}."
     )
     verdict = f"target FSDP step / DDP step <= 1.05: {ratio:.3f} ({'met' if ratio <= 1.05 else 'NOT met'})"
-    return {"table": "\n\n".join([head, table(rows), verdict]),
+    return {"table": "\n\n".join([head, table(rows), verdict]), "model": model,
             "figures": {"fsdp_vs_ddp_step": ratio,
                         **{f"{s}_step_s": r["step_s"] for s, r in runs.items()},
                         **{f"{s}_peak_bytes": r["peak_bytes"] for s, r in runs.items()}}}  # fmt: skip

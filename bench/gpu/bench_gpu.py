@@ -328,6 +328,12 @@ def main() -> dict:
         help="table 1 without the compiled bare loop (for a pair of --configs compared "
         "with each other, e.g. runner_compiled,runner_compiled_cb)",
     )
+    parser.add_argument(
+        "--table2-model",
+        choices=["gpt2", "llama1b"],
+        default="gpt2",
+        help="table 2's model: table 1's GPT-2 124M shape, or table 4's 1.1B Llama shape",
+    )
     parser.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on the CPU")
     opts = parser.parse_args()
     import torch
@@ -345,7 +351,12 @@ def main() -> dict:
     for number in wanted:
         started = time.perf_counter()
         try:
-            result = table_1(opts, cpu) if number == 1 else TABLES[number](cpu)
+            if number == 1:
+                result = table_1(opts, cpu)
+            elif number == 2:
+                result = TABLES[2](cpu, opts.table2_model)
+            else:
+                result = TABLES[number](cpu)
         except Exception as e:  # the other tables still run; the report says what failed
             import traceback
 

@@ -18,6 +18,8 @@
 #   call 3: gpu-1-liger (table 1's Llama pair: chunked loss against liger-kernel, for
 #           liger_kernel's default), gpu-6
 #   call 4: gpu-7, gpu-8
+#   call 5: gpu-2-1b (table 2 on table 4's 1.1B Llama shape, where each block's GPU time is
+#           well above FSDP2's host time a block: the size FSDP is for)
 #
 # Usage (from the checkout's root, .whl/ carried: ../shared/gpu/prepare_wheels.sh, then
 # `bash bench/gpu/lease.sh wheels` for liger-kernel's and torchao's wheels, on the CPU machine):
@@ -76,6 +78,8 @@ run_step() {
     # table 4's three 1.1B runs took 77 s (full), 58 s (LoRA) and over 80 s (QLoRA) on an H200
     # (2026-11-29, cut at 220 s): a call's budget of its own but for the engine-loss run
     gpu-4) table 4 330 420 ;;
+    gpu-2-1b) step gpu-2-1b 300 420 python3 bench/gpu/bench_gpu.py --table 2 \
+      --table2-model llama1b "${smoke[@]}" --json "$out/gpu-2-1b.json" ;;
     gpu-[2-8]) table "${1#gpu-}" 120 220 ;;
     gpu-1-liger) table 1 300 330 --steps 100 --skip 40 --no-baseline \
       --configs runner_compiled_llama,runner_compiled_liger ;;
@@ -109,6 +113,7 @@ case $call in
   2) steps=(fsdp-host probe-fsdp gpu-5 gpu-3) ;;
   3) steps=(gpu-1-liger gpu-6) ;;
   4) steps=(gpu-7 gpu-8) ;;
+  5) steps=(gpu-2-1b) ;;
   *) steps=("$call") ;;
 esac
 for name in "${steps[@]}"; do

@@ -26,7 +26,7 @@ def test_the_scripts_parse(script):
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("call", ["1", "2", "3", "4"])
+@pytest.mark.parametrize("call", ["1", "2", "3", "4", "5"])
 def test_each_call_names_known_steps_and_skips_what_does_not_fit(call, tmp_path):
     done = _lease(call, "0", tmp_path=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
