@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -157,31 +158,34 @@ def main() -> dict:
     from ray_trainer._demo.chat import make_tiny_chat_model
 
     work = tempfile.mkdtemp(prefix="bench_packing_")
-    model = str(make_tiny_chat_model(os.path.join(work, "model"), hidden_size=hidden,
-                                     num_layers=layers))  # fmt: skip
-    data, lengths, max_tokens = write_chat_data(
-        AutoTokenizer.from_pretrained(model), opts.conversations, work
-    )
-    common = dict(
-        model=model, data=data, max_length=MAX_LENGTH, batch_size=BATCH, num_workers=opts.workers,
-        max_steps=opts.steps, log_every_steps=5, save_at_end=False, warmup_steps=0,
-        storage_path=os.path.join(work, "storage"),
-    )  # fmt: skip
-    configs = {
-        "padded batches (baseline)": dict(common),
-        "packed": dict(common, packing=True, max_tokens_per_batch=max_tokens),
-    }
-    init_ray(num_cpus=4)
-    rows: dict[str, list[dict]] = {name: [] for name in configs}
-    miss = run("packed", configs["packed"], work)  # the first run encodes the data: a miss
-    if opts.smoke:  # its figures stand for the packed run's: one run fewer
-        rows["packed"].append(miss)
-    for r in range(opts.rounds):
-        names = list(configs) if r % 2 == 0 else list(reversed(configs))
-        for name in names:
-            if not (opts.smoke and name == "packed"):
-                rows[name].append(run(name, configs[name], work))
-    report = summarise(rows, miss, lengths, max_tokens)
+    try:  # its model, data and runs: nothing of it left in /tmp
+        model = str(make_tiny_chat_model(os.path.join(work, "model"), hidden_size=hidden,
+                                         num_layers=layers))  # fmt: skip
+        data, lengths, max_tokens = write_chat_data(
+            AutoTokenizer.from_pretrained(model), opts.conversations, work
+        )
+        common = dict(
+            model=model, data=data, max_length=MAX_LENGTH, batch_size=BATCH, num_workers=opts.workers,
+            max_steps=opts.steps, log_every_steps=5, save_at_end=False, warmup_steps=0,
+            storage_path=os.path.join(work, "storage"),
+        )  # fmt: skip
+        configs = {
+            "padded batches (baseline)": dict(common),
+            "packed": dict(common, packing=True, max_tokens_per_batch=max_tokens),
+        }
+        init_ray(num_cpus=4)
+        rows: dict[str, list[dict]] = {name: [] for name in configs}
+        miss = run("packed", configs["packed"], work)  # the first run encodes the data: a miss
+        if opts.smoke:  # its figures stand for the packed run's: one run fewer
+            rows["packed"].append(miss)
+        for r in range(opts.rounds):
+            names = list(configs) if r % 2 == 0 else list(reversed(configs))
+            for name in names:
+                if not (opts.smoke and name == "packed"):
+                    rows[name].append(run(name, configs[name], work))
+        report = summarise(rows, miss, lengths, max_tokens)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     report["machine"] = machine()
     return emit(report, opts.json)
 

@@ -34,6 +34,7 @@ import cProfile
 import io
 import os
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -202,6 +203,7 @@ def main() -> None:
                     profiles[name] = text
     finally:
         dist.destroy_process_group()
+        shutil.rmtree(root, ignore_errors=True)
     medians = {n: statistics.median(samples[n]) for n in names}
     rows = []
     for name in names:

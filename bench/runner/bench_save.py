@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -153,25 +154,30 @@ def main() -> dict:
     from ray_trainer.demo import make_tiny_causal_lm
 
     work = tempfile.mkdtemp(prefix="bench_save_inputs_")
-    model = str(make_tiny_causal_lm(os.path.join(work, "gpt2"), n_layer=opts.n_layer,
-                                    n_embd=opts.n_embd, n_head=8, n_positions=64))  # fmt: skip
-    data = os.path.join(work, "train.jsonl")
-    with open(data, "w") as f:
-        for i in range(2000):
-            words = [TINY_WORDS[(i * 7 + j) % len(TINY_WORDS)] for j in range(40)]
-            f.write(json.dumps({"text": " ".join(words)}) + "\n")
-    init_ray(num_cpus=4, extra_paths=(TESTS,))
-    clocks: dict[tuple, dict] = {}
-    for strategy in opts.strategies.split(","):
-        if not opts.smoke:
-            clocks[(strategy, "-", "none")] = one_run(strategy, "local", "none", opts, model, data)
-        for storage in opts.storages.split(","):
-            for mode in ("sync", "async"):
-                clocks[(strategy, storage, mode)] = one_run(
-                    strategy, storage, mode, opts, model, data
+    try:  # the model and data: nothing of them left in /tmp
+        model = str(make_tiny_causal_lm(os.path.join(work, "gpt2"), n_layer=opts.n_layer,
+                                        n_embd=opts.n_embd, n_head=8, n_positions=64))  # fmt: skip
+        data = os.path.join(work, "train.jsonl")
+        with open(data, "w") as f:
+            for i in range(2000):
+                words = [TINY_WORDS[(i * 7 + j) % len(TINY_WORDS)] for j in range(40)]
+                f.write(json.dumps({"text": " ".join(words)}) + "\n")
+        init_ray(num_cpus=4, extra_paths=(TESTS,))
+        clocks: dict[tuple, dict] = {}
+        for strategy in opts.strategies.split(","):
+            if not opts.smoke:
+                clocks[(strategy, "-", "none")] = one_run(
+                    strategy, "local", "none", opts, model, data
                 )
-                print(strategy, storage, mode, "done", flush=True)
-    ray.shutdown()
+            for storage in opts.storages.split(","):
+                for mode in ("sync", "async"):
+                    clocks[(strategy, storage, mode)] = one_run(
+                        strategy, storage, mode, opts, model, data
+                    )
+                    print(strategy, storage, mode, "done", flush=True)
+        ray.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return emit(report(clocks, opts), opts.json)
 
 
