@@ -45,7 +45,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
 import _bench_path  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(_bench_path.BENCH))  # the checkout: ray_trainer uninstalled
+ROOT = os.path.dirname(_bench_path.BENCH)
+sys.path.insert(0, ROOT)  # the checkout: ray_trainer uninstalled
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))  # step_state: the worker's assembly
 
 import numpy as np  # noqa: E402
 from _support import emit, free_port, machine, table  # noqa: E402
@@ -68,9 +70,9 @@ CONFIGS = {
 
 def write_inputs(root: str, layers: int, width: int) -> tuple[str, str]:
     """A tiny GPT-2 of `layers` blocks and a tokenized cache of 256 rows: (model, cache name)."""
-    from ray_trainer._data.cache import PieceResult, cache_location, write_meta, write_piece
+    from step_state import write_token_cache
+
     from ray_trainer._demo.tiny_hf import make_tiny_causal_lm
-    from ray_trainer._storage import locate
 
     model = make_tiny_causal_lm(
         os.path.join(root, "model"), n_layer=layers, n_embd=width, n_positions=64
@@ -80,12 +82,7 @@ def write_inputs(root: str, layers: int, width: int) -> tuple[str, str]:
     for _ in range(256):
         ids = rng.integers(3, 16, ROW).tolist()
         samples.append((ids, [-100] * 4 + ids[4:]))
-    location = cache_location(locate(root), "fsdp_host")
-    write_piece(location, 0, samples)
-    lengths = np.full(len(samples), ROW, dtype=np.int32)
-    targets = np.array([sum(x != -100 for x in lab[1:]) for _, lab in samples], dtype=np.int32)
-    write_meta(location, {}, [PieceResult(0, lengths, targets, len(samples), 0, 0, [])])
-    return str(model), location.name
+    return str(model), write_token_cache(root, "fsdp_host", samples)
 
 
 def steps_of(
@@ -95,17 +92,11 @@ def steps_of(
     """One configuration: the seconds of each of `steps` steps, and its profile (or "")."""
     import torch
     import torch._dynamo
-    from accelerate import Accelerator
+    from step_state import step_state
 
     import ray_trainer._worker.assemble as assemble
-    from callbacks import CallbackManager, TrainingContext
     from ray_trainer import TrainingArgs
-    from ray_trainer._worker.model.parallel import prepare
-    from ray_trainer._worker.objectives import worker_objective
-    from ray_trainer._worker.state import WorkerState
-    from ray_trainer._worker.step.hooks import Hooks
     from ray_trainer._worker.step.loop import train_step
-    from ray_trainer._worker.workload import build_workload
 
     torch._dynamo.reset()
     args = TrainingArgs(
@@ -113,15 +104,6 @@ def steps_of(
         batch_size=4, max_length=ROW + 4, max_grad_norm=1.0, warmup_steps=0,
         chunked_loss=False, **fields,
     )  # fmt: skip
-    torch.manual_seed(0)
-    acc = Accelerator(cpu=True, mixed_precision="no")
-    objective = worker_objective(args)
-    workload = build_workload(args, objective, {"data": cache})
-    loader = assemble._loader(args, workload, 1, 0)
-
-    def make_optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return assemble._optimizer(m, args, acc.device)
-
     options = assemble.optimizer_options
     if opts.optimizer == "fused":  # the runner's groups and learning rate, AdamW fused
         assemble.optimizer_options = lambda device: {"fused": True}
@@ -131,16 +113,8 @@ def steps_of(
             m, *a, **{**k, "backend": opts.compile}
         )
     try:
-        parallel = prepare(workload.model, args, acc, make_optimizer, "no", workload.materialize)
-        ctx = TrainingContext(rank=0, world_size=1, model=parallel.module())
-        state = WorkerState(
-            spec=None, args=args, rank=0, world_size=1, accelerator=acc, parallel=parallel,
-            model=parallel.model, optimizer=parallel.optimizer,
-            scheduler=torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda _: 1.0),
-            workload=workload, loader=loader, hooks=Hooks(CallbackManager(), ctx), ctx=ctx,
-            total_steps=steps, steps_per_epoch=loader.steps_per_epoch,
-        )  # fmt: skip
-        batches = loader.steps(0)
+        state = step_state(args, cache, 0, 1, steps)
+        batches = state.loader.steps(0)
         times, profiler = [], None
         for i in range(steps):
             micro = next(batches)

@@ -28,10 +28,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gloo_support import run_ranks
+from step_state import write_token_cache
 
-from ray_trainer._data.cache import PieceResult, cache_location, write_meta, write_piece
 from ray_trainer._model.compile_probe import missing_compile_toolchain
-from ray_trainer._storage import locate
 
 MAX_LENGTH = 20
 #: Steps that may compile (see the docstring); none may after them.
@@ -78,12 +77,7 @@ def setup(tmp_path_factory):
         ids = rng.integers(3, 16, n).tolist()
         cut = int(rng.integers(1, n - 1))
         samples.append((ids, [-100] * cut + ids[cut:]))
-    location = cache_location(locate(str(root)), "graphs")
-    write_piece(location, 0, samples)
-    lengths = np.array([len(i) for i, _ in samples], dtype=np.int32)
-    targets = np.array([sum(x != -100 for x in lab[1:]) for _, lab in samples], dtype=np.int32)
-    write_meta(location, {}, [PieceResult(0, lengths, targets, len(samples), 0, 0, [])])
-    return str(model), str(deep), location.name
+    return str(model), str(deep), write_token_cache(str(root), "graphs", samples)
 
 
 def compiled_steps(rank: int, world: int, model_path: str, deep_path: str, cache: str) -> dict:
@@ -104,18 +98,12 @@ def compiled_steps(rank: int, world: int, model_path: str, deep_path: str, cache
 def _case(rank: int, world: int, model_path: str, cache: str, fields: dict) -> dict:
     import torch
     import torch._dynamo
-    from accelerate import Accelerator
+    from step_state import step_state
     from torch._dynamo.utils import counters
 
-    from callbacks import CallbackManager, TrainingContext
     from ray_trainer import TrainingArgs
-    from ray_trainer._worker.assemble import _loader, _optimizer
-    from ray_trainer._worker.model.parallel import Replicated, prepare
-    from ray_trainer._worker.objectives import worker_objective
-    from ray_trainer._worker.state import WorkerState
-    from ray_trainer._worker.step.hooks import Hooks
+    from ray_trainer._worker.model.parallel import Replicated
     from ray_trainer._worker.step.loop import train_step
-    from ray_trainer._worker.workload import build_workload
 
     torch._dynamo.reset()  # a case's compiles are its own
     counters.clear()
@@ -123,26 +111,10 @@ def _case(rank: int, world: int, model_path: str, cache: str, fields: dict) -> d
         model=model_path, data="unused.jsonl", compile=True, num_workers=world, batch_size=2,
         max_length=MAX_LENGTH, max_grad_norm=1.0, warmup_steps=0, **fields,
     )  # fmt: skip
-    torch.manual_seed(0)
-    acc = Accelerator(cpu=True, mixed_precision="no")
-    objective = worker_objective(args)
-    workload = build_workload(args, objective, {"data": cache})
-    loader = _loader(args, workload, world, rank)
-
-    def make_optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
-        return _optimizer(m, args, acc.device)
-
-    parallel = prepare(workload.model, args, acc, make_optimizer, "no", workload.materialize)
-    if isinstance(parallel, Replicated):  # one rank: the model itself, no DDP wrapper
-        assert parallel.model is workload.model
-    ctx = TrainingContext(rank=rank, world_size=world, model=parallel.module())
-    s = WorkerState(
-        spec=None, args=args, rank=rank, world_size=world, accelerator=acc, parallel=parallel,
-        model=parallel.model, optimizer=parallel.optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(parallel.optimizer, lambda _: 1.0),
-        workload=workload, loader=loader, hooks=Hooks(CallbackManager(), ctx), ctx=ctx,
-        total_steps=FIRST_STEPS + CHECKED_STEPS, steps_per_epoch=loader.steps_per_epoch,
-    )  # fmt: skip
+    s = step_state(args, cache, rank, world, FIRST_STEPS + CHECKED_STEPS)
+    workload, loader = s.workload, s.loader
+    if isinstance(s.parallel, Replicated):  # one rank: the model itself, no DDP wrapper
+        assert s.parallel.model is workload.model
     steps = loader.steps(0)
     widths, losses = [], []
     for i in range(FIRST_STEPS + CHECKED_STEPS):

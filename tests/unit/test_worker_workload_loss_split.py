@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from gloo_support import run_ranks
+from step_state import write_token_cache
 
-from ray_trainer._data.cache import PieceResult, cache_location, write_meta, write_piece
 from ray_trainer._storage import locate
 
 MAX_LENGTH = 24
@@ -49,12 +49,7 @@ def setup(tmp_path_factory):
         ids = rng.integers(3, 16, n).tolist()
         cut = int(rng.integers(1, n))
         samples.append((ids, [-100] * cut + ids[cut:]))
-    location = cache_location(locate(str(root)), "split")
-    write_piece(location, 0, samples)
-    lengths = np.array([len(i) for i, _ in samples], dtype=np.int32)
-    targets = np.array([sum(x != -100 for x in lab[1:]) for _, lab in samples], dtype=np.int32)
-    write_meta(location, {}, [PieceResult(0, lengths, targets, 12, 0, 0, [])])
-    return str(model), location.name
+    return str(model), write_token_cache(str(root), "split", samples)
 
 
 def one_step(rank: int, world: int, model_path: str, cache: str) -> dict:
