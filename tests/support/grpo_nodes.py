@@ -125,6 +125,13 @@ class StepLogs(TrainerCallback):
             f.write(json.dumps({**record, **(context.batch_metrics or {})}) + "\n")
 
 
+def _alive_ips() -> set[str]:
+    """The ips of the nodes the head holds alive."""
+    import ray
+
+    return {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+
+
 def _engines() -> list[dict[str, Any]]:
     """The run's live rollout engines (Ray's state API): name, slot, generation, node's ip
     (another run's on the same cluster left out)."""
@@ -169,7 +176,8 @@ class LoseEngineNode(TrainerCallback):
     says so (``wait_until``, bounded):
 
     * end of step `lose_at`: writes ``held`` into `folder` and waits for the test's
-      ``release`` (written once `lost`'s raylet is killed);
+      ``release`` (written once `lost`'s raylet is killed), then until the head holds `lost`
+      dead (so that the lost engine's replacement waits for a node, not dies with this one);
     * end of step `lose_at + short`: writes ``short`` and waits until the lost slot's
       replacement (generation 1) answers (it can start once the test has added the node
       back), so that it joins at the next step point;
@@ -224,6 +232,12 @@ class LoseEngineNode(TrainerCallback):
             Path(self.folder, "held").write_text(str(step))
             release = os.path.join(self.folder, "release")
             wait_until(lambda: os.path.exists(release), 600, "the test to lose the engine node")
+            # Until the head has seen the node die: a replacement started before then may be
+            # placed on the dying node and die with it (seen here: `make test-faults` hung), and
+            # its next generation is only started at rank 0's next step point, which the hold
+            # below (waiting for generation 1) would never reach.
+            wait_until(lambda: self.lost not in _alive_ips(), 120, "the head to see the node die",
+                       interval=0.2)  # fmt: skip
         elif step == self.lose_at + self.short:
             Path(self.folder, "short").write_text(str(step))
             started = time.monotonic()
