@@ -334,7 +334,7 @@ def test_the_training_step_reads_in_one_screen():
 
 
 # Unit tests about the repository rather than one module of it.
-REPOSITORY_TESTS = {"layout", "cluster_yaml", "docs", "support_local_cluster"}
+REPOSITORY_TESTS = {"layout", "cluster_yaml", "docs", "examples", "support_local_cluster"}
 
 
 def test_a_modules_unit_tests_are_found_by_its_name():
