@@ -62,6 +62,8 @@ def train_stacks(limit: int = 12000) -> str:
             dumps.append(dump.stdout or dump.stderr)
         except (OSError, subprocess.TimeoutExpired) as e:
             dumps.append(f"{pid}: no stack ({e})")
+    if not dumps:
+        dumps.append("(no RayTrainWorker or TrainController process found)")
     return ("stacks of the Ray Train processes:\n" + "\n".join(dumps))[:limit]
 
 
@@ -75,7 +77,8 @@ def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str
     except subprocess.TimeoutExpired:
         stacks = train_stacks()
         driver.kill()
-        pytest.fail(f"the run hung after {after}\n{stacks}")
+        out, _ = driver.communicate()  # what it printed before the kill (its workers' logs too)
+        pytest.fail(f"the run hung after {after}:\n{out[-4000:]}\n{stacks}")
     found = outcome_in(out)
     assert found is not None, out[-4000:]
     return found, out
