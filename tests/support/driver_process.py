@@ -43,9 +43,16 @@ def wait_for_run(driver, reached: Callable[[], bool], what: str, timeout_s: floa
     with contextlib.suppress(AssertionError):  # judged below, with the driver's output
         wait_until(lambda: reached() or driver.poll() is not None, timeout_s, what, interval=0.2)
     if not reached():
-        stacks = train_stacks()  # before the kill: where its workers are stuck
-        driver.kill()
-        pytest.fail(f"the run never reached {what}:\n{driver.stdout.read()[-4000:]}\n{stacks}")
+        pytest.fail(stuck(driver, f"the run never reached {what}"))
+
+
+def stuck(driver, headline: str) -> str:
+    """A stuck driver's failure message: `headline`, the tail of what the driver printed (its
+    workers' logs and waits) and its Ray Train processes' stacks, taken before the kill."""
+    stacks = train_stacks()
+    driver.kill()
+    out, _ = driver.communicate()  # the rest of its output (a timed-out communicate keeps it)
+    return f"{headline}:\n{out[-4000:]}\n{stacks}"
 
 
 def train_stacks(limit: int = 12000) -> str:
@@ -75,10 +82,7 @@ def driver_outcome(driver, after: str, timeout_s: float = 240) -> tuple[dict[str
     try:
         out, _ = driver.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        stacks = train_stacks()
-        driver.kill()
-        out, _ = driver.communicate()  # what it printed before the kill (its workers' logs too)
-        pytest.fail(f"the run hung after {after}:\n{out[-4000:]}\n{stacks}")
+        pytest.fail(stuck(driver, f"the run hung after {after}"))
     found = outcome_in(out)
     assert found is not None, out[-4000:]
     return found, out
