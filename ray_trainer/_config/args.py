@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -25,20 +24,15 @@ from pydantic import (
 )
 
 from callbacks import ALIASES, EVENTS
+from ray_trainer._config import rules
 from ray_trainer._errors import TrainingArgsError
-from ray_trainer._objectives import check_fields, objective_of
+from ray_trainer._objectives import check_fields, grpo, objective_of
 
 HookSpec = Callable[..., Any] | list[Callable[..., Any]] | None
 
 #: An elastic run's default `max_failures`: Ray Train counts a node lost without a preemption
 #: notice as a worker-group failure, and each lost spot node costs one.
 ELASTIC_MAX_FAILURES = 10
-
-_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the whole name: fullmatch
-#: numpy's seed range (``set_seed`` seeds numpy, torch and random with the same number).
-SEED_MAX = 2**32 - 1
-#: ``data`` values that look like a dataset (they index) but are not one ray-trainer reads.
-_NOT_DATA = (bytes, bytearray, list, tuple, dict, set, frozenset)
 
 
 class TrainingArgs(BaseModel):
@@ -243,25 +237,14 @@ class TrainingArgs(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_as_number(cls, v: Any, info: ValidationInfo) -> Any:
-        """``batch_size: true`` is not 1: a boolean is refused where a number is expected."""
         if info.field_name not in _number_fields():
             return v
-        inner = v.values() if isinstance(v, dict) else v if isinstance(v, list | tuple) else [v]
-        if any(isinstance(x, bool) for x in inner):
-            raise ValueError(
-                f"got {v!r}: a boolean where a number goes (true is not 1); give a number"
-            )
-        return v
+        return rules.no_bool_as_number(v)
 
     @field_validator("seed")
     @classmethod
     def _check_seed(cls, v: int) -> int:
-        if not 0 <= v <= SEED_MAX:
-            raise ValueError(
-                f"seed={v} is outside 0..{SEED_MAX} (2**32 - 1, numpy's seed range, which "
-                "every worker seeds); pick e.g. seed=42"
-            )
-        return v
+        return rules.seed(v)
 
     @field_validator("objective")
     @classmethod
@@ -271,104 +254,37 @@ class TrainingArgs(BaseModel):
     @field_validator("run_name")
     @classmethod
     def _check_run_name(cls, v: str | None) -> str | None:
-        if v is not None and not _RUN_NAME.fullmatch(v):
-            raise ValueError(
-                f"run_name {v!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a "
-                "letter or digit (it names a folder and a Ray actor)"
-            )
-        return v
+        return rules.run_name(v)
 
     @field_validator("num_workers", mode="before")
     @classmethod
     def _check_num_workers(cls, v: Any) -> Any:
-        if isinstance(v, list | tuple):
-            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise ValueError("num_workers takes a number or [min, max] (two whole numbers)")
-            low, high = v
-            if low < 1 or low > high:
-                raise ValueError(
-                    f"num_workers=[{low}, {high}]: an elastic size needs 1 <= min <= max; "
-                    "e.g. num_workers=[1, 4] trains on 1 to 4 workers"
-                )
-            return (low, high) if low < high else low
-        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-            raise ValueError("num_workers must be at least 1")
-        return v
+        return rules.num_workers(v)
 
     @field_validator("data", "val_data")
     @classmethod
     def _check_data(cls, v: Any) -> Any:
-        if isinstance(v, (str, os.PathLike)):
-            return os.fspath(v)
-        if isinstance(v, _NOT_DATA):
-            raise ValueError(
-                f"got a {type(v).__name__}; pass a file path (JSONL, JSON or Parquet) or a glob, "
-                "a save_to_disk folder, a datasets.Dataset, a torch Dataset or a callable "
-                "returning one (records in memory: datasets.Dataset.from_list(records))"
-            )
-        if v is None or callable(v) or hasattr(v, "__getitem__"):
-            return v
-        raise ValueError(
-            f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
-            "returning a Dataset"
-        )
+        return rules.data(v)
 
     @field_validator("resources_per_worker")
     @classmethod
     def _check_resources(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is None:
-            return v
-        negative = {k: x for k, x in v.items() if not 0 <= x < float("inf")}
-        if negative:
-            raise ValueError(
-                f"{negative}: a worker cannot ask for a negative or a non-finite amount"
-            )
-        if v and not any(x > 0 for x in v.values()):
-            raise ValueError(
-                f"{v} asks for nothing, and Ray would place any number of workers on one node; "
-                "give each worker a share of a resource, e.g. {'CPU': 1} or {'CPU': 0.5}"
-            )
-        return v
+        return rules.resources(v)
 
     @field_validator("grpo")
     @classmethod
     def _check_grpo(cls, v: Any) -> Any:
-        if v is None:
-            return None
-        from ray_trainer._objectives.grpo import GrpoConfig
-
-        return GrpoConfig.coerce(v)
+        return None if v is None else grpo.GrpoConfig.coerce(v)
 
     @field_validator("max_staleness", mode="before")
     @classmethod
     def _check_max_staleness(cls, v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(
-                f"max_staleness must be a whole number >= 0 (0: synchronous rollouts; 1: the "
-                f"next step's rollout sampled while a step trains), got {v!r}"
-            )
-        return v
+        return grpo.check_max_staleness(v)
 
     @field_validator("rollout_workers", mode="before")
     @classmethod
     def _check_rollout_workers(cls, v: Any) -> Any:
-        if isinstance(v, (tuple, list)):
-            if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise ValueError(
-                    f"rollout_workers takes a number of engines or (min, max), two whole "
-                    f"numbers, got {v!r}"
-                )
-            low, high = v
-            if low < 1 or low > high:
-                raise ValueError(
-                    f"rollout_workers=({low}, {high}): elastic rollout engines need "
-                    "1 <= min <= max; e.g. rollout_workers=(1, 4) asks for 4 engines and "
-                    "starts training once 1 is up"
-                )
-            return (low, high) if low < high else low
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"rollout_workers must be an integer >= 1, got {v!r}")
-        return v
+        return grpo.check_rollout_workers(v)
 
     @field_validator("lora")
     @classmethod
@@ -382,17 +298,7 @@ class TrainingArgs(BaseModel):
     @field_validator("storage_filesystem")
     @classmethod
     def _check_filesystem(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        import pyarrow.fs
-
-        if not isinstance(v, pyarrow.fs.FileSystem):
-            raise ValueError(
-                f"got {type(v).__name__}; pass a pyarrow.fs.FileSystem (e.g. "
-                "pyarrow.fs.S3FileSystem(endpoint_override=...)), or None and a URI in "
-                "storage_path"
-            )
-        return v
+        return rules.filesystem(v)
 
     @field_validator("callbacks", mode="before")
     @classmethod
@@ -402,62 +308,11 @@ class TrainingArgs(BaseModel):
     @field_validator(*sorted(EVENTS | set(ALIASES)), mode="before")
     @classmethod
     def _check_hook(cls, v: Any) -> Any:
-        if v is None:
-            return None
-        fns = list(v) if isinstance(v, (list, tuple)) else [v]
-        for fn in fns:
-            if not callable(fn) or isinstance(fn, type):
-                raise ValueError(
-                    f"got {fn!r}; pass a function taking (context) or a list of such functions"
-                )
-        return fns
+        return rules.hooks(v)
 
     @model_validator(mode="after")
     def _check_combination(self) -> TrainingArgs:
-        if self.val_data is not None and self.data is None:
-            raise ValueError("val_data needs data: set data too, or drop val_data")
-        if self.strategy == "fsdp" and self.mixed_precision == "fp16":
-            raise ValueError(
-                "mixed_precision='fp16' with strategy='fsdp': FSDP's mixed precision here is "
-                "bf16 parameters with fp32 reduction; use mixed_precision='bf16' (or 'auto')"
-            )
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError("max_grad_norm must be positive, or None to turn clipping off")
-        if self.max_tokens_per_batch is not None and not self.packing:
-            raise ValueError(
-                "max_tokens_per_batch bounds packed micro-batches: set packing=True too, or drop it"
-            )
-        too_small = (self.max_tokens_per_batch or self.max_length) < self.max_length
-        if self.packing and too_small:
-            raise ValueError(
-                f"max_tokens_per_batch={self.max_tokens_per_batch} is below max_length="
-                f"{self.max_length}: a sample of max_length tokens would not fit; raise it "
-                "(or lower max_length)"
-            )
-        if self.elastic and self.placement_strategy.startswith("STRICT_"):
-            raise ValueError(
-                f"placement_strategy={self.placement_strategy!r} with an elastic num_workers="
-                f"{list(self.num_workers)}: a strict placement cannot follow nodes that come "
-                "and go (the group would wait for its exact shape); use 'PACK' or 'SPREAD', or "
-                "a fixed num_workers"
-            )
-        if self.offload_activations and self.compile:
-            raise ValueError(
-                "offload_activations=True with compile=True: the offload hooks run in eager "
-                "autograd and are not checked under torch.compile; drop one of them (with a "
-                "compiled model, activation_checkpointing=True saves memory instead)"
-            )
-        if self.liger_kernel and (self.loss_fn is not None or not self.chunked_loss):
-            what = "loss_fn" if self.loss_fn is not None else "chunked_loss=False"
-            raise ValueError(
-                f"liger_kernel=True with {what}: liger-kernel computes the model's loss itself, "
-                "without the full logits, in place of the chunked loss; drop one of them"
-            )
-        if self.loss_chunk_size is not None and not self.chunked_loss:
-            raise ValueError(
-                "loss_chunk_size sizes the chunked loss: drop it, or set chunked_loss=True"
-            )
-        _check_ranking(self)
+        rules.combination(self)
         check_fields(self)  # another objective's fields, then the objective's own checks
         return self
 
@@ -606,36 +461,6 @@ def _flat_types(annotation: Any) -> list[Any]:
     return [t for a in args for t in _flat_types(a)]
 
 
-def _check_ranking(args: TrainingArgs) -> None:
-    """`checkpoint_score_attribute` ranks checkpoints: it needs a metric name and checkpoints."""
-    name = args.checkpoint_score_attribute
-    if name is None:
-        return
-    if not name.strip():
-        raise ValueError(
-            "checkpoint_score_attribute is empty; name a metric (e.g. 'val_loss' or an "
-            "EvalOnSave metric), or None to keep checkpoints by age"
-        )
-    if args.save_every_steps is None and not args.save_at_end:
-        raise ValueError(
-            f"checkpoint_score_attribute={name!r} ranks checkpoints, but this run saves none "
-            "(save_every_steps=None, save_at_end=False); set save_every_steps"
-        )
-
-
 def format_validation_error(e: ValidationError) -> str:
-    lines = [f"invalid TrainingArgs ({e.error_count()} problem(s)):"]
-    for err in e.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(args)"
-        if err["type"] == "extra_forbidden":
-            import difflib
-
-            close = difflib.get_close_matches(field, TrainingArgs.model_fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            lines.append(f"  - {field}: unknown field{hint}")
-            continue
-        value = err.get("input")
-        shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
-        message = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  - {field}: {message} (got {shown})")
-    return "\n".join(lines)
+    """pydantic's errors as one message naming each field (`rules.format_validation_error`)."""
+    return rules.format_validation_error(e, TrainingArgs.model_fields)

@@ -275,6 +275,38 @@ _NOT_YET = (
 )
 
 
+def check_max_staleness(v: Any) -> Any:
+    """``max_staleness`` (a ``TrainingArgs`` field of GRPO's): a whole number >= 0."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(
+            f"max_staleness must be a whole number >= 0 (0: synchronous rollouts; 1: the "
+            f"next step's rollout sampled while a step trains), got {v!r}"
+        )
+    return v
+
+
+def check_rollout_workers(v: Any) -> Any:
+    """``rollout_workers`` (a ``TrainingArgs`` field of GRPO's): a number of engines, or
+    ``(min, max)`` for elastic engines (``(n, n)`` is ``n``)."""
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ValueError(
+                f"rollout_workers takes a number of engines or (min, max), two whole "
+                f"numbers, got {v!r}"
+            )
+        low, high = v
+        if low < 1 or low > high:
+            raise ValueError(
+                f"rollout_workers=({low}, {high}): elastic rollout engines need "
+                "1 <= min <= max; e.g. rollout_workers=(1, 4) asks for 4 engines and "
+                "starts training once 1 is up"
+            )
+        return (low, high) if low < high else low
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"rollout_workers must be an integer >= 1, got {v!r}")
+    return v
+
+
 def check_args(args: Any) -> None:
     """What GRPO refuses in the other fields, named with the fix (the registry's ``check``,
     in the driver before Ray starts): a custom loss, no prompts, reward functions that do not

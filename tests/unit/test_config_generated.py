@@ -22,7 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from callbacks import ALIASES, EVENTS  # noqa: E402
 from ray_trainer import TrainingArgs, TrainingArgsError  # noqa: E402
-from ray_trainer._config.args import SEED_MAX, _number_fields  # noqa: E402
+from ray_trainer._config.args import _number_fields  # noqa: E402
+from ray_trainer._config.rules import SEED_MAX  # noqa: E402
 
 CODE_FIELDS = {"callbacks", "loss_fn", *EVENTS, *ALIASES}
 # `lora` imports peft (about 20 s here, once): its fields are checked in test_lora_args.py.

@@ -312,6 +312,20 @@ def test_every_module_names_its_process_first(path):
         assert any(word in first for word in PROCESS_WORDS), f"first line: {first!r}"
 
 
+#: The most lines a module of the package may have (issue 70): a longer one holds more than one
+#: idea; split it by what it holds (as `_config/args.py` into the fields and `_config/rules.py`).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in _modules(PACKAGE) + _modules(CALLBACKS)
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}, f"split these by what they hold (at most {MAX_MODULE_LINES} lines): {long}"
+
+
 def test_the_training_step_reads_in_one_screen():
     import inspect
 
