@@ -1,10 +1,13 @@
 """Terminal (or anywhere): ``ray-trainer ledger RUN``, a GRPO run's per-prompt ledger checked.
 
 Reads ``<run>/ledger/`` (local or a bucket; ``_worker/objectives/grpo_states.py`` writes it) and
-prints, per epoch, the prompts trained once, more than once and never in the run's final lineage
-(the steps a resume rolled back do not count), and those dropped as stale or asked for again
-after a lost engine (``_objectives/grpo_ledger.audit``). Exit 0 when the ledger is whole, 1 when
-a prompt was trained twice or left out, 2 when there is no ledger to read.
+prints how the run ended, then per epoch the prompts trained once, more than once and never in
+the run's final lineage (the steps a resume rolled back do not count), and those dropped as stale
+or asked for again after a lost engine (``_objectives/grpo_ledger.audit``). Every epoch is
+checked for what its steps dealt (``Audit.due``), the one the run ended in too when the run
+ended cleanly (its last step, its ``max_steps``, a stop); a run that failed or still runs leaves
+that one checked for repeats only, and says so. Exit 0 when the ledger is whole, 1 when a prompt
+was trained twice or left out, 2 when there is no ledger to read.
 """
 
 from __future__ import annotations
@@ -37,12 +40,16 @@ def ledger_main(opts: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_INPUT
-    lines, ok = audit(segments).report()
+    found = audit(segments)
+    lines, ok = found.report()
     starts = len({(s.launch, s.attempt) for s in segments})
     print(f"{folder.name}: {starts} worker-group start(s)")
     for line in lines:
         print(f"  {line}")
-    print("whole: every prompt trained once per epoch" if ok else "NOT whole: see above")
+    unchecked = "" if found.end else " (the last epoch for repeats only: the run did not end)"
+    print(
+        f"whole: every prompt trained once per epoch{unchecked}" if ok else "NOT whole: see above"
+    )
     return EXIT_OK if ok else EXIT_PROBLEM
 
 
@@ -51,10 +58,11 @@ def add_parser(sub: Any) -> None:
     ledger = sub.add_parser(
         "ledger",
         help="check a GRPO run's per-prompt ledger: every prompt trained once per epoch",
-        description="Read a GRPO run's per-prompt ledger (<run>/ledger/) and say, per epoch, "
-        "which prompts were trained once, more than once or never, and how many were dropped "
-        "as stale or asked for again. Exit 0: whole; 1: a prompt trained twice or left out; "
-        "2: no ledger.",
+        description="Read a GRPO run's per-prompt ledger (<run>/ledger/) and say how the run "
+        "ended and, per epoch, which prompts its steps dealt were trained once, more than once "
+        "or never (the epoch the run ended in too, unless the run failed or still runs), and "
+        "how many were dropped as stale or asked for again. Exit 0: whole; 1: a prompt trained "
+        "twice or left out; 2: no ledger.",
     )
     ledger.add_argument(
         "run", metavar="RUN", help="a run name under --storage-path, or a run folder (or s3://...)"

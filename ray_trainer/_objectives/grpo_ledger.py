@@ -12,9 +12,11 @@ or were trained on out of order.
 
 Per-prompt states, as a run goes (``_worker/objectives/grpo_states.py`` writes them, one file
 per rank and worker-group start in ``<run>/ledger/``): :func:`read_states` reads them back and
-:func:`audit` checks that every prompt of each epoch was trained exactly once in the run's final
-lineage (the steps a resume rolled back do not count), counting what was dropped for staleness
-and asked for again.
+:func:`audit` checks that every prompt each epoch's steps dealt was trained exactly once in the
+run's final lineage (the steps a resume rolled back do not count), counting what was dropped for
+staleness and asked for again. The epoch the run ended in is checked too when the run's last
+start wrote its ``end`` line (:class:`End`: the run ended cleanly, at its last step or at a stop);
+without one (the run failed, or is still running) only for prompts trained twice.
 
 A position is what ``Completion.prompt_index`` records (``ray_trainer/_rollout/types.py``);
 :meth:`PromptLedger.row` turns it into the data row. Steps take positions across an epoch's end
@@ -192,6 +194,55 @@ class Segment:
     in_flight_steps: list[int]
     prompts: int = 0  # the data's prompts
     records: list[dict[str, Any]] = field(default_factory=list)
+    end: End | None = None  # its ``end`` line: the run ended cleanly in this start
+
+
+@dataclass(frozen=True)
+class End:
+    """Where a run ended cleanly (a start's ``end`` line, written after the run's last step or
+    at a stop at a step boundary; never after a failure): after `step` of its `total_steps`
+    steps, its trainer state at `epoch`, `step_in_epoch`; the steps an epoch has, the prompts a
+    rollout takes (`per_step`), the optimizer steps each rollout is trained for (`iterations`),
+    and why it stopped early (`stop_reason`, None at its last step)."""
+
+    step: int
+    epoch: int
+    step_in_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    per_step: int
+    iterations: int
+    stop_reason: str | None
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> End:
+        return cls(
+            record["step"], record["epoch"], record["step_in_epoch"], record["steps_per_epoch"],
+            record["total_steps"], record["per_step"], record["iterations"],
+            record.get("stop_reason"),
+        )  # fmt: skip
+
+    @property
+    def ended_in(self) -> tuple[int, int]:
+        """The epoch of the run's last step, and the steps the run took of it (a trainer state
+        already at the next epoch's start counts as the one before, whole)."""
+        if self.step_in_epoch == 0 and self.epoch > 0:
+            return self.epoch - 1, self.steps_per_epoch
+        return self.epoch, self.step_in_epoch
+
+    def describe(self) -> str:
+        """How the run ended, in words: stopped early, at an epoch's last step, or at its
+        ``max_steps`` inside an epoch."""
+        epoch, taken = self.ended_in
+        where = f"after step {self.step} of {self.total_steps}"
+        if self.step < self.total_steps:
+            return f"the run stopped early {where} ({self.stop_reason or 'a stop request'})"
+        if taken >= self.steps_per_epoch:
+            return f"the run ended {where}, the last step of epoch {epoch}"
+        return (
+            f"the run ended {where} (its max_steps), step {taken} of epoch {epoch}'s "
+            f"{self.steps_per_epoch}"
+        )
 
 
 def read_states(folder: Any) -> list[Segment]:
@@ -214,6 +265,8 @@ def read_states(folder: Any) -> list[Segment]:
                 segments.append(current)
             elif current is None:
                 raise LedgerError(f"{folder.name}/{name}: a record before its start line: {line}")
+            elif record["state"] == "end":
+                current.end = End.of(record)
             else:
                 current.records.append(record)
     return sorted(segments, key=lambda seg: (seg.started, seg.rank))
@@ -229,38 +282,97 @@ def _stem(name: str) -> str:
 @dataclass
 class Audit:
     """What :func:`audit` found: per (epoch, row), the times trained in the final lineage,
-    dropped for staleness and asked for again after a lost request; the prompts whose training
-    a resume rolled back (trained again after it)."""
+    dropped for staleness and asked for again after a lost request, and the step that took it
+    to the optimizer (its ``training`` line in the final lineage: what the steps dealt); the
+    prompts whose training a resume rolled back (trained again after it); and how the run
+    ended (None: its last start wrote no end line)."""
 
     trained: dict[tuple[int, int], int]
     dropped: dict[tuple[int, int], int]
     requeued: dict[tuple[int, int], int]
     rolled_back: int
     num_prompts: int = 0  # the data's prompts, as the starts recorded them
+    dealt: dict[tuple[int, int], int] = field(default_factory=dict)
+    end: End | None = None
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch the run ended in (without an end line: the last its steps dealt to or
+        trained; -1: none)."""
+        if self.end is not None:
+            return self.end.ended_in[0]
+        return max((epoch for epoch, _ in [*self.trained, *self.dealt]), default=-1)
+
+    def due(self, epoch: int) -> int | None:
+        """How many prompts epoch `epoch`'s steps dealt, each due to be trained exactly once
+        (None: not known, so that epoch is checked for repeats only). The rule:
+
+        - an epoch the run went past, or ended at the last step of: every prompt of the data
+          (the remainder too few for a step, which no step deals, is counted as due here for
+          now: once the ledger records an epoch's dropped remainder, this rule takes it out);
+        - the epoch the run ended in before its last step (``max_steps`` inside it, or a stop
+          at a step boundary): ``per_step`` prompts for each rollout it trained (its steps
+          taken, over ``iterations``): the rows its steps noted ``training``; prompts no step
+          dealt are not due;
+        - the epoch a run ended in without an end line (it failed, or is still running, or an
+          older ray-trainer wrote the ledger): not known; nor a whole epoch's where the starts
+          did not record the data's prompts (an older ledger).
+        """
+        whole = self.num_prompts or None
+        if epoch < self.last_epoch:
+            return whole
+        if self.end is None:
+            return None
+        _, taken = self.end.ended_in
+        if taken >= self.end.steps_per_epoch:
+            return whole
+        return taken // self.end.iterations * self.end.per_step
 
     def report(self) -> tuple[list[str], bool]:
-        """One line per epoch trained (its prompts trained once, more than once, never; what
-        was dropped and asked for again), then the rolled-back count; and whether the ledger is
-        whole: no prompt trained twice in an epoch, none missing from an epoch the run left."""
-        epochs = sorted({epoch for epoch, _ in self.trained})
-        lines, ok = [], True
-        for epoch in epochs:
+        """How the run ended, one line per epoch (its prompts trained once, more than once,
+        never; what was dropped and asked for again), then the rolled-back count; and whether
+        the ledger is whole: no prompt trained twice in an epoch, and every prompt an epoch's
+        steps dealt (:meth:`due`) trained once."""
+        lines, ok = [self._ending()], True
+        for epoch in range(self.last_epoch + 1):
             rows = {row: n for (e, row), n in self.trained.items() if e == epoch}
             twice = sorted(row for row, n in rows.items() if n > 1)
-            done = epoch < epochs[-1]  # the run went past it: every prompt is due
-            missing = self.num_prompts - len(rows) if done else 0
-            ok = ok and not twice and not missing
-            line = f"epoch {epoch}: {sum(n == 1 for n in rows.values())} of {self.num_prompts} "
-            line += "prompts trained once" + ("" if done else " (the epoch the run ended in)")
+            due = self.due(epoch)
+            line = f"epoch {epoch}: {sum(n == 1 for n in rows.values())} of "
+            if due is None:
+                line += f"{self.num_prompts} prompts trained once (not checked for prompts left "
+                line += "out: " + ("see above)" if epoch == self.last_epoch else "no data size)")
+            elif epoch == self.last_epoch:
+                line += f"the {due} prompts its steps dealt trained once (the run's last epoch)"
+            else:
+                line += f"{self.num_prompts} prompts trained once"
             if twice:
                 line += f"; trained more than once: rows {twice[:10]}"
-            if missing:
-                line += f"; never trained: {missing}"
+            lost = sorted(
+                (s, r) for (e, r), s in self.dealt.items() if e == epoch and r not in rows
+            )
+            missing = 0 if due is None else due - len(rows)
+            if due is not None and (missing > 0 or lost):
+                line += f"; never trained: {max(missing, len(lost))}"
+                named = ", ".join(f"row {r} of step {s}" for s, r in lost[:10])
+                line += f" ({named})" if named else ""
+            if missing < 0:
+                line += f"; trained beyond what its steps dealt: {-missing}"
+            ok = ok and not twice and (due is None or (missing == 0 and not lost))
             drops = sum(n for (e, _), n in self.dropped.items() if e == epoch)
             again = sum(n for (e, _), n in self.requeued.items() if e == epoch)
             lines.append(f"{line}; dropped as stale {drops}, asked for again {again}")
         lines.append(f"rolled back by a resume and trained again: {self.rolled_back}")
         return lines, ok
+
+    def _ending(self) -> str:
+        if self.end is not None:
+            return self.end.describe() + ": every epoch checked"
+        return (
+            "the run's last worker-group start wrote no end line: it failed, was killed or is "
+            "still running (or an older ray-trainer wrote the ledger), so the epoch it ended in "
+            "is checked for prompts trained twice only"
+        )
 
     def problems(self, num_prompts: int, epochs: Iterable[int]) -> list[str]:
         """Every prompt of each of `epochs` not trained exactly once (empty: none)."""
@@ -277,25 +389,32 @@ def audit(segments: list[Segment]) -> Audit:
     """Read the segments' records. A worker-group start that a later one followed (a restart,
     or a new call continuing the run) trained the steps up to the checkpoint that later start
     restored (the checkpoint proves them; its steps after it were rolled back); the last start
-    trained the steps it noted ``trained``."""
+    trained the steps it noted ``trained``, and its end line (if any) says how the run ended.
+    What the steps dealt is their ``training`` lines in that lineage."""
     trained: dict[tuple[int, int], int] = {}
     dropped: dict[tuple[int, int], int] = {}
     requeued: dict[tuple[int, int], int] = {}
+    dealt: dict[tuple[int, int], int] = {}
     rolled_back = 0
     starts: dict[tuple[str, int], tuple[float, int]] = {}  # its first start time, restored step
     for seg in segments:
         first = starts.get((seg.launch, seg.attempt), (seg.started, seg.restored))
         starts[(seg.launch, seg.attempt)] = (min(first[0], seg.started), seg.restored)
+    end = None
     for seg in segments:
         began = starts[(seg.launch, seg.attempt)][0]
         cut = min((step for t, step in starts.values() if t > began), default=None)
         counts_as = "trained" if cut is None else "training"
+        if cut is None and seg.end is not None:
+            end = seg.end
         for r in seg.records:
             keys = [(r.get("epoch", 0), row) for row in r["rows"]]
+            if r["state"] in ("training", "trained") and cut is not None and r["step"] > cut:
+                rolled_back += len(keys) if r["state"] == counts_as else 0
+                continue
+            if r["state"] == "training":
+                dealt.update(dict.fromkeys(keys, r["step"]))
             if r["state"] == counts_as:
-                if cut is not None and r["step"] > cut:
-                    rolled_back += len(keys)
-                    continue
                 for key in keys:
                     trained[key] = trained.get(key, 0) + 1
             elif r["state"] in ("dropped", "requeued"):
@@ -303,4 +422,4 @@ def audit(segments: list[Segment]) -> Audit:
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
     prompts = max((seg.prompts for seg in segments), default=0)
-    return Audit(trained, dropped, requeued, rolled_back, prompts)
+    return Audit(trained, dropped, requeued, rolled_back, prompts, dealt, end)

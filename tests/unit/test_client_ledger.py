@@ -1,16 +1,24 @@
 """``ray-trainer ledger RUN``: a GRPO run's per-prompt ledger read back and checked, by run
-name under ``--storage-path`` or by folder; the exit code says whether it is whole."""
+name under ``--storage-path`` or by folder; the exit code says whether it is whole. The epoch
+a run ended in is checked too when it ended cleanly (its last step, a ``max_steps`` inside an
+epoch, a stop): what its steps dealt, each trained once; a run without an end line (failed or
+still running) is said to leave it unchecked (issue 70, part 6)."""
 
 from __future__ import annotations
+
+import json
+
+import pytest
 
 from ray_trainer._storage import locate
 from ray_trainer._worker.objectives.grpo_states import PromptStates
 from ray_trainer.cli import main
 
 
-def _start(folder, attempt, restored, started, steps, *, last=True, prompts=4):
+def _start(folder, attempt, restored, started, steps, *, last=True, prompts=4, end=None):
     """Two ranks' lines of one worker-group start: `steps` maps a 1-based step to (epoch, rows
-    of rank 0, rows of rank 1); with `last`, each step completed too."""
+    of rank 0, rows of rank 1); with `last`, each step completed too; with `end` (the keyword
+    arguments of `PromptStates.end`, 2 prompts a step, one pass), the run's end after them."""
     for rank in (0, 1):
         states = PromptStates(locate(str(folder)), rank, attempt, clock=lambda: started)
         states.start("launch", restored, [], prompts)
@@ -24,7 +32,19 @@ def _start(folder, attempt, restored, started, steps, *, last=True, prompts=4):
             states.note("training", step, epoch, rows[rank])
             if last:
                 states.note("trained", step, epoch, rows[rank])
+        if end is not None:
+            states.end(**{"per_step": 2, "iterations": 1, "stop_reason": None, **end})
         states.flush()
+
+
+def _delete(folder, rank, state, step):
+    """A ledger file with one line taken out: rank `rank`'s `state` line of step `step`."""
+    path = folder / f"attempt0-rank{rank}.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    which = [(json.loads(ln)["state"], json.loads(ln)["step"]) for ln in lines]
+    keep = [ln for ln, key in zip(lines, which, strict=True) if key != (state, step)]
+    assert len(keep) == len(lines) - 1
+    path.write_text("".join(keep))
 
 
 def test_a_whole_ledger_by_run_name_exits_0_with_a_line_per_epoch(tmp_path, capsys):
@@ -38,9 +58,14 @@ def test_a_whole_ledger_by_run_name_exits_0_with_a_line_per_epoch(tmp_path, caps
     assert code == 0, out
     assert "2 worker-group start(s)" in out
     assert "epoch 0: 4 of 4 prompts trained once; dropped as stale 0, asked for again 1" in out
-    assert "epoch 1: 2 of 4 prompts trained once (the epoch the run ended in)" in out
+    # No end line (the run crashed, or runs still): its last epoch is checked for repeats only.
+    assert "epoch 1: 2 of 4 prompts trained once (not checked for prompts left out: see" in out
+    assert "wrote no end line: it failed, was killed or is still running" in out
     assert "rolled back by a resume and trained again: 2" in out
-    assert out.rstrip().endswith("whole: every prompt trained once per epoch")
+    assert out.rstrip().endswith(
+        "whole: every prompt trained once per epoch (the last epoch for repeats only: the run "
+        "did not end)"
+    )
 
 
 def test_a_prompt_trained_twice_or_left_out_exits_1_naming_it(tmp_path, capsys):
@@ -57,3 +82,59 @@ def test_no_ledger_exits_2_saying_what_to_pass(tmp_path, capsys):
     assert main(["ledger", "nothing", "--storage-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no prompt ledger in" in err and "--storage-path" in err
+
+
+def test_a_default_run_ended_at_its_datas_last_step_checks_that_epoch(tmp_path, capsys):
+    """num_epochs=1 and no max_steps: the run ends at its data's last step, and that epoch,
+    its only one, is checked like any other: a `trained` line taken from the last step (the
+    run's final step, written at its end) fails the check, naming the row and the step."""
+    run = tmp_path / "rl"
+    end = {"step": 2, "epoch": 0, "step_in_epoch": 2, "steps_per_epoch": 2, "total_steps": 2}
+    _start(run / "ledger", 0, 0, 1.0, {1: (0, [0], [1]), 2: (0, [2], [3])}, end=end)
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "the run ended after step 2 of 2, the last step of epoch 0: every epoch checked" in out
+    assert "epoch 0: 4 of the 4 prompts its steps dealt trained once (the run's last epoch)" in out
+    _delete(run / "ledger", 1, "trained", 2)
+    assert main(["ledger", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "epoch 0: 3 of the 4 prompts its steps dealt trained once" in out
+    assert "never trained: 1 (row 3 of step 2)" in out and "NOT whole" in out
+
+
+@pytest.mark.parametrize(
+    "total, stop_reason, heading",
+    [
+        (3, None, "the run ended after step 3 of 3 (its max_steps), step 1 of epoch 1's 2"),
+        (8, "SIGINT to the driver", "the run stopped early after step 3 of 8 (SIGINT to the "),
+    ],
+)
+def test_a_run_ended_inside_an_epoch_checks_what_its_steps_dealt(
+    tmp_path, capsys, total, stop_reason, heading
+):
+    """max_steps=3 of 2 steps an epoch, or a stop there (a signal's: a clean end at a step
+    boundary, its steps known): epoch 1's first step dealt 2 of its 4 prompts; those two are due
+    (the others no step dealt are not lost), and a `trained` line taken from the last step fails
+    the check; so does a step whose lines are all gone from a rank (its count short)."""
+    run = tmp_path / "rl"
+    end = {"step": 3, "epoch": 1, "step_in_epoch": 1, "steps_per_epoch": 2,
+           "total_steps": total, "stop_reason": stop_reason}  # fmt: skip
+    steps = {1: (0, [0], [1]), 2: (0, [2], [3]), 3: (1, [2], [0])}
+    _start(run / "ledger", 0, 0, 1.0, steps, end=end)
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert heading in out
+    assert "epoch 0: 4 of 4 prompts trained once;" in out
+    assert "epoch 1: 2 of the 2 prompts its steps dealt trained once (the run's last epoch)" in out
+    _delete(run / "ledger", 0, "trained", 3)
+    assert main(["ledger", str(run)]) == 1
+    assert "never trained: 1 (row 2 of step 3)" in capsys.readouterr().out
+    # Every line of the last step gone from rank 0: the count of what its steps dealt is short.
+    other = tmp_path / "other"
+    _start(other / "ledger", 0, 0, 1.0, steps, end=end)
+    _delete(other / "ledger", 0, "trained", 3)
+    _delete(other / "ledger", 0, "training", 3)
+    assert main(["ledger", str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "epoch 1: 1 of the 2 prompts its steps dealt trained once" in out
+    assert "never trained: 1;" in out

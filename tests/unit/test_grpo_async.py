@@ -179,6 +179,7 @@ def _run(
     progress = SimpleNamespace(epoch=0, step_in_epoch=start, global_step=start, extra={})
     state = SimpleNamespace(
         progress=progress, rank=0, world_size=1, total_steps=total or rows // per_step,
+        steps_per_epoch=rows // per_step, stop_reason=None,
         args=SimpleNamespace(seed=3, packing=False, reward_weights=None),
         workload=SimpleNamespace(pad_id=0, tokenizer=SimpleNamespace(decode=lambda ids, **k: "x")),
         loader=SimpleNamespace(steps=loader_steps, per_step=per_step, pad_to=1, layout=False),
@@ -186,13 +187,16 @@ def _run(
     objective.state = state
     now = [0.0]  # the loop's clock: each step trains for 10 s
     objective.engines = _Engines(state, lambda: now[0])  # made: _start leaves them
-    # The queue in this process (in a run, the queue's actor: `_rollout/buffer.py`).
-    objective.queue = RolloutQueue(max_staleness, objective._scorer(state), clock=lambda: now[0])
+    # The queue in this process (in a run, the queue's actor: `_rollout/buffer.py`); none for
+    # the synchronous step (max_staleness=0).
+    if max_staleness:
+        queue = RolloutQueue(max_staleness, objective._scorer(state), clock=lambda: now[0])
+        objective.queue = queue
     objective.engines.engine.die_at = set(die_at)
     if ledger is not None:  # what `_start` does in a worker, to a local folder
         folder, attempt, in_flight = ledger
         objective.states = PromptStates(locate(str(folder)), 0, attempt)
-        objective.states.start("launch", start, in_flight)
+        objective.states.start("launch", start, in_flight, rows)
     note = objective._note_rollout
 
     def noted(scored, *args, **kwargs):  # the step's scored completions: what it trains on
@@ -203,7 +207,7 @@ def _run(
     objective._note_rollout = noted
     model, metrics, depths, saved = _Toy(), [], [], []
     for batches in objective.steps(state, loader_steps(0, start)):
-        depths.append(len(objective.queue))
+        depths.append(len(objective.queue or ()))
         targets = 0
         for micro in batches:
             objective.step_loss(SimpleNamespace(norm=1.0), model, micro.batch, micro.targets)
@@ -322,6 +326,44 @@ def test_the_ledger_trains_every_prompt_once_across_drops_a_lost_request_and_a_c
     assert states == {"queued", "in_flight", "requeued", "dropped", "scored", "training",
                       "trained"}  # fmt: skip
     assert found.rolled_back == 0
+
+
+@pytest.mark.parametrize("max_staleness, total", [(0, None), (2, 4)])
+def test_the_ledger_command_checks_the_epoch_the_run_ended_in(
+    monkeypatch, tmp_path, capsys, max_staleness, total
+):
+    """The objective's own ledger lines of a run that ends cleanly (issue 70, part 6): a
+    default run (synchronous, num_epochs=1, no max_steps: its one epoch is the one it ends in)
+    and an asynchronous one whose max_steps=4 ends inside the epoch (its read-ahead dealt the
+    next steps' prompts to the queue, never to a step). The end line says where the run
+    stopped, `ray-trainer ledger` finds every prompt its steps dealt trained once, and fails,
+    naming the row and the step, once the final step's `trained` line (written at the run's
+    end) is taken out."""
+    import json
+
+    from ray_trainer.cli import main
+
+    run_dir = tmp_path / "rl"
+    run = _run(monkeypatch, rows=12, per_step=2, max_staleness=max_staleness, total=total,
+               ledger=(run_dir / "ledger", 0, []))  # fmt: skip
+    last = total or 6
+    (segment,) = read_states(locate(str(run_dir / "ledger")))
+    assert (segment.end.step, segment.end.step_in_epoch, segment.end.total_steps) == (last,) * 3
+    assert segment.end.steps_per_epoch == 6 and segment.end.per_step == 2
+    assert main(["ledger", str(run_dir)]) == 0
+    due = 2 * last
+    assert f"epoch 0: {due} of the {due} prompts its steps dealt trained once" in (
+        capsys.readouterr().out
+    )
+    path = run_dir / "ledger" / "attempt0-rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    final = [ln for ln in lines if '"state":"trained"' in ln][-1]
+    assert json.loads(final)["step"] == last
+    path.write_text("".join(ln for ln in lines if ln != final))
+    assert main(["ledger", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    named = ", ".join(f"row {r} of step {last}" for r in run.steps[last - 1])
+    assert f"never trained: 2 ({named})" in out and "NOT whole" in out
 
 
 def test_no_rollout_is_requested_past_the_runs_last_step(monkeypatch):

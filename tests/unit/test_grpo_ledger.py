@@ -96,20 +96,26 @@ def test_a_ledger_refuses_what_would_repeat_a_prompt_or_misname_one():
 # ---- the per-prompt states read back (``<run>/ledger/``) -------------------------------------
 
 
-def _write(folder, launch, attempt, rank, restored, started, steps, last=False):
+def _write(folder, launch, attempt, rank, restored, started, steps, last=False, epochs=None,
+           end=None, prompts=0):  # fmt: skip
     """One rank's ledger lines of a worker-group start: `steps` maps a 1-based step to its rows
-    (each given to the optimizer; with `last`, each completed too)."""
+    (each given to the optimizer; with `last`, each completed too), of epoch 0 unless `epochs`
+    maps the step to another; `end`: `PromptStates.end`'s arguments, the run's end after them;
+    `prompts`: the data's."""
     from ray_trainer._worker.objectives.grpo_states import PromptStates
 
     states = PromptStates(folder, rank, attempt, clock=lambda: started)
-    states.start(launch, restored, [])
+    states.start(launch, restored, [], prompts)
     for step, rows in steps.items():
-        states.note("queued", step, 0, rows)
-        states.note("in_flight", step, 0, rows, engine=0)
-        states.note("scored", step, 0, rows)
-        states.note("training", step, 0, rows)
+        epoch = (epochs or {}).get(step, 0)
+        states.note("queued", step, epoch, rows)
+        states.note("in_flight", step, epoch, rows, engine=0)
+        states.note("scored", step, epoch, rows)
+        states.note("training", step, epoch, rows)
         if last:
-            states.note("trained", step, 0, rows)
+            states.note("trained", step, epoch, rows)
+    if end is not None:
+        states.end(**end)
     states.flush()
 
 
@@ -182,3 +188,40 @@ def test_on_a_bucket_each_write_is_a_part_and_the_audit_reads_them_all():
         assert found.num_prompts == 2
     finally:
         server.stop()
+
+
+def test_the_last_epoch_is_due_by_how_the_run_ended(tmp_path):
+    """What each epoch's steps dealt (`Audit.due`): the data's every prompt for an epoch the run
+    went past or ended at the last step of; for one it ended inside, the prompts of the
+    rollouts it trained (with num_iterations=2, a rollout whose last pass was not reached
+    trained none); unknown (None) when the run's last start wrote no end line, even where an
+    earlier launch of the run had ended cleanly."""
+    from ray_trainer._objectives.grpo_ledger import End, audit, read_states
+    from ray_trainer._storage import locate
+
+    # A trainer state already at the next epoch's start counts as the epoch before, whole.
+    assert End(4, 2, 0, 2, 4, 2, 1, None).ended_in == (1, 2)
+    assert End(4, 1, 2, 2, 4, 2, 1, None).ended_in == (1, 2)
+    folder = locate(str(tmp_path / "ledger"))
+    # 4 prompts, 2 a step: launch "a" ends cleanly at max_steps=3 (epoch 1's first step).
+    end = {"step": 3, "epoch": 1, "step_in_epoch": 1, "steps_per_epoch": 2, "total_steps": 3,
+           "per_step": 2, "iterations": 1, "stop_reason": None}  # fmt: skip
+    _write(folder, "a", 0, 0, 0, 1.0, {1: [0, 1], 2: [2, 3], 3: [1, 3]}, last=True,
+           epochs={3: 1}, end=end, prompts=4)  # fmt: skip
+    found = audit(read_states(folder))
+    assert found.end == End(3, 1, 1, 2, 3, 2, 1, None)
+    assert [found.due(e) for e in (0, 1)] == [4, 2]
+    assert found.report()[1]  # whole
+    # Two passes a rollout (steps_per_epoch 4): 3 steps of epoch 1 trained one rollout, 1 none.
+    found.end = End(7, 1, 3, 4, 7, 2, 2, None)
+    assert found.due(1) == 2
+    found.end = End(5, 1, 1, 4, 5, 2, 2, None)
+    assert found.due(1) == 0 and not found.report()[1]  # 2 trained beyond what was dealt
+    # Launch "b" resumes from step 3 and dies in step 4 without an end line: "a"'s end no longer
+    # says how the run ended; the epoch it ended in is checked for repeats only.
+    _write(folder, "b", 0, 0, 3, 2.0, {4: [0, 2]}, epochs={4: 1}, prompts=4)
+    found = audit(read_states(folder))
+    assert found.end is None and found.due(0) == 4 and found.due(1) is None
+    lines, ok = found.report()
+    assert ok and "wrote no end line" in lines[0]
+    assert found.dealt[(1, 2)] == 4  # step 4 took it to the optimizer, never done

@@ -82,7 +82,7 @@ from ray_trainer._worker.objectives.grpo_metrics import (
     rollout_sums,
     step_metrics,
 )
-from ray_trainer._worker.objectives.grpo_states import PromptStates
+from ray_trainer._worker.objectives.grpo_states import PromptStates, run_end
 from ray_trainer._worker.step.micro_batches import MicroBatch
 
 #: ``TrainerState.extra`` key of the prompt ledger's record.
@@ -263,9 +263,10 @@ class GrpoObjective(WorkerObjective):
             self.states.note("trained", *done)
 
     def end(self, state: Any) -> None:
-        """After the run's last step: that step trained, the ledger's last lines written;
-        rank 0 ends the rollout queue's actor."""
+        """After the run's last step (or a stop): that step trained, the run's end noted, the
+        ledger's last lines written; rank 0 ends the rollout queue's actor."""
         self._settle(state)
+        self.states.end(**run_end(state, self.iterations))  # the audit checks the last epoch by it
         self.states.flush()
         if self.queue is not None and self._rank == 0:
             self.queue.close()

@@ -7,7 +7,9 @@ are asked for again, ``dropped`` when their completions were sampled more than
 ``max_staleness`` versions ago (sampled again at once), ``scored`` once their rewards are in, and
 ``trained`` once the optimizer step that took them is done. A worker-group start notes
 ``start``, with the step its checkpoint restored and the steps whose rollouts the checkpoint's
-queue had in flight (asked for again now).
+queue had in flight (asked for again now); its run's clean end (the last step, or a stop at a
+step boundary; never a failure) notes ``end``: where the run stopped and why, which is what
+lets ``audit`` check the epoch the run ended in.
 
 The lines of a step are written together, once per step (before it trains; its ``trained``
 line with the next step's, or at the run's end), to ``<run>/ledger/attempt<a>-rank<r>.jsonl`` on
@@ -55,6 +57,24 @@ class PromptStates:
         }  # fmt: skip
         self.lines.append(json.dumps(record, separators=(",", ":")))
 
+    def end(
+        self, step: int, epoch: int, step_in_epoch: int, *, steps_per_epoch: int,
+        total_steps: int, per_step: int, iterations: int, stop_reason: str | None,
+    ) -> None:  # fmt: skip
+        """The run ended cleanly after `step` steps (its trainer state's `epoch` and
+        `step_in_epoch`): its last step, or a stop at a step boundary (`stop_reason`). With it,
+        the steps an epoch has (`steps_per_epoch`, optimizer steps), the run's `total_steps`,
+        the prompts a rollout takes (`per_step`) and the optimizer steps it is trained for
+        (`iterations`): what the audit needs to know which prompts the last epoch dealt. No
+        rows (``rows: []``), so a reader that predates the line counts nothing for it."""
+        record = {
+            "state": "end", "step": step, "epoch": epoch, "rows": [],
+            "step_in_epoch": step_in_epoch, "steps_per_epoch": steps_per_epoch,
+            "total_steps": total_steps, "per_step": per_step, "iterations": iterations,
+            "stop_reason": stop_reason,
+        }  # fmt: skip
+        self.lines.append(json.dumps(record, separators=(",", ":")))
+
     def note(self, state: str, step: int, epoch: int, rows: list[int], **extra: Any) -> None:
         """`rows` (data rows of epoch `epoch`) reached `state` for step `step` (1-based: the
         optimizer step that trains them)."""
@@ -79,4 +99,16 @@ class PromptStates:
         self.folder.child(f"{name}-{self._parts:06d}.jsonl").write_text(text)
 
 
-__all__ = ["PromptStates"]
+def run_end(state: Any, iterations: int) -> dict[str, Any]:
+    """:meth:`PromptStates.end`'s arguments read off a worker's state after the run's last step
+    (or a stop at a step boundary); `iterations`: the optimizer passes over each rollout."""
+    p = state.progress
+    return {
+        "step": p.global_step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
+        "steps_per_epoch": state.steps_per_epoch, "total_steps": state.total_steps,
+        "per_step": state.loader.per_step, "iterations": iterations,
+        "stop_reason": state.stop_reason,
+    }  # fmt: skip
+
+
+__all__ = ["PromptStates", "run_end"]
