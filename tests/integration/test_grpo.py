@@ -240,12 +240,14 @@ def test_no_prompt_is_skipped_or_repeated_across_the_crash(run):
     assert times == {s: PER_STEP * (2 if s == 2 else 1) for s in range(STEPS)}
 
 
-def test_the_ledger_trains_every_prompt_once_after_the_combined_faults(run):
+def test_the_ledger_trains_every_prompt_once_after_the_combined_faults(run, tmp_path, capsys):
     """The run's own per-prompt ledger (``<run>/ledger/``, one file per rank and worker-group
     start) after an engine killed with a request in flight, the callback actor killed and
     restarted, and rank 1 killed (the run resumed from its step-2 checkpoint): read back by
     prompt id, every prompt of the first epoch was trained exactly once, and the second epoch's
-    first step's four once; step 3's training before the crash was rolled back."""
+    first step's four once; step 3's training before the crash was rolled back. The run ended
+    at its max_steps inside the second epoch, which `ray-trainer ledger` checks too: a copy of
+    the ledger without the final step's `trained` line of one rank fails, naming the step."""
     from ray_trainer._data.packing import epoch_order
     from ray_trainer._objectives.grpo_ledger import audit, read_states
     from ray_trainer._storage import locate
@@ -280,6 +282,20 @@ def test_the_ledger_trains_every_prompt_once_after_the_combined_faults(run):
     from ray_trainer.cli import main
 
     assert main(["ledger", "grpo", "--storage-path", str(root / "storage")]) == 0
+    out = capsys.readouterr().out
+    assert f"the run ended after step {STEPS} of {STEPS} (its max_steps)" in out
+    assert f"epoch 1: {PER_STEP} of the {PER_STEP} prompts its steps dealt trained once" in out
+    import shutil
+
+    copy = tmp_path / "grpo"
+    shutil.copytree(root / "storage" / "grpo" / "ledger", copy / "ledger")
+    path = copy / "ledger" / "attempt1-rank0.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    final = [ln for ln in lines if json.loads(ln)["state"] == "trained"][-1]
+    assert json.loads(final)["step"] == STEPS  # written at the run's end
+    path.write_text("".join(ln for ln in lines if ln != final))
+    assert main(["ledger", str(copy)]) == 1
+    assert f"of step {STEPS})" in capsys.readouterr().out
     assert len(list((folder / "actor").glob("logs-*.jsonl"))) == 2  # one file per process
     assert {r["step"] for r in read_records(str(folder / "actor"), "logs")} >= {1, 4}
 
@@ -330,7 +346,7 @@ def fsdp_run(ray_session, tmp_path_factory):
     return model, folder, result
 
 
-def test_fsdp2_full_syncs_with_async_saves_evaluations_and_callbacks(fsdp_run):
+def test_fsdp2_full_syncs_with_async_saves_evaluations_and_callbacks(fsdp_run, capsys):
     from transformers import AutoModelForCausalLM
 
     model, folder, result = fsdp_run
@@ -357,3 +373,9 @@ def test_fsdp2_full_syncs_with_async_saves_evaluations_and_callbacks(fsdp_run):
     assert sorted(seen) == sorted(logs)
     for name in ("reward", "clip_ratio/region_mean", "completions/mean_length", "entropy"):
         assert all(seen[s][name] == pytest.approx(logs[s][name]) for s in seen), name
+    # Its ledger: two passes a rollout, the run ended at the last step of its only epoch, which
+    # is checked like any other (each of the 8 prompts trained once, by its rollout's 2nd pass).
+    from ray_trainer.cli import main
+
+    assert main(["ledger", str(folder.parent / "storage" / "grpo-fsdp")]) == 0
+    assert "epoch 0: 8 of the 8 prompts its steps dealt trained once" in capsys.readouterr().out
