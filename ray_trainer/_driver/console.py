@@ -6,7 +6,9 @@ Runs in the driver. A healthy run prints no traceback, no error-level line and n
   cluster runs on the machine; it starts with its dashboard on 127.0.0.1 (the dashboard can
   submit jobs and run code: never on every interface), and the driver prints its URL once, with
   one line of ours about Ray's token authentication (asked of Ray) instead of Ray's own
-  warning; a run that joins a cluster says which one;
+  warning; a run that joins a cluster says which one; where the run needs more logical CPUs
+  at once than the machine has cores, the embedded Ray offers them and one more line says so
+  (``shared_cores_line``; nothing where the run fits the cores);
 * two lines Ray itself repeats although nothing is wrong are dropped from the worker logs this
   driver prints: Ray Train's PlacementGroupCleaner retrying the state API (when the cluster has
   no dashboard), and Ray core's error-level note that an actor Ray Train creates has
@@ -156,6 +158,20 @@ def dashboard_line(url: str | None) -> str:
     return (
         f"ray-trainer: local Ray started (a new instance for this run); {where}; "
         f"Ray's token authentication is {token_auth()}"
+    )
+
+
+def shared_cores_line(cpus: float, cores: float, counts: list[tuple[str, int]]) -> str | None:
+    """The line the driver prints when the embedded Ray offers more logical CPUs (`cpus`) than
+    the machine has `cores`, naming what shares them (`counts`: ``[("worker", 2), ...]``);
+    None when the run fits the cores."""
+    if cpus <= cores:
+        return None
+    items = [f"{n} {noun}{'' if n == 1 else 's'}" for noun, n in counts]
+    what = items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+    return (
+        f"ray-trainer: the embedded Ray offers {cpus:g} logical CPUs for this run's {what}, "
+        f"on {cores:g} cores: they share them"
     )
 
 

@@ -21,6 +21,7 @@ from callbacks import ALIASES, EVENTS
 from ray_trainer._actor.actor import start_actor
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._contract import NAMESPACE, ActorSummary, RunSpec, actor_name, forwarded_events
+from ray_trainer._driver.checks.demand import embedded_cpus, embedded_where, per_worker, run_demand
 from ray_trainer._driver.checks.inputs import (
     check_enough_samples,
     check_inputs,
@@ -33,13 +34,13 @@ from ray_trainer._driver.checks.resources import (
     check_evaluations,
     check_resources,
     embedded_resources,
-    per_worker,
 )
 from ray_trainer._driver.console import (
     dashboard_line,
     filter_ray_noise,
     joined_line,
     ray_train_settings,
+    shared_cores_line,
     start_embedded_ray,
     wait_for_output,
 )
@@ -105,7 +106,7 @@ def _launch(
     train_import = threading.Thread(target=_import_ray_train, name="import-ray-train", daemon=True)
     train_import.start()
     joined = not ray.is_initialized() and bool(args.ray_address or os.environ.get("RAY_ADDRESS"))
-    started_ray = _init_ray(args)
+    started_ray = _init_ray(args, lists)
     train_import.join()
     try:
         lists = with_default_metrics(lists, args.ray_metrics, joined)
@@ -124,9 +125,11 @@ def _import_ray_train() -> None:
         import ray.train.torch  # noqa: F401
 
 
-def _init_ray(args: TrainingArgs) -> bool:
-    """Join the cluster at ray_address/RAY_ADDRESS, or start an embedded local Ray with this
-    machine's real resources (a request it cannot fit is refused first). True if started."""
+def _init_ray(args: TrainingArgs, lists: CallbackLists) -> bool:
+    """Join the cluster at ray_address/RAY_ADDRESS, or start an embedded local Ray sized to
+    the run: this machine's GPUs, and its cores or, where the run needs more at once, that many
+    logical CPUs (``checks/demand.py``; a request it cannot fit is refused first). True if
+    started."""
     import ray
 
     if ray.is_initialized():
@@ -137,10 +140,16 @@ def _init_ray(args: TrainingArgs) -> bool:
         filter_ray_noise()
         print(joined_line(address), flush=True)
         return False
-    machine = embedded_resources(count_gpus="GPU" in per_worker(args))
-    check_resources(args, nodes=[machine])  # before starting anything
-    url = start_embedded_ray(int(machine["CPU"]), args.dashboard)
+    demand = run_demand(args, lists)
+    machine = embedded_resources(count_gpus=demand.asks("GPU"))
+    cpus = embedded_cpus(demand, machine["CPU"])
+    # Before starting anything: GPUs as the machine has them, CPUs as the embedded Ray offers.
+    check_resources(args, nodes=[{**machine, "CPU": cpus}], where=embedded_where(machine["CPU"]))
+    url = start_embedded_ray(cpus, args.dashboard)
     print(dashboard_line(url), flush=True)
+    shared = shared_cores_line(cpus, machine["CPU"], demand.counts())
+    if shared:
+        print(shared, flush=True)
     return True
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_trainer._objectives.base import Objective
+from ray_trainer._objectives.base import Beside, Objective
 from ray_trainer._objectives.dpo import DPO
 from ray_trainer._objectives.grpo import GRPO
 from ray_trainer._objectives.sft import SFT
 
 __all__ = [
+    "Beside",
     "Objective",
     "check_fields",
     "names",

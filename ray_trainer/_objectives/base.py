@@ -11,7 +11,7 @@ workers import by that name: so this shared floor never imports a process's room
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -23,7 +23,29 @@ def _no_checks(args: Any) -> None:
     return None
 
 
-def _nothing_beside(args: Any) -> list[tuple[str, dict[str, float]]]:
+@dataclass(frozen=True)
+class Beside:
+    """Processes of one kind that a run places on the cluster beside its training workers (GRPO's
+    rollout engines and reward tasks, an ``EvalOnSave``'s evaluation tasks): one entry of the
+    description that the driver's fit check and the embedded Ray's size both read
+    (``_driver/checks/demand.py``).
+
+    Args:
+        noun: one of them, as the driver's console counts them (``"rollout engine"``).
+        resources: the Ray resources one of them asks for.
+        needed: those a step cannot go on without, each named as a refusal names it: the fit
+            check places them beside the workers (``()``: a step never waits for one).
+        at_once: how many may hold ``resources`` at the same time: the embedded Ray offers
+            their CPUs.
+    """
+
+    noun: str
+    resources: dict[str, float] = field(default_factory=dict)
+    needed: tuple[str, ...] = ()
+    at_once: int = 1
+
+
+def _nothing_beside(args: Any) -> list[Beside]:
     return []
 
 
@@ -50,8 +72,9 @@ class Objective:
         names_cache: its name and the pairs' format are part of its token caches' fingerprint
             (SFT's caches keep the names they had before objectives existed).
         beside_workers: ``beside_workers(args)``: what it places on the cluster besides the
-            training workers, each ``(what, Ray resources)`` (GRPO: its rollout engines and a
-            reward task), so that the driver refuses a run the cluster can never hold.
+            training workers, a list of :class:`Beside` (GRPO: its rollout engines and reward
+            tasks), so that the driver refuses a run the cluster can never hold and sizes the
+            embedded Ray for what may run at once.
     """
 
     name: str
@@ -66,7 +89,7 @@ class Objective:
     needs_reference: Callable[[Any], bool] = _never
     metrics: tuple[str, ...] = ()
     names_cache: bool = True
-    beside_workers: Callable[[Any], list[tuple[str, dict[str, float]]]] = _nothing_beside
+    beside_workers: Callable[[Any], list[Beside]] = _nothing_beside
     #: ``run_metrics(args)``: the names its steps log in that run, when some are named at run
     #: time (GRPO's ``rewards/<fn>/mean``); None: ``metrics``.
     run_metrics: Callable[[Any], tuple[str, ...]] | None = None

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ray_trainer._errors import TrainingArgsError
-from ray_trainer._objectives.base import Objective
+from ray_trainer._objectives.base import Beside, Objective
 
 #: The policy losses, each as TRL 1.16's ``GRPOTrainer._compute_loss`` computes it.
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -358,17 +358,24 @@ def check_args(args: Any) -> None:
         raise ValueError(f"rollout_backend: {e}") from None
 
 
-def beside_workers(args: Any) -> list[tuple[str, dict[str, float]]]:
-    """The rollout engines (``min`` of ``rollout_workers`` x ``rollout_resources``) and one
-    reward task (``reward_resources``: each resource's largest over the functions; by default
-    one CPU): what a step needs besides the workers."""
+def beside_workers(args: Any) -> list[Beside]:
+    """The rollout engines (``rollout_resources`` each, by default one CPU: the first step waits
+    for ``min`` of ``rollout_workers``, ``max`` may run) and the reward tasks: a step waits for
+    one task of each resource's largest over the functions (they may run one after another),
+    and each function's own task (``reward_resources``, by default one CPU) may run at once."""
     from ray_trainer._rollout.rewards import resolve_reward_fns, task_resources
 
     engine = dict(args.rollout_resources) if args.rollout_resources is not None else {"CPU": 1.0}
-    # The first step waits for min of them; the others may wait for room (elastic).
-    engines = [(f"rollout engine {i}", engine) for i in range(args.rollout_range[0])]
-    task = task_resources(resolve_reward_fns(args.reward_fns, args.reward_resources))
-    return [*engines, ("a reward function's task", {k: v for k, v in task.items() if v > 0})]
+    least, most = args.rollout_range  # the others may wait for room (elastic)
+    fns = resolve_reward_fns(args.reward_fns, args.reward_resources)
+    largest = {k: v for k, v in task_resources(fns).items() if v > 0}
+    engines = tuple(f"rollout engine {i}" for i in range(least))
+    return [
+        Beside("rollout engine", engine, needed=engines, at_once=most),
+        # What a step waits for; what runs at once is each function's own task, below.
+        Beside("reward task", largest, needed=("a reward function's task",), at_once=0),
+        *(Beside("reward task", {k: v for k, v in f.resources.items() if v > 0}) for f in fns),
+    ]
 
 
 def run_metrics(args: Any) -> tuple[str, ...]:

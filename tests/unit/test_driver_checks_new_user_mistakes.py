@@ -17,6 +17,7 @@ from callbacks import CallbackPicklingError, TrainerCallback
 from ray_trainer import ResourceRequestError, TrainingArgs, TrainingArgsError, run_training
 from ray_trainer._data.records import scan
 from ray_trainer._data.sources import DataFileError, read_piece, resolve
+from ray_trainer._driver.checks.demand import MAX_SHARE
 from ray_trainer._driver.checks.inputs import check_storage, resolve_paths, write_run_record
 from ray_trainer._model.spec import ModelLoadError
 from ray_trainer._storage import locate
@@ -73,16 +74,17 @@ def test_a_run_that_wrote_no_checkpoint_does_not_block_a_corrected_retry(tmp_pat
     assert check_storage(args).name == str(run_dir)  # nothing to protect: accepted
 
 
-# -- 2. the embedded local Ray gets the machine's real resources ------------------------------
+# -- 2. the embedded local Ray shares the machine's cores, up to a bound -----------------------
 
 
-def test_more_workers_than_the_machine_has_are_refused_before_ray_starts(tmp_path, no_ray):
+def test_more_workers_than_the_machine_can_share_are_refused_before_ray_starts(tmp_path, no_ray):
     started = time.monotonic()
     with pytest.raises(ResourceRequestError) as info:
         run_training(num_workers=64, max_steps=1, storage_path=str(tmp_path / "s"))
     assert time.monotonic() - started < 30
-    msg = str(info.value)
-    assert "num_workers=64" in msg and f"CPU={os.cpu_count()}" in msg.replace(".0", "")
+    msg, cores = str(info.value), os.cpu_count()
+    assert "num_workers=64" in msg and f"this machine: {cores} cores" in msg
+    assert f"CPU={MAX_SHARE * cores}" in msg.replace(".0", "")  # each core shared at most 4 ways
     assert "{'CPU': 0.5}" in msg  # the fix for oversubscribing on purpose
 
 

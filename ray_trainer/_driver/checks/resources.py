@@ -1,10 +1,10 @@
 """Driver: checks of a run against the cluster's resources, before a worker starts.
 
 Runs in the driver, joined to the cluster (or, for the embedded local Ray, before it starts):
-`check_resources` refuses workers the cluster can never place (and what the objective places
-beside them: GRPO's rollout engines and reward task) and `check_evaluations` an
-`EvalOnSave` whose tasks no node can run, on a cluster that cannot grow; a clear error instead
-of an endless wait.
+`check_resources` refuses workers the cluster can never place (and what the run places beside
+them that a step waits for: GRPO's rollout engines and a reward task; both read from the run's
+`Demand`, ``demand.py``) and `check_evaluations` an `EvalOnSave` whose tasks no node can run, on
+a cluster that cannot grow; a clear error instead of an endless wait.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import os
 
-from callbacks import EvalOnSave
 from ray_trainer._cluster import SKIP_RESOURCE_CHECK, can_grow, live_nodes, missing
 from ray_trainer._config.args import TrainingArgs
-from ray_trainer._objectives import objective_of
+from ray_trainer._driver.checks.demand import Demand, evaluations, run_demand
 from ray_trainer._placement import CallbackLists
 
 logger = logging.getLogger("ray_trainer")
@@ -25,15 +24,9 @@ class ResourceRequestError(RuntimeError):
     """The cluster can never fit the requested workers; raised instead of waiting forever."""
 
 
-def per_worker(args: TrainingArgs) -> dict[str, float]:
-    """The Ray resources of one training worker."""
-    res = dict(args.resources_per_worker) if args.resources_per_worker else {"CPU": 1.0}
-    if args.use_gpu:
-        res.setdefault("GPU", 1.0)
-    return res
-
-
-def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = None) -> None:
+def check_resources(
+    args: TrainingArgs, nodes: list[dict[str, float]] | None = None, where: str = "the cluster"
+) -> None:
     """Fail fast when the cluster can never place `num_workers` workers of the requested size
     (an elastic run: its `min` workers).
 
@@ -41,18 +34,20 @@ def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = N
     driver joined; for the embedded local Ray, `embedded_resources()` before it starts). On a
     cluster that can grow (`_cluster.can_grow`: an autoscaler, or
     ``RAY_TRAINER_SKIP_RESOURCE_CHECK=1``) a shortfall is not refused: the workers' request is
-    what makes the autoscaler add nodes, bounded by ``worker_start_timeout_s``.
+    what makes the autoscaler add nodes, bounded by ``worker_start_timeout_s``. ``where``
+    names the nodes in a refusal.
     """
     if os.environ.get(SKIP_RESOURCE_CHECK) == "1":  # said by the user: no need to look
         return
     joined = nodes is None
     nodes = live_nodes() if nodes is None else nodes
-    need = per_worker(args)
+    demand = run_demand(args)
+    need = demand.worker
     fits = 0
     for res in nodes:
         fits += int(min(res.get(k, 0.0) / v for k, v in need.items() if v > 0))
     if fits >= args.min_workers:
-        _check_beside(args, nodes, need, joined)
+        _check_beside(args, nodes, demand, joined, where)
         return
     if joined and can_grow():
         logger.info(
@@ -65,21 +60,22 @@ def check_resources(args: TrainingArgs, nodes: list[dict[str, float]] | None = N
     size = f"the elastic minimum {args.min_workers}" if args.elastic else args.num_workers
     raise ResourceRequestError(
         f"num_workers={size} x resources_per_worker={need} cannot be placed: "
-        f"the cluster has {have} over {len(nodes)} node(s), room for {fits} such worker(s). "
+        f"{where} has {have} over {len(nodes)} node(s), room for {fits} such worker(s). "
         "Lower num_workers, or resources_per_worker (e.g. {'CPU': 0.5} puts two workers on "
         "a core), set use_gpu=False, or add nodes."
     )
 
 
 def _check_beside(
-    args: TrainingArgs, nodes: list[dict[str, float]], need: dict[str, float], joined: bool
+    args: TrainingArgs, nodes: list[dict[str, float]], demand: Demand, joined: bool, where: str
 ) -> None:
-    """What the objective places besides the workers (GRPO's rollout engines and a reward
-    task) must fit beside them, or a step would wait for it forever: placed greedily, the
-    workers first, node by node."""
-    beside = objective_of(args.objective).beside_workers(args)
-    if not beside:
+    """What the run places beside the workers that a step waits for (GRPO's rollout engines
+    and a reward task) must fit beside them, or a step would wait for it forever: placed
+    greedily, the workers first, node by node."""
+    needed = [(what, b.resources) for b in demand.beside for what in b.needed]
+    if not needed:
         return
+    need = demand.worker
     free = [dict(n) for n in nodes]
     left = args.min_workers
     for res in free:
@@ -87,7 +83,7 @@ def _check_beside(
             for k, v in need.items():
                 res[k] = res.get(k, 0.0) - v
             left -= 1
-    for what, want in beside:
+    for what, want in needed:
         home = next((r for r in free if all(r.get(k, 0.0) >= v for k, v in want.items())), None)
         if home is None:
             if joined and can_grow():
@@ -95,7 +91,7 @@ def _check_beside(
             have = ", ".join(f"{k}={sum(r.get(k, 0.0) for r in free):g}" for k in want)
             raise ResourceRequestError(
                 f"{what} needs {want} beside the {args.min_workers} worker(s) of "
-                f"{need}, and the cluster has {have} left over {len(nodes)} node(s): the step "
+                f"{need}, and {where} has {have} left over {len(nodes)} node(s): the step "
                 "would wait for it forever. Lower resources_per_worker (e.g. {'CPU': 0.5}), "
                 "rollout_resources or reward_resources (fractions share a core or a GPU), or "
                 "add nodes."
@@ -117,9 +113,7 @@ def check_evaluations(
     autoscaler or ``RAY_TRAINER_SKIP_RESOURCE_CHECK=1``). With an autoscaler, the evaluation
     tasks are submitted and wait for a node, bounded by `EvalOnSave`'s ``timeout_s``.
     """
-    entries = [u[1] if isinstance(u, tuple) else u for u in lists["user"]] + lists["global"]
-    evals = [cb for cb in entries if isinstance(cb, EvalOnSave)]
-    for cb in evals:
+    for cb in evaluations(lists):
         need = {"CPU": cb.num_cpus, "GPU": cb.num_gpus, **cb.resources}
         nodes = live_nodes() if nodes is None else nodes
         reason = missing(need, nodes)
