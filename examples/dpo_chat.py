@@ -159,11 +159,6 @@ def main() -> None:
         max_length=128,
         storage_path=opts.storage,
     )
-    if "RAY_ADDRESS" not in os.environ:
-        import ray
-
-        ray.init(num_cpus=opts.workers + 1)  # the training workers and one evaluation task
-
     if opts.sft_steps:  # 1. SFT on the chosen conversations
         chosen = [{"messages": p["prompt"] + p["chosen"]} for p in pairs]
         sft = run_training(

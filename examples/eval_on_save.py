@@ -34,10 +34,6 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--num-gpus", type=float, default=0)
     opts = parser.parse_args()
-    import ray
-
-    # Two training workers plus room for evaluation tasks.
-    ray.init(num_cpus=4)
     result = run_training(
         max_steps=opts.max_steps,
         num_workers=2,

@@ -99,16 +99,12 @@ def main() -> None:
     parser.add_argument("--eval-gpus", type=float, default=0, help="GPUs per evaluation task")
     parser.add_argument("--storage", default="./runs", help="a shared path or a bucket URI")
     opts = parser.parse_args()
-    import ray
-
     folder = os.path.abspath("runs")
     os.makedirs(folder, exist_ok=True)
     model = opts.model or str(make_tiny_causal_lm(os.path.join(folder, "tiny-gpt2"), n_layer=4))
     train, heldout = make_data(folder)
     with open(heldout) as f:
         texts = [json.loads(line)["text"] for line in f]
-    if not ray.is_initialized() and "RAY_ADDRESS" not in os.environ:
-        ray.init(num_cpus=opts.workers + 2)  # the training workers, and room for evaluations
     result = run_training(
         model=model,
         data=train,

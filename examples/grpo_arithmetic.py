@@ -159,10 +159,6 @@ def main() -> None:
     storage = os.path.abspath(opts.storage)
     model = str(make_tiny_chat_model(os.path.join(folder, "tiny-chat-arith")))
     records = arithmetic_records()
-    if "RAY_ADDRESS" not in os.environ:
-        import ray
-
-        ray.init(num_cpus=3)  # the training worker, the rollout engine and the reward task
 
     # 1. SFT warm-up on right answers: the form, and some of the sums
     sft = run_training(

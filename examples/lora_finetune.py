@@ -66,8 +66,6 @@ def main() -> None:
     parser.add_argument("--num-gpus", type=float, default=0, help="per evaluation task")
     parser.add_argument("--qlora", action="store_true", help="a 4-bit NF4 base (QLoRA)")
     opts = parser.parse_args()
-    import ray
-
     work = tempfile.mkdtemp(prefix="lora_example_")
     if opts.qlora:  # a Llama-style model: nn.Linear layers, which NF4 can hold
         base = str(make_tiny_chat_model(os.path.join(work, "tiny-llama"), style="llama3"))
@@ -79,7 +77,6 @@ def main() -> None:
     data = os.path.join(work, "train.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"text": TEXTS[i % 3]}) + "\n" for i in range(300))
-    ray.init(num_cpus=4)  # two training workers plus room for the evaluation tasks
     result = run_training(
         model=base,
         data=data,

@@ -7,13 +7,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 import pytest
 import yaml
+from driver_process import embedded_env
 from rt_support import AllRanksRecorder, SlowSteps, StepCounter, read_records
 from support_paths import pythonpath
 from waiting import wait_until
@@ -23,27 +23,6 @@ ERROR_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,.]+ E \d+ \d+\]|\bERROR\b|Trace
 # /tmp/ray is over 95% full (a CI machine with 12 of 252 GB free failed the console check on it).
 # A user should see it; it says nothing about the demo.
 HOST_LINE = re.compile(r"\(raylet\).*file_system_monitor\.cc:\d+: .* is over \d+% full")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _embedded_env() -> dict[str, str]:
-    """For a CLI that starts its own local Ray beside this test session's: its own fixed
-    ports, metrics reported every second, no address of another cluster."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
-    }
-    env.update(
-        PYTHONPATH=pythonpath(env=env),
-        AUTOSCALER_METRIC_PORT=str(_free_port()),
-        DASHBOARD_METRIC_PORT=str(_free_port()),
-        RAY_metrics_report_interval_ms="1000",
-    )
-    return env
 
 
 def test_the_demo_console_is_clean_and_the_dashboard_shows_the_run(tmp_path):
@@ -61,7 +40,7 @@ def test_the_demo_console_is_clean_and_the_dashboard_shows_the_run(tmp_path):
             *("--set", f"callbacks={json.dumps(callbacks)}"),
         ],
         cwd=tmp_path,
-        env=_embedded_env(),
+        env=embedded_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -16,8 +16,25 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from support_paths import SUPPORT
+from s3_server import _free_port
+from support_paths import SUPPORT, pythonpath
 from waiting import wait_until
+
+
+def embedded_env() -> dict[str, str]:
+    """The environment of a driver that starts its own local Ray beside this test session's
+    (`ray-trainer demo`, a guide's snippet): ports of its own where Ray's are fixed, metrics
+    reported every second, no address of another cluster."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    }
+    env.update(
+        PYTHONPATH=pythonpath(env=env),
+        AUTOSCALER_METRIC_PORT=str(_free_port()),
+        DASHBOARD_METRIC_PORT=str(_free_port()),
+        RAY_metrics_report_interval_ms="1000",
+    )
+    return env
 
 
 def start_driver(
