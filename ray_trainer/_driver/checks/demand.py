@@ -29,8 +29,9 @@ from ray_trainer._config.args import TrainingArgs
 from ray_trainer._objectives import Beside, objective_of
 from ray_trainer._placement import CallbackLists
 
-#: The embedded Ray shares each of the machine's cores among at most this many logical CPUs:
-#: a run that needs more at once is refused before Ray starts (its processes would thrash).
+#: The embedded Ray shares each of the machine's cores among at most this many logical CPUs: a
+#: run whose steps need more is refused before Ray starts (`num_workers=64` on 2 cores would
+#: thrash), and what may run beyond it waits for room.
 MAX_SHARE = 4
 
 
@@ -70,7 +71,7 @@ class Demand:
 
     def asks(self, resource: str) -> bool:
         """Whether anything of the run asks for `resource` (``"GPU"``)."""
-        return any(r.get(resource, 0.0) > 0 for r in self._kinds())
+        return any(res.get(resource, 0.0) > 0 for _, _, res in self._entries())
 
     def counts(self, resource: str = "CPU") -> list[tuple[str, int]]:
         """How many of each kind that holds `resource` may run at once, as ``(noun, count)`` in
@@ -85,9 +86,6 @@ class Demand:
         yield "worker", self.workers[1], self.worker
         for b in self.beside:
             yield b.noun, b.at_once, b.resources
-
-    def _kinds(self) -> Iterator[dict[str, float]]:
-        return (res for _, _, res in self._entries())
 
 
 def run_demand(args: TrainingArgs, lists: CallbackLists | None = None) -> Demand:
