@@ -298,20 +298,26 @@ class EvalTracker:
 def _run_eval(eval_fn: Any, checkpoint_path: str, step: int, filesystem: Any = None) -> Any:
     """The body of every evaluation task: runs wherever Ray places it.
 
-    `eval_fn` gets a local folder holding the checkpoint: the checkpoint itself on local or
-    shared storage, else a download into this task's own temporary folder (removed after).
-    The checkpoint's own path or URI is passed as ``checkpoint_uri=`` when `eval_fn` takes it,
-    and the run's ``storage_filesystem`` (when one is set) as ``filesystem=``.
+    `eval_fn` gets a local folder holding the checkpoint, verified first as every reader of
+    checkpoints verifies one (``open_checkpoint``): complete, every listed file matching the
+    SHA-256 its manifest lists, and no file that a reader opens (``model.pt``, ``shards/``,
+    ``hf/``...) there unlisted, else the evaluation fails with the `CheckpointError` that says
+    why. The folder is the checkpoint itself on local or shared storage, else a download into
+    this task's own temporary folder (removed after). ``load_model`` of that folder inside
+    `eval_fn` does not hash it again. The checkpoint's own path or URI is passed as
+    ``checkpoint_uri=`` when `eval_fn` takes it, and the run's ``storage_filesystem`` (when one
+    is set) as ``filesystem=``.
     """
-    from ray_trainer._storage import local_copy, locate
+    from ray_trainer._checkpoint import open_checkpoint
+    from ray_trainer._storage import locate
 
-    with local_copy(locate(checkpoint_path, filesystem)) as local:
+    with open_checkpoint(locate(checkpoint_path, filesystem)) as checkpoint:
         kwargs: dict[str, Any] = {}
         if _takes_keyword(eval_fn, "checkpoint_uri"):
             kwargs["checkpoint_uri"] = checkpoint_path
         if filesystem is not None and _takes_keyword(eval_fn, "filesystem"):
             kwargs["filesystem"] = filesystem  # the run's storage_filesystem, to write back
-        return eval_fn(local, step, **kwargs)
+        return eval_fn(checkpoint.folder, step, **kwargs)
 
 
 class _Evaluator:

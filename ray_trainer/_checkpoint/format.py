@@ -13,7 +13,8 @@ writes ``rank<r>.complete`` last: a JSON manifest of its files, their sizes and 
 the save it belongs to (the run's launch and attempt). A checkpoint is complete only when rank
 0's manifest is there, names the world size, and the manifest of every rank names the same save
 and matches the sizes of the files in storage (`check_complete`, cheap); it is read only after
-the content of every file matches its hash too (`check_content`). Checkpoints of the older
+the content of every file matches its hash too (`check_content`), and when no file that a reader
+opens is there unlisted (`unlisted_readable`). Checkpoints of the older
 format (1: pickled state, ``model_spec.pkl``) are refused, never unpickled. A sharded checkpoint holds a tied weight
 once; ``TrainerState.extra["tied_weights"]`` names its other names. Reads go through the storage
 layer (``_storage.py``): a checkpoint path may be a local path or a URI.
@@ -25,9 +26,12 @@ import json
 import logging
 import os
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import pyarrow.fs as pafs
 
 from ray_trainer._checkpoint import safe
 from ray_trainer._checkpoint.names import checkpoint_names
@@ -48,6 +52,8 @@ MODEL_SPEC_FILE = "model_spec.json"
 #: Format 1's model spec, a pickle: named when such a checkpoint is refused.
 OLD_MODEL_SPEC_FILE = "model_spec.pkl"
 SHARDS_DIR = "shards"  # FSDP: every rank's DCP shards of model and optimizer, and .metadata
+#: The DCP metadata of a sharded checkpoint (it names the shard files DCP reads).
+SHARD_METADATA = f"{SHARDS_DIR}/.metadata"
 HF_DIR = "hf"  # a Hugging Face model's export: config, safetensors, tokenizer
 #: With ``lora_export="both"``: the PEFT adapter (the merged model is in ``hf/``).
 HF_ADAPTER_DIR = "hf_adapter"
@@ -200,7 +206,9 @@ def verify(path: str, filesystem: Any = None) -> TrainerState:
 def verify_location(location: Location) -> TrainerState:
     """`verify` of a `Location` (e.g. one that `complete_checkpoints` found)."""
     state = check_complete(location)
-    for name, entry in listed_files(location).items():
+    files = listed_files(location)
+    check_unlisted(location, files)
+    for name, entry in files.items():
         if _sha256(location.child(name)) != entry["sha256"]:
             raise differs(location.name, name)
     return state
@@ -217,12 +225,34 @@ def check_complete(location: Location) -> TrainerState:
                 f"{location.name}: incomplete checkpoint: {name} is missing or truncated; "
                 "resume from an earlier checkpoint"
             )
+    return _trainer_state(_read(location.child(STATE_FILE)), f"{location.name}/{STATE_FILE}")
+
+
+#: `TrainerState`'s counters: whole numbers, none negative (``world_size`` at least 1).
+_COUNTERS = ("global_step", "epoch", "step_in_epoch", "samples_seen", "tokens_seen", "world_size")
+STRATEGIES = ("ddp", "fsdp")
+
+
+def _trainer_state(data: bytes | None, name: str) -> TrainerState:
+    """The trainer state in `data` (``trainer_state.json``), its fields checked: the counters
+    are whole numbers, the strategy one this version reads."""
     try:
-        raw = json.loads(location.child(STATE_FILE).read_bytes())
+        raw = json.loads(data if data is not None else b"")
         raw.pop("format", None)
-        return TrainerState(**raw)
+        state = TrainerState(**raw)
     except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not its fields
-        raise CheckpointError(f"{location.name}/{STATE_FILE}: not a trainer state ({e})") from None
+        raise CheckpointError(f"{name}: not a trainer state ({e})") from None
+    for key in _COUNTERS:
+        value = getattr(state, key)
+        if type(value) is not int or value < (1 if key == "world_size" else 0):
+            raise CheckpointError(f"{name}: not a trainer state ({key} is {value!r})")
+    if state.strategy not in STRATEGIES:
+        raise CheckpointError(
+            f"{name}: strategy {state.strategy!r} is none of {', '.join(STRATEGIES)}"
+        )
+    if not isinstance(state.extra, dict) or not isinstance(state.stop_reason, (str, type(None))):
+        raise CheckpointError(f"{name}: not a trainer state (extra, stop_reason)")
+    return state
 
 
 def listed_files(location: Location) -> dict[str, dict[str, Any]]:
@@ -239,9 +269,14 @@ def listed_files(location: Location) -> dict[str, dict[str, Any]]:
                 "another save of this step; resume from an earlier checkpoint"
             )
         for name, entry in manifest["files"].items():
-            if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            if (
+                not isinstance(entry, dict)
+                or not isinstance(entry.get("sha256"), str)
+                or type(entry.get("size")) is not int
+            ):
                 raise CheckpointError(f"{location.name}: rank{rank}.complete: bad entry {name!r}")
-            if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/"):
+            parts = name.replace("\\", "/").split("/")
+            if name.startswith(("/", "\\")) or any(p in ("", ".", "..") for p in parts):
                 raise CheckpointError(f"{location.name}: rank{rank}.complete names {name!r}")
             files[name] = entry
     if STATE_FILE not in files:
@@ -249,15 +284,83 @@ def listed_files(location: Location) -> dict[str, dict[str, Any]]:
     return files
 
 
-def check_content(folder: str, location: Location) -> None:
+def check_content(folder: str, location: Location) -> dict[str, dict[str, Any]]:
     """Check that the files of the checkpoint at `location`, as copied into the local `folder`
     (the checkpoint itself on local storage), match the hashes its manifests list (read from
-    `folder`, the copy that will be read); `CheckpointError` names the first that differs."""
+    `folder`, the copy that will be read), and that no file a reader opens is there unlisted
+    (`check_unlisted`); `CheckpointError` names the first that differs. The files listed."""
     local = locate(folder)
-    for name, entry in listed_files(local).items():
+    files = listed_files(local)
+    check_unlisted(local, files, location.name)
+    for name, entry in files.items():
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or safe.sha256_file(path) != entry["sha256"]:
             raise differs(location.name, name)
+    return files
+
+
+# ---- the files a reader opens ----------------------------------------------------------------
+
+#: The format's own files at the top of a checkpoint, each opened by some reader (``model_spec.pkl``
+#: by none now, but by ray-trainer before format 2).
+_READ_AT_TOP = frozenset(
+    {MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, STATE_FILE, MODEL_SPEC_FILE, OLD_MODEL_SPEC_FILE}
+)
+_RANK_PART = re.compile(r"rank\d+\.pt")
+#: Folders whose every file some reader opens: DCP reads ``.metadata`` and the shard files it
+#: names; ``from_pretrained``, vLLM and lm-evaluation-harness open the export folder whole.
+_READ_FOLDERS = (SHARDS_DIR, HF_DIR, HF_ADAPTER_DIR)
+
+
+def read_by_a_reader(name: str) -> bool:
+    """Whether some reader of checkpoints opens the file `name` (relative to the checkpoint):
+    the format's files at the top (``model.pt``, ``optimizer.pt``, ``scheduler.pt``,
+    ``trainer_state.json``, ``model_spec.json``, ``rank<r>.pt``...), every file under ``shards/``,
+    ``hf/`` and ``hf_adapter/``, and a DCP file (``.metadata``, ``*.distcp``) anywhere.
+
+    Not so, and so harmless when no manifest lists them: the manifests (``rank<r>.complete``:
+    one of a rank the save did not have is never read), the callback actor's
+    ``actor_state.pt`` (written beside the checkpoint after its save; the actor alone reads it,
+    weights-only), ``GenerationEval``'s samples (``eval/``), writers' temporary files, and Ray
+    Train's or a user's own files: no reader of ray-trainer opens them."""
+    parts = name.replace("\\", "/").split("/")
+    if parts[-1] == ".metadata" or parts[-1].endswith(".distcp"):
+        return True
+    if len(parts) > 1:
+        return parts[0] in _READ_FOLDERS
+    return name in _READ_AT_TOP or _RANK_PART.fullmatch(name) is not None
+
+
+def unlisted_readable(location: Location, files: dict[str, Any]) -> list[str]:
+    """The files under the checkpoint folder `location` that a reader opens
+    (`read_by_a_reader`) but that its manifests do not list (`files`), relative, sorted."""
+    base = location.path.rstrip("/") + "/"
+    selector = pafs.FileSelector(location.path, allow_not_found=True, recursive=True)
+    found = [
+        info.path[len(base) :] if info.path.startswith(base) else info.base_name
+        for info in location.fs.get_file_info(selector)
+        if info.type == pafs.FileType.File
+    ]
+    return sorted(n for n in found if n not in files and read_by_a_reader(n))
+
+
+def check_unlisted(location: Location, files: dict[str, Any], where: str | None = None) -> None:
+    """Refuse the checkpoint at `location` (`CheckpointError` naming `where`, its name by
+    default, and the files) when it holds files that a reader opens but no manifest lists: a
+    reader reads only listed, hashed files, and a checkpoint with others beside them is not the
+    one its manifests describe (changed after it was written, or left so by a save that
+    crashed, which a restart of the run removes)."""
+    found = unlisted_readable(location, files)
+    if not found:
+        return
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    raise CheckpointError(
+        f"{where or location.name}: refused: it holds {shown}, which no manifest of it lists "
+        "(rank*.complete): readers open only the files a checkpoint's manifests list and hash, "
+        "so files that a reader would open were added after its save (or left by a save that "
+        "crashed); remove them if you know where they come from, else resume from or load an "
+        "earlier checkpoint"
+    )
 
 
 def differs(where: str, name: str) -> CheckpointError:
@@ -277,6 +380,20 @@ def _sha256(location: Location) -> str:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cut_off(folder: Location) -> bool:
+    """True when a rank's manifest of the checkpoint `folder` is missing (rank 0's, or one of
+    the ranks its manifest counts): a save cut off while writing. False when it is complete or
+    its manifest is unreadable (an unknown format is left alone, never deleted)."""
+    text = folder.child(manifest_name(0)).read_text()
+    if text is None:
+        return True
+    try:
+        world_size = int(json.loads(text)["world_size"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    return any(folder.child(manifest_name(r)).size() is None for r in range(1, world_size))
 
 
 def complete_checkpoints(run: Location, holding: str | None = None) -> Iterator[Location]:
@@ -304,16 +421,18 @@ def latest_checkpoint(run_dir: str, filesystem: Any = None) -> str | None:
 
 def _read_manifest(location: Location, rank: int) -> dict[str, Any]:
     file = location.child(manifest_name(rank))
-    text = file.read_text()
-    if text is None:
+    data = _read(file)
+    if data is None:
         raise CheckpointError(
             f"{location.name}: incomplete checkpoint (no rank{rank}.complete): it was not fully "
             "written; resume from an earlier checkpoint"
         )
     try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as e:
+        manifest = json.loads(data)
+    except ValueError as e:  # not JSON, or not UTF-8
         raise CheckpointError(f"{file.name}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file.name}: corrupt manifest (not an object)")
     if manifest.get("format") == 1:
         raise OldCheckpointError(
             f"{location.name} was written by an older ray-trainer (checkpoint format 1): its "
@@ -324,4 +443,19 @@ def _read_manifest(location: Location, rank: int) -> dict[str, Any]:
         )
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{file.name}: unknown checkpoint format {manifest.get('format')!r}")
+    world = manifest.get("world_size")
+    if type(world) is not int or world < 1 or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{file.name}: corrupt manifest (world_size, files)")
     return manifest
+
+
+def _read(file: Location) -> bytes | None:
+    """A file's bytes, or None when there is no such file (a folder of its name is refused)."""
+    try:
+        return file.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if file.is_dir():  # pyarrow's error for a folder is a plain OSError
+            raise CheckpointError(f"{file.name} is a folder, not a file") from None
+        raise

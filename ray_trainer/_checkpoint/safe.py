@@ -6,7 +6,8 @@ checkpoint goes through a full unpickler: state is plain data (tensors, numbers,
 None, lists, tuples and dicts with string keys), written with ``torch.save`` and read with
 ``torch.load(weights_only=True)``, whose unpickler builds nothing else; the one pickle that
 torch.distributed.checkpoint writes for FSDP shards (``.metadata``) is read by an unpickler
-that builds only DCP's own metadata records. Every file's SHA-256 is in its rank's manifest
+that builds only DCP's own metadata records, and DCP's entries that are not tensors are read
+weights-only too (``dcp_reader``). Every file's SHA-256 is in its rank's manifest
 (``format.py``) and checked before the file is read.
 """
 
@@ -173,26 +174,81 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def dcp_reader(shards_dir: str, name: str) -> Any:
-    """A ``FileSystemReader`` for FSDP shards whose ``.metadata`` is read by an unpickler that
-    builds DCP's metadata and nothing else (DCP's own reader unpickles it whole)."""
+    """A ``FileSystemReader`` for FSDP shards that runs no code from them: its ``.metadata`` is
+    read by an unpickler that builds DCP's metadata and nothing else (DCP's own reader unpickles
+    it whole), a model entry that is not a tensor is refused, and the entries that are not
+    tensors (an optimizer's settings: DCP stores them as pickles, "bytes") are read
+    weights-only (DCP's own planner reads them with a full unpickler)."""
     import torch.distributed.checkpoint as dcp
 
     class _Reader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            path = self._get_metadata_path(kwargs.get("rank"))
+            if kwargs.get("rank") is not None:  # DCP's fallback: our saves write one .metadata
+                raise CheckpointError(f"{name}: no readable .metadata")
+            path = self._get_metadata_path()
             with self.fs.create_stream(path, "rb") as f:
                 try:
                     metadata = _MetadataUnpickler(f).load()
                 except (pickle.UnpicklingError, AttributeError, TypeError, EOFError) as e:
                     raise CheckpointError(f"{name}: refused shard metadata ({e})") from None
+            _check_entries(metadata, name)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            return super().read_data(plan, _WeightsOnlyBytes(planner, name))
+
     return _Reader(shards_dir)
+
+
+#: The top-level key of DCP's state that holds the model's weights: tensors, every one.
+_MODEL_KEY = "model"
+
+
+def _check_entries(metadata: Any, name: str) -> None:
+    """Refuse DCP metadata that is not DCP's records, or whose model entry is not a tensor
+    (a pickle in the shards: what a weight never is)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(metadata, Metadata) or not isinstance(entries, dict):
+        raise CheckpointError(f"{name}: refused shard metadata (not DCP's metadata)")
+    for key, entry in entries.items():
+        if isinstance(entry, BytesStorageMetadata) and str(key).split(".")[0] == _MODEL_KEY:
+            raise CheckpointError(
+                f"{name}: refused: its model entry {key!r} is not a tensor but a pickle, "
+                "which no save of a model writes (it was tampered with)"
+            )
+
+
+class _WeightsOnlyBytes:
+    """A DCP load planner, `planner` but for its entries that are not tensors ("bytes"),
+    which are read weights-only (`loads`: plain data, nothing run) and put where `planner`
+    would put them."""
+
+    def __init__(self, planner: Any, name: str) -> None:
+        self._planner = planner
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._planner, attr)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        if str(fqn).split(".")[0] == _MODEL_KEY:
+            raise CheckpointError(f"{self._name}: refused: its model entry {fqn!r} is not a tensor")
+        item = loads(value.getvalue(), f"{self._name}: entry {fqn!r}")
+        planner = self._planner
+        if getattr(planner, "flatten_state_dict", False):  # as DefaultLoadPlanner.load_bytes
+            set_element(planner.original_state_dict, planner.mappings[fqn], item)
+        else:
+            planner.state_dict[fqn] = item
 
 
 @contextlib.contextmanager
@@ -205,6 +261,10 @@ def shard_errors(name: str) -> Iterator[None]:
     try:
         yield
     except CheckpointException as e:
+        failures = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+        refused = [f for f in failures if isinstance(f, CheckpointError)]
+        if refused:  # ours, raised inside DCP (a refused entry): it says it all
+            raise CheckpointError(str(refused[0])) from None
         met = "; ".join(
             f"rank {rank}: {_first_line(failure[0] if isinstance(failure, tuple) else failure)}"
             for rank, failure in sorted(e.failures.items())

@@ -14,12 +14,11 @@ lease (``lease.py``), `remove_crashed_saves` deletes what saves that crashed lef
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
 
-from ray_trainer._checkpoint import manifest_name
+from ray_trainer._checkpoint import cut_off
 from ray_trainer._checkpoint.names import RAY_CHECKPOINT_LIST, checkpoint_names
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._contract import Retention
@@ -73,7 +72,7 @@ def remove_crashed_saves(run: Location) -> list[str]:
     removed = []
     names = run.listdir()
     for name in checkpoint_names(names):
-        if _cut_off(run.child(name)):
+        if cut_off(run.child(name)):
             removed.append(name)
     removed += [name for name in names if _TEMP_FILE.fullmatch(name)]
     for name in removed:
@@ -84,17 +83,3 @@ def remove_crashed_saves(run: Location) -> list[str]:
     if removed:
         logger.warning("%s: removed what crashed saves left: %s", run.name, ", ".join(removed))
     return removed
-
-
-def _cut_off(folder: Location) -> bool:
-    """True when a rank's manifest of the checkpoint `folder` is missing (rank 0's, or one of
-    the ranks its manifest counts); False when it is complete or its manifest is unreadable
-    (an unknown format is left alone, never deleted)."""
-    text = folder.child(manifest_name(0)).read_text()
-    if text is None:
-        return True
-    try:
-        world_size = int(json.loads(text)["world_size"])
-    except (ValueError, KeyError, TypeError):
-        return False
-    return any(folder.child(manifest_name(r)).size() is None for r in range(1, world_size))

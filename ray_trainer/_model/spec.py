@@ -40,6 +40,7 @@ class ModelSpec:
     max_length: int = 128
     tokenizer: str | None = None
     allow_download: bool = False
+    recorded_factory: str | None = None  # the "module:qualname" a checkpoint named, imported
 
     @classmethod
     def of(cls, args: Any) -> ModelSpec:
@@ -70,17 +71,32 @@ class ModelSpec:
         return {"model": None, "factory": factory_ref(model), "factory_name": name, **fields}
 
     @classmethod
-    def from_record(cls, record: dict[str, Any], model: Any = None, where: str = "") -> ModelSpec:
-        """The spec a checkpoint records (`record`'s data). `model`, a factory, builds the
-        model instead of the one recorded; it is needed where the run's factory could not be
-        recorded by name. A recorded ``"module:qualname"`` is imported from this environment."""
-        fields = {k: record[k] for k in ("demo", "on_jsonl", "max_length", "tokenizer")}
+    def from_record(
+        cls,
+        record: dict[str, Any] | None,
+        model: Any = None,
+        where: str = "",
+        trust_factory: bool = False,
+    ) -> ModelSpec:
+        """The spec a checkpoint records (`record`'s data; None: the checkpoint records none,
+        and `model` builds it). `model`, a factory, builds the model instead of the one
+        recorded; it is needed where the run's factory could not be recorded by name. A
+        recorded ``"module:qualname"`` is imported from this environment only with
+        `trust_factory` (anyone who can write a checkpoint can name any callable there):
+        without it, `ModelLoadError` names the factory and both ways out, before any import.
+        Fields of the wrong type raise `TypeError` naming them (the checkpoint's reader says
+        which file)."""
+        if model is not None and not callable(model):
+            raise ModelLoadError(f"model= must be a factory (a callable), got {model!r}")
+        if record is None:
+            if model is None:
+                raise ModelLoadError(f"{where}: it records no model spec; pass model=factory")
+            return cls(model=model)
+        _check_record(record)
         spec = cls(model=record.get("model"), allow_download=bool(record.get("allow_download")))
-        spec.demo, spec.on_jsonl = dict(fields["demo"] or {}), bool(fields["on_jsonl"])
-        spec.max_length, spec.tokenizer = int(fields["max_length"]), fields["tokenizer"]
+        spec.demo, spec.on_jsonl = dict(record["demo"] or {}), record["on_jsonl"]
+        spec.max_length, spec.tokenizer = record["max_length"], record["tokenizer"]
         if model is not None:
-            if not callable(model):
-                raise ModelLoadError(f"model= must be a factory (a callable), got {model!r}")
             spec.model = model
         elif "factory" in record:
             ref = record["factory"]
@@ -91,7 +107,16 @@ class ModelSpec:
                     "in __main__), so the checkpoint does not record it; pass it: "
                     "load_model(path, model=factory)"
                 )
-            spec.model = import_factory(ref, where)
+            if not trust_factory:
+                raise ModelLoadError(
+                    f"{where}: its model is built by the factory {ref!r}, which loading would "
+                    "import and call; a checkpoint can name any importable callable there, so a "
+                    "factory it names is called only when you say so: load_model(path, "
+                    "model=<your factory>) builds the model with yours; load_model(path, "
+                    f"trust_factory=True) imports and calls {ref!r} (if you trust this "
+                    "checkpoint)"
+                )
+            spec.model, spec.recorded_factory = import_factory(ref, where), ref
         return spec
 
     @property
@@ -129,8 +154,9 @@ class ModelSpec:
             return model
         model = self.model()
         if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model factory {self.model!r} returned {type(model).__name__}, not an nn.Module"
+            raise NotAModuleError(
+                f"model factory {self.recorded_factory or _factory_name(self.model)!r} returned "
+                f"{type(model).__name__}, not an nn.Module"
             )
         return model
 
@@ -187,6 +213,43 @@ class ModelSpec:
 
 class ModelLoadError(TrainingArgsError):
     """A model or tokenizer reference that cannot be loaded; the message says why and the fix."""
+
+
+class NotAModuleError(ModelLoadError, TypeError):
+    """A model factory that returned something other than an ``nn.Module`` (a `TypeError` too,
+    as it was before it was a `ModelLoadError`)."""
+
+
+#: A model spec's record (`ModelSpec.record`): each field's JSON types.
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str, type(None)),
+    "demo": (dict, type(None)),
+    "on_jsonl": (bool,),
+    "max_length": (int,),
+    "tokenizer": (str, type(None)),
+    "allow_download": (bool,),
+    "factory": (str, type(None)),
+    "factory_name": (str, type(None)),
+}
+_REQUIRED = ("demo", "on_jsonl", "max_length", "tokenizer")
+
+
+def _check_record(record: dict[str, Any]) -> None:
+    """A `TypeError` (`KeyError` for a missing field) naming a field of `record` that is not
+    what `ModelSpec.record` writes; the demo's settings are numbers, strings or bools."""
+    missing = [key for key in _REQUIRED if key not in record]
+    if missing:
+        raise KeyError(missing[0])
+    for key, kinds in _RECORD_TYPES.items():
+        if key in record and type(record[key]) not in kinds:
+            raise TypeError(f"{key} is a {type(record[key]).__name__}")
+    for key, value in (record["demo"] or {}).items():
+        if type(value) not in (int, float, str, bool, type(None)):
+            raise TypeError(f"demo[{key!r}] is a {type(value).__name__}")
+
+
+def _factory_name(factory: Any) -> str:
+    return factory_ref(factory) or getattr(factory, "__qualname__", None) or repr(factory)
 
 
 def is_builtin(model: object) -> bool:

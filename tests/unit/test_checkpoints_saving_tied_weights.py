@@ -77,7 +77,8 @@ def test_an_fsdp_checkpoint_of_tied_embeddings_is_no_larger_than_ddps(tmp_path):
         for name in os.listdir(tmp_path / f"rank{rank}" / "shards"):
             os.replace(tmp_path / f"rank{rank}" / "shards" / name, shards / name)
     state = TrainerState(strategy="fsdp", extra={"tied_weights": ranks[0]["aliases"]})
-    checkpoint = LocalCheckpoint(str(tmp_path / "all"), "test", state)
+    listed = {f"shards/{name}": {} for name in os.listdir(shards)}  # what its manifests list
+    checkpoint = LocalCheckpoint(str(tmp_path / "all"), "test", state, listed)
     weights = checkpoint.model_state()  # no template: the alias comes from the trainer state
     assert weights["lm_head.weight"] is weights["transformer.wte.weight"]
     expected = torch.load(tmp_path / "model.pt")

@@ -8,7 +8,10 @@ callback actor).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import ray.train
@@ -16,11 +19,14 @@ import torch.distributed as dist
 
 from ray_trainer import _checkpoint as ckpt
 from ray_trainer._checkpoint import safe
+from ray_trainer._checkpoint.names import CHECKPOINT_PREFIX, checkpoint_names
 from ray_trainer._contract import RunSpec
 from ray_trainer._storage import Location, locate
 from ray_trainer._worker.checkpoints.async_save import publish
 from ray_trainer._worker.checkpoints.saving import published_step, sharded_state
 from ray_trainer._worker.state import WorkerState
+
+logger = logging.getLogger("ray_trainer")
 
 _META = ".ray_trainer"
 
@@ -55,6 +61,8 @@ def maybe_resume(s: WorkerState) -> None:
         location = s.run.child(os.path.basename(reported.path.rstrip("/")))
     if location is None and s.args.resume_from is not None:
         location = locate(s.args.resume_from)  # a checkpoint of another run: its own storage
+    if s.rank == 0:  # before any save of this attempt: none may write into their leftovers
+        remove_cut_off_saves(s.run, after=-1 if location is None else _step(location.basename))
     if location is None:
         return
     with ckpt.open_checkpoint(location) as checkpoint:
@@ -64,20 +72,10 @@ def maybe_resume(s: WorkerState) -> None:
                 f"{checkpoint.name} was written with strategy={written_with!r}; continue "
                 f"with strategy={written_with!r} (this run has {s.args.strategy!r})"
             )
-        if s.parallel.sharded:
-            # A collective: every rank reads its shards.
-            load_shards(s.parallel.model, s.optimizer, s.workload.adaptation, checkpoint.shards_dir)
-        else:  # a LoRA checkpoint holds the adapters alone: the adaptation loads them
-            model_state = checkpoint.load(ckpt.MODEL_FILE)
-            s.workload.adaptation.load(s.parallel.module(), model_state, checkpoint.name)
-            optimizer = checkpoint.load(ckpt.OPTIMIZER_FILE)
-            if optimizer is not None:
-                s.optimizer.load_state_dict(optimizer)
-        scheduler = checkpoint.scheduler()
-        part = checkpoint.rank_part(s.rank)
+        part = restore_state(
+            checkpoint, s.parallel, s.optimizer, s.scheduler, s.workload.adaptation, s.rank
+        )
         p = s.progress = checkpoint.state
-    if scheduler is not None:
-        s.scheduler.load_state_dict(scheduler)
     if part["rng"] is not None:
         ckpt.set_rng_state(part["rng"])
     s.hooks.manager.load_state_dict(part["callbacks"])
@@ -105,6 +103,78 @@ def maybe_resume(s: WorkerState) -> None:
         # counts from now, as any other, before training goes on from it.
         publish(s, p.global_step, location, saved)
     s.hooks.fire("on_load_checkpoint", checkpoint_path=location.name)
+
+
+def restore_state(
+    checkpoint: ckpt.LocalCheckpoint,
+    parallel: Any,
+    optimizer: Any,
+    scheduler: Any,
+    adaptation: Any,
+    rank: int,
+) -> dict[str, Any]:
+    """Every rank: read the verified `checkpoint`'s model and optimizer (its DCP shards, a
+    collective, under FSDP: how it was written is its trainer state's word) and scheduler into
+    the live objects; this rank's part (RNG, callback state, user_state). What does not fit
+    them is a `CheckpointError` naming the checkpoint."""
+    if checkpoint.sharded:
+        # A collective: every rank reads its shards.
+        load_shards(parallel.model, optimizer, adaptation, checkpoint.shards_dir)
+    else:  # a LoRA checkpoint holds the adapters alone: the adaptation loads them
+        model_state = checkpoint.model_state()  # model.pt, which the manifests list
+        with _fitting(checkpoint.name, "model"):
+            adaptation.load(parallel.module(), model_state, checkpoint.name)
+        optim = checkpoint.optimizer()
+        with _fitting(checkpoint.name, "optimizer"):
+            optimizer.load_state_dict(optim)
+    state = checkpoint.scheduler()
+    if state is not None:
+        if not isinstance(state, dict) or not set(state) <= set(scheduler.state_dict()):
+            raise ckpt.CheckpointError(
+                f"{checkpoint.name}/{ckpt.SCHEDULER_FILE}: not this run's scheduler state"
+            )
+        with _fitting(checkpoint.name, "scheduler"):
+            scheduler.load_state_dict(state)
+    return checkpoint.rank_part(rank)
+
+
+@contextlib.contextmanager
+def _fitting(name: str, what: str) -> Iterator[None]:
+    """A checkpoint's state that the live `what` refuses, as a `CheckpointError` naming it."""
+    try:
+        yield
+    except ckpt.CheckpointError:
+        raise
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ckpt.CheckpointError(
+            f"{name}: its {what} state does not fit this run's {what} ({first[:300]})"
+        ) from None
+
+
+def remove_cut_off_saves(run: Location, after: int) -> list[str]:
+    """Rank 0, at the start of an attempt: delete the checkpoint folders newer than step
+    `after` (the one this attempt resumes from) that a save cut off (a manifest missing,
+    `ckpt.cut_off`), so that a save of this attempt never writes into what a crashed one left
+    (e.g. the shards of a rank that an elastic run no longer has, which readers refuse:
+    ``format.check_unlisted``). No save is in flight: the attempt's group has just started."""
+    removed = []
+    for name in checkpoint_names(run.listdir()):
+        if _step(name) > after and ckpt.cut_off(run.child(name)):
+            try:
+                run.child(name).delete()
+            except OSError as e:  # left for the driver's next start
+                logger.warning("could not remove %s: %s", run.child(name).name, e)
+                continue
+            removed.append(name)
+    if removed:
+        logger.warning("%s: removed what saves cut off left: %s", run.name, ", ".join(removed))
+    return removed
+
+
+def _step(name: str) -> int:
+    digits = name[len(CHECKPOINT_PREFIX) :]
+    return int(digits) if name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else -1
 
 
 def _unpublished(s: WorkerState, step: int) -> bool:
