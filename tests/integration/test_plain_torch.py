@@ -129,7 +129,7 @@ def test_the_checkpoint_loads_as_the_trained_module(runs, name):
     assert result.checkpoint_path is not None
     assert result.checkpoint_path.endswith(f"checkpoint_{STEPS:08d}")
     trained = [read_params(folder, rank) for rank in range(CONFIGS[name][0])]
-    model = load_model(result.checkpoint_path)
+    model = load_model(result.checkpoint_path, trust_factory=True)  # a factory of this test
     assert type(model) is (PredictModel if CONFIGS[name][1] else LossModel)
     loaded = model.state_dict()
     assert set(loaded) == set(trained[0]) == {"linear.weight", "linear.bias"}

@@ -172,9 +172,9 @@ def resume_read(path, rank=0):
         return restore_state(checkpoint, Parallel(model), optimizer, scheduler, Whole, rank)
 
 
-def readers(folder) -> dict[str, Any]:
-    """Every reader of a checkpoint, by name: ``load_model`` (trusting the factory, and with
-    its own), ``load_model_state``, ``open_checkpoint``, ``verify``, the driver's
+def readers(folder, trust: bool = True) -> dict[str, Any]:
+    """Every reader of a checkpoint, by name: ``load_model`` (trusting the factory, or with no
+    flag when not `trust`; and with ``model=``), ``load_model_state``, ``open_checkpoint``, ``verify``, the driver's
     ``resume_from`` check, the worker's resume read (every rank, and one it did not have), the
     actor's restore, and EvalOnSave's copy (handed to a function that loads the model, and to
     one that reads the ``hf/`` export as evaluation tools do)."""
@@ -196,8 +196,11 @@ def readers(folder) -> dict[str, Any]:
     def exported(local, step):
         return sorted(os.listdir(local))
 
+    flagged = {"trust_factory": True} if trust else {}
     return {
-        "load_model(trust_factory)": lambda: ckpt.load_model(path, trust_factory=True),
+        "load_model(trust_factory)" if trust else "load_model()": lambda: ckpt.load_model(
+            path, **flagged
+        ),
         "load_model(model=)": lambda: ckpt.load_model(path, model=make_model),
         "load_model_state": lambda: ckpt.load_model_state(path),
         "open_checkpoint": opened,
@@ -210,14 +213,18 @@ def readers(folder) -> dict[str, Any]:
         "EvalOnSave load_model": lambda: _run_eval(
             lambda local, step: ckpt.load_model(local, model=make_model), path, 5
         ),
+        "EvalOnSave load_model()": lambda: _run_eval(
+            lambda local, step: ckpt.load_model(local, **flagged), path, 5
+        ),
         "EvalOnSave export": lambda: _run_eval(exported, path, 5),
     }
 
 
-def read_every_way(folder) -> dict[str, BaseException]:
-    """Read the checkpoint at `folder` through every reader; what each raised, by reader."""
+def read_every_way(folder, trust: bool = True) -> dict[str, BaseException]:
+    """Read the checkpoint at `folder` through every reader (`readers`); what each raised, by
+    reader."""
     errors = {}
-    for name, read in readers(folder).items():
+    for name, read in readers(folder, trust).items():
         try:
             read()
         except Exception as e:  # what matters to the callers is what it was, and the marker
