@@ -41,7 +41,7 @@ class EvalOnSave(TrainerCallback):
 
     Example:
         >>> def evaluate(path, step):
-        ...     model = load_model(path)
+        ...     model = load_model(path)  # a factory's run: load_model(path, model=build_net)
         ...     return {"accuracy": accuracy(model)}
         >>> run_training(save_every_steps=100, callbacks=[
         ...     EvalOnSave(evaluate, num_gpus=1, timeout_s=600),

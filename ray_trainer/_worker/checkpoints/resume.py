@@ -3,7 +3,10 @@
 Runs in each training worker at the start of every worker-group start (attempt). Rank 0 keeps
 the attempt counter of the launch in ``<run_dir>/.ray_trainer/attempts-<launch_id>`` on the
 run's storage (only the workers read it; it survives a restart of the worker group and of the
-callback actor).
+callback actor), and removes the checkpoint folders that saves cut off newer than the one the
+attempt resumes from, before any save of the attempt. The model is the run's own, built from
+its arguments: a resume reads weights, optimizer, scheduler and rank parts from the checkpoint
+(only the files its manifests list, stored as its trainer state says), never how to build it.
 """
 
 from __future__ import annotations
