@@ -193,11 +193,13 @@ class LocalCheckpoint:
 
 
 def _weights(value: Any, name: str) -> dict[str, Any]:
-    """`value` when it is a model's weights (a dict of tensors by name), else `CheckpointError`."""
+    """`value` when it is a model's weights (a dict of tensors by name; a module's
+    ``_extra_state`` may be plain data), else `CheckpointError`."""
     import torch
 
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
+        isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith("_extra_state"))
+        for k, v in value.items()
     ):
         raise CheckpointError(f"{name}: not a model's weights (a dict of tensors by name)")
     return value
@@ -372,7 +374,7 @@ def _fill(module: Any, weights: dict[str, Any], name: str, strict: bool = True) 
     try:
         module.load_state_dict(weights, strict=strict)
     except (RuntimeError, TypeError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        said = " ".join(str(e).split()) or type(e).__name__
         raise CheckpointError(
-            f"{name}: its weights do not fit the model its spec builds ({first[:300]})"
+            f"{name}: its weights do not fit the model its spec builds ({said[:300]})"
         ) from None

@@ -145,6 +145,30 @@ def test_an_unlisted_file_that_a_reader_opens_is_refused_by_every_reader(tmp_pat
         assert f"it holds {extra}, which no manifest of it lists" in str(error)
 
 
+def test_an_unlisted_file_on_remote_storage_is_refused_before_and_after_the_download(tmp_path):
+    # A filesystem object that is not this machine's (a bucket's stand-in): load_model_state
+    # lists the checkpoint where it is, load_model checks the downloaded copy.
+    import pyarrow.fs as pafs
+
+    disk = tmp_path / "bucket"
+    folder = disk / "runs" / "r" / STEP
+    trained = write_checkpoint(folder, sharded=True)
+    custom = pafs.SubTreeFileSystem(str(disk), pafs.LocalFileSystem())
+    path = f"runs/r/{STEP}"
+    assert torch.equal(
+        ckpt.load_model(path, filesystem=custom, model=make_model).weight, trained.weight
+    )
+    (folder / ckpt.SHARDS_DIR / "__3_0.distcp").write_bytes(evil_bytes(tmp_path / "pwned"))
+    for read in (
+        lambda: ckpt.load_model(path, filesystem=custom, model=make_model),
+        lambda: ckpt.load_model_state(path, filesystem=custom),
+        lambda: ckpt.verify(path, custom),
+    ):
+        with pytest.raises(ckpt.CheckpointError, match=rf"{path}: refused: it holds shards/__3_0"):
+            read()
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_an_unlisted_model_spec_is_refused_and_a_listed_one_is_read(tmp_path):
     folder = tmp_path / "run" / STEP
     write_checkpoint(folder, spec=False)  # a checkpoint that records no model spec
