@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,15 +77,22 @@ def data(v: Any) -> Any:
     if isinstance(v, _NOT_DATA):
         raise ValueError(
             f"got a {type(v).__name__}; pass a file path (JSONL, JSON or Parquet) or a glob, "
-            "a save_to_disk folder, a datasets.Dataset, a torch Dataset or a callable "
-            "returning one (records in memory: datasets.Dataset.from_list(records))"
+            "a save_to_disk folder, a datasets.Dataset, a ray.data.Dataset, a torch Dataset or "
+            "a callable returning one (records in memory: datasets.Dataset.from_list(records))"
         )
-    if v is None or callable(v) or hasattr(v, "__getitem__"):
+    if v is None or callable(v) or hasattr(v, "__getitem__") or is_ray_dataset(v):
         return v
     raise ValueError(
-        f"got {type(v).__name__}; pass a JSONL file path, a torch Dataset, or a callable "
-        "returning a Dataset"
+        f"got {type(v).__name__}; pass a JSONL file path, a ray.data.Dataset, a torch Dataset, "
+        "or a callable returning a Dataset"
     )
+
+
+def is_ray_dataset(value: Any) -> bool:
+    """True for a ``ray.data.Dataset`` (a ``MaterializedDataset`` too), told without importing
+    Ray: a Dataset exists only in a process that has imported ``ray.data``."""
+    module = sys.modules.get("ray.data")
+    return module is not None and isinstance(value, module.Dataset)
 
 
 def resources(v: dict[str, float] | None) -> dict[str, float] | None:

@@ -5,7 +5,9 @@ A source's records, encoded once for the run (tokens, loss mask, lengths), live 
 ``<storage_path>/.ray_trainer/data-cache/<fingerprint>/``: per piece ``tokens-NNNNN.npy``
 (int32), ``mask-NNNNN.npy`` (uint8, 1 where the label is the token, 0 where it is -100) and
 ``offsets-NNNNN.npy`` (int64, where each sample starts), written by the preparation task that
-encoded the piece (:func:`write_piece`, on any node); then ``lengths.npy`` and ``targets.npy``
+encoded the piece (:func:`write_piece`, on any node; a piece that Ray Data's ``map_batches``
+encoded does not know its place in the source, so its files are named by a digest of their
+content instead of ``NNNNN``, and ``meta.json`` lists each piece's name in order); then ``lengths.npy`` and ``targets.npy``
 (per sample: tokens, and positions the model scores) and ``meta.json`` last, by the driver
 (:func:`write_meta`). A cache without ``meta.json`` is incomplete and is rebuilt. A source of
 preference pairs stores each kept pair as two consecutive samples of one piece, chosen at ``2i``
@@ -17,6 +19,7 @@ epoch and the number of workers, and are computed by the workers.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import threading
@@ -50,18 +53,32 @@ class PieceResult:
     dropped: int  # records with no label left, or pairs whose prompt fills max_length (not kept)
     dropped_where: list[str]  # where the first few of them are
     cpu_s: float = 0.0  # the task's CPU time
+    name: str | None = None  # its files' name, when not its index (`write_piece`)
 
 
-def write_piece(location: Location, index: int, samples: list[tuple[list[int], list[int]]]) -> None:
-    """Write one piece's samples (``(input_ids, labels)`` each) into the cache folder."""
+def write_piece(
+    location: Location, index: int | None, samples: list[tuple[list[int], list[int]]]
+) -> str:
+    """Write one piece's samples (``(input_ids, labels)`` each) into the cache folder, as piece
+    `index`, or, with no index, under a digest of its content (a piece whose place in the
+    source its writer does not know); returns the name its files have."""
     lengths = np.fromiter((len(ids) for ids, _ in samples), dtype=np.int64, count=len(samples))
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     tokens = np.fromiter((t for ids, _ in samples for t in ids), np.int32, int(offsets[-1]))
     labels = np.fromiter((t for _, lab in samples for t in lab), np.int64, int(offsets[-1]))
     mask = (labels != IGNORE_INDEX).astype(np.uint8)
-    for name, array in (("tokens", tokens), ("mask", mask), ("offsets", offsets)):
-        location.child(f"{name}-{index:05d}.npy").write_bytes(_npy(array))
+    arrays = (("tokens", tokens), ("mask", mask), ("offsets", offsets))
+    if index is None:
+        digest = hashlib.sha256()
+        for _, array in arrays:
+            digest.update(array.tobytes())
+        name = digest.hexdigest()[:20]
+    else:
+        name = f"{index:05d}"
+    for kind, array in arrays:
+        location.child(f"{kind}-{name}.npy").write_bytes(_npy(array))
+    return name
 
 
 def write_meta(location: Location, meta: dict[str, Any], results: list[PieceResult]) -> None:
@@ -72,7 +89,10 @@ def write_meta(location: Location, meta: dict[str, Any], results: list[PieceResu
         npy = _joined_npy([getattr(r, name) for r in results], np.int32)
         location.child(f"{name}.npy").write_bytes(npy)
         del npy
-    pieces = [{"index": r.index, "samples": len(r.lengths)} for r in results]
+    pieces = [
+        {"index": r.index, "samples": len(r.lengths), **({"name": r.name} if r.name else {})}
+        for r in results
+    ]
     body = {**meta, "samples": sum(len(r.lengths) for r in results), "pieces": pieces}
     write_folder_meta(location, CACHE_VERSION, body)
 
@@ -142,6 +162,7 @@ class TokenCache:
         self.lengths = self._load("lengths.npy")
         self.targets = self._load("targets.npy")
         counts = [p["samples"] for p in meta["pieces"]]
+        self._names = [p.get("name") or f"{p['index']:05d}" for p in meta["pieces"]]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._offsets: dict[int, np.ndarray] = {}
         self._arrays: dict[tuple[str, int], Any] = {}
@@ -177,7 +198,7 @@ class TokenCache:
     def _piece_offsets(self, piece: int) -> np.ndarray:
         offsets = self._offsets.get(piece)
         if offsets is None:
-            offsets = self._load(f"offsets-{piece:05d}.npy")
+            offsets = self._load(f"offsets-{self._names[piece]}.npy")
             with self._lock:
                 self._offsets[piece] = offsets
         return offsets
@@ -186,7 +207,9 @@ class TokenCache:
         array = self._arrays.get((kind, piece))
         if array is None:
             with self._lock:
-                array = self._arrays.get((kind, piece)) or self._open(f"{kind}-{piece:05d}.npy")
+                array = self._arrays.get((kind, piece)) or self._open(
+                    f"{kind}-{self._names[piece]}.npy"
+                )
                 self._arrays[(kind, piece)] = array
         return array[lo:hi]
 

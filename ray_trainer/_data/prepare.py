@@ -15,6 +15,7 @@ imports Ray.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,14 +63,34 @@ def encode_piece(
     Raises:
         DataFileError: a record the template cannot render as asked, with where it is.
     """
+    records = read_piece(source, piece, content)
+    return encode_records(records, source, settings, cache_name, filesystem, index)
+
+
+def encode_records(
+    records: Iterable[tuple[str, Any]],
+    source: Source,
+    settings: EncodeSettings,
+    cache_name: str,
+    filesystem: Any,
+    index: int | None,
+) -> PieceResult:
+    """Encode `records` (``(where, record)`` each, of `source`'s format) as one piece of the
+    cache at `cache_name`: piece `index`, or with None a piece named by its content (one that
+    Ray Data encoded, whose place the driver gives it). Records that keep no label are left
+    out and named in the result.
+
+    Raises:
+        DataFileError: a record the template cannot render as asked, with where it is.
+    """
     cpu = time.process_time()
     encode = _pair_samples if source.fmt == "preference" else _record_samples
     samples: list[tuple[list[int], list[int]]] = []
     targets: list[int] = []
     dropped: list[str] = []
-    records = truncated = dropped_count = 0
-    for where, record in read_piece(source, piece, content):
-        records += 1
+    count = truncated = dropped_count = 0
+    for where, record in records:
+        count += 1
         try:
             kept, cut = encode(record, source, settings, cache_name)
         except RecordError as e:
@@ -83,17 +104,18 @@ def encode_piece(
             continue
         samples.extend(kept)
         targets.extend(scored)
-    write_piece(locate(cache_name, filesystem), index, samples)
+    name = write_piece(locate(cache_name, filesystem), index, samples)
     lengths = np.fromiter((len(ids) for ids, _ in samples), dtype=np.int32, count=len(samples))
     return PieceResult(
-        index=index,
+        index=-1 if index is None else index,
         lengths=lengths,
         targets=np.asarray(targets, dtype=np.int32),
-        records=records,
+        records=count,
         truncated=truncated,
         dropped=dropped_count,
         dropped_where=dropped,
         cpu_s=time.process_time() - cpu,
+        name=None if index is not None else name,
     )
 
 

@@ -67,20 +67,26 @@ def scan(
             some_text = some_text or _has_text(record, fmt, text_field)
     total = sum(piece.records for piece in pieces)
     if errors:
-        raise DataFileError(_first_bad(errors))
+        raise DataFileError(first_bad(errors))
     if total == 0:
         raise DataFileError(
             f"{source.field}: {source.name} holds no records; write one JSON object per line, "
             f"e.g. {_ACCEPTED}"
         )
+    check_some_text(source, total, some_text, text_field)
+    source.records, source.pieces = total, pieces
+    return source
+
+
+def check_some_text(source: Source, total: int, some_text: bool, text_field: str) -> None:
+    """Refuse a source whose every record has empty text (`some_text`: one record has some),
+    naming the fields to fill."""
     if not some_text:
         fields = {"text": repr(text_field), "prompt_completion": "'prompt'/'completion'"}
         raise DataFileError(
             f"{source.name}: all {total} record(s) have empty text (nothing to train on); fill "
             f"the {fields.get(source.fmt, 'message content')} fields"
         )
-    source.records, source.pieces = total, pieces
-    return source
 
 
 def _scan_pairs(source: Source) -> Source:
@@ -107,7 +113,7 @@ def _scan_pairs(source: Source) -> Source:
             "one format per dataset): write them all alike"
         )
     if errors:
-        raise DataFileError(f"{source.field}: {_first_bad(errors)}")
+        raise DataFileError(f"{source.field}: {first_bad(errors)}")
     if source_first is None:
         raise DataFileError(
             f"{source.field}: {source.name} holds no preference pairs; write one JSON object per "
@@ -140,7 +146,7 @@ def _scan_prompts(
         for where, _, fmt in _checked(rows, check, errors, pieces):
             first = first or (fmt, where)
     if errors:
-        raise DataFileError(f"{source.field}: {_first_bad(errors)}")
+        raise DataFileError(f"{source.field}: {first_bad(errors)}")
     if first is None:
         raise DataFileError(
             f"{source.field}: {source.name} holds no prompts; write one JSON object per line, "
@@ -174,7 +180,7 @@ def _checked(
         pieces.append(piece)
 
 
-def _first_bad(errors: list[str]) -> str:
+def first_bad(errors: list[str]) -> str:
     """The first error, and how many more there are (with the second as an example)."""
     more = len(errors) - 1
     return errors[0] + (

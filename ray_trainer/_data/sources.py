@@ -87,6 +87,12 @@ class Source:
     columns: list[str]
     table: Any = None  # an in-memory dataset's pyarrow Table (or, in tasks, its ObjectRef)
     fingerprint: str = ""  # what identifies the records: files' names, sizes and mtimes
+    # False where `fingerprint` does not cover the records' content (a ray.data.Dataset read
+    # from neither files nor memory): its token cache is built again at every start.
+    stable: bool = True
+    # A ray.data.Dataset, read by the driver's plug for it (``_driver/ray_dataset.py``) with
+    # Ray Data's own tasks; it never travels with the source.
+    dataset: Any = None
     records: int | None = None  # set by `scan`
     pieces: list[Piece] = field(default_factory=list)
     first: dict[str, Any] = field(default_factory=dict, repr=False)  # told the format
@@ -122,7 +128,7 @@ def resolve(value: Any, field_name: str, text_field: str = "text") -> Source | N
         first = table.slice(0, 1).to_pylist()[0] if len(table) else {}
         name = f"{field_name} (a datasets.Dataset)"
         fmt = detect_format(name, cols, first, text_field)
-        fp = getattr(value, "_fingerprint", None) or _table_digest(table)
+        fp = getattr(value, "_fingerprint", None) or table_digest(table)
         return Source(
             field_name, name, [], fmt, cols, table=table, fingerprint=f"dataset:{fp}",
             first=_drop_nulls(first),
@@ -267,16 +273,41 @@ def _base(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _table_digest(table: Any) -> str:
+def table_digest(table: Any) -> str:
+    """A digest of a pyarrow Table's content (16 hex digits): its Arrow IPC stream, hashed as
+    it is written, so that a big table is never copied whole and a slice digests only its
+    rows. The same rows laid out otherwise (other chunks) may digest otherwise."""
     import hashlib
 
-    digest = hashlib.sha256()
-    for batch in table.to_batches():
-        for buf in batch.buffers() if hasattr(batch, "buffers") else []:
-            if buf is not None:
-                digest.update(buf)
-    digest.update(str(table.schema).encode())
-    return digest.hexdigest()[:16]
+    import pyarrow as pa
+
+    digest = _Digest(hashlib.sha256())
+    with pa.ipc.new_stream(pa.PythonFile(digest, mode="w"), table.schema) as writer:
+        writer.write_table(table)
+    return digest.hash.hexdigest()[:16]
+
+
+class _Digest:
+    """A write-only file that hashes what is written to it (`table_digest`'s sink)."""
+
+    closed = False
+
+    def __init__(self, hash: Any) -> None:
+        self.hash, self.written = hash, 0
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.written += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.written
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 # ---- reading records -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Driver: a run's data, checked before Ray starts and encoded once, in parallel, before training.
 
 Runs in the driver. :func:`plan_data` (before ``ray.init``) resolves ``data`` and ``val_data``
-(files, globs, folders, buckets, an in-memory ``datasets.Dataset``), detects their format, loads
+(files, globs, folders, buckets, an in-memory ``datasets.Dataset``, a ``ray.data.Dataset``:
+each kind of source a plug, a `SourceKind`, registered in `SOURCE_KINDS`), detects their format, loads
 the tokenizer (a chat format needs a chat template: refused here without one), and computes the
 fingerprint of what the workers will train on: the records (files' names, sizes and mtimes, or a
 dataset's fingerprint), the tokenizer, the template and the encoding settings (the objective and
@@ -37,15 +38,17 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._data.cache import PieceResult, cache_location, read_meta, write_meta
 from ray_trainer._data.chat import ChatTemplateError, RecordError
 from ray_trainer._data.preference import PairEncoder, pair_format
 from ray_trainer._data.prepare import EncodeSettings, encode_piece
+from ray_trainer._data.prompts import PromptEncoder
 from ray_trainer._data.records import scan
 from ray_trainer._data.sources import DataFileError, Source, piece_content, resolve
+from ray_trainer._driver.ray_dataset import RayDatasets
 from ray_trainer._errors import TrainingArgsError
 from ray_trainer._model.spec import ModelSpec
 from ray_trainer._objectives import names, objective_of
@@ -60,6 +63,31 @@ _CHAT_PAIRS = ("conversational", "implicit_prompt")
 MAX_SHIPPED_PIECES = 16
 
 
+class SourceKind(Protocol):
+    """One kind of data source: how the driver resolves it, checks its records and builds its
+    token cache (a plug: registered in `SOURCE_KINDS`, asked by `plan_data` and `prepare_data`,
+    which never ask which kind it is)."""
+
+    def takes(self, value: Any) -> bool:
+        """Whether `value` (a ``data`` or ``val_data``) is a source of this kind."""
+
+    def resolve(self, value: Any, field: str, text_field: str) -> Source | None:
+        """The source (its format, columns, first record, fingerprint), before Ray starts where
+        it can; None for what ray-trainer does not encode (a torch Dataset, a callable)."""
+
+    def check(self, source: Source, args: TrainingArgs) -> None:
+        """Check every record before its cache is built (files: before Ray starts)."""
+
+    def prompts(self, source: Source, encoder: PromptEncoder, args: TrainingArgs) -> list[Any]:
+        """Prompt-only records (GRPO), every one checked and tokenized, in order."""
+
+    def build(
+        self, source: Source, settings: EncodeSettings, cache: Location, args: TrainingArgs
+    ) -> list[PieceResult]:
+        """Encode every record into the cache folder `cache` (Ray is up, no worker yet);
+        returns each piece's result, ``index`` its place."""
+
+
 @dataclass
 class DataPlan:
     """One source's way to the workers: its token cache, and whether it must be built."""
@@ -69,6 +97,7 @@ class DataPlan:
     fingerprint: str
     cache: Location  # the cache folder on the run's storage
     meta: dict[str, Any] | None  # the complete cache's meta (a hit), else None
+    kind: SourceKind
     # Prompt-only records (GRPO): every prompt encoded here, in the data's order (they reach
     # the workers through Ray's object store, not a token cache: the rollout engines sample
     # their completions); None for the other formats.
@@ -83,12 +112,14 @@ class DataPlan:
 
 
 def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
-    """The plans of ``data`` and ``val_data`` (those ray-trainer encodes), checked; no Ray."""
+    """The plans of ``data`` and ``val_data`` (those ray-trainer encodes), checked; no Ray (a
+    ``ray.data.Dataset`` exists only where Ray is up: Ray Data reads its first record)."""
     plans: dict[str, DataPlan] = {}
     tokenizer = template = None
     for field in ("data", "val_data"):
         value = getattr(args, field)
-        source = resolve(value, field, args.text_field)
+        kind = kind_of(value)
+        source = kind.resolve(value, field, args.text_field)
         check_objective(field, value, source, args)
         if source is None:
             continue
@@ -112,20 +143,27 @@ def plan_data(args: TrainingArgs) -> dict[str, DataPlan]:
         fp = fingerprint(source, settings, tokenizer)
         location = cache_location(locate(args.storage_path, args.storage_filesystem), fp)
         if source.fmt == "prompts":
-            prompts = _plan_prompts(field, source, tokenizer, args)
-            plans[field] = DataPlan(source, settings, fp, location, None, prompts)
+            prompts = _plan_prompts(field, source, kind, tokenizer, args)
+            plans[field] = DataPlan(source, settings, fp, location, None, kind, prompts)
             continue
-        meta = read_meta(location)
+        # A source whose fingerprint does not cover its content is encoded at every start.
+        meta = read_meta(location) if source.stable else None
         if meta is None:
-            scan(source, args.text_field, args.train_on)  # every record, before Ray starts
-        plans[field] = DataPlan(source, settings, fp, location, meta)
+            kind.check(source, args)  # every record (files: before Ray starts)
+        plans[field] = DataPlan(source, settings, fp, location, meta, kind)
     return plans
 
 
-def _plan_prompts(field: str, source: Source, tokenizer: Any, args: TrainingArgs) -> list[Any]:
+def kind_of(value: Any) -> SourceKind:
+    """The kind of source `value` is: the first of `SOURCE_KINDS` that takes it."""
+    return next(kind for kind in SOURCE_KINDS if kind.takes(value))
+
+
+def _plan_prompts(
+    field: str, source: Source, kind: SourceKind, tokenizer: Any, args: TrainingArgs
+) -> list[Any]:
     """Every prompt record checked and tokenized (room left for the completion within
-    ``max_length``), and the reward functions checked against the data's columns; no Ray."""
-    from ray_trainer._data.prompts import PromptEncoder
+    ``max_length``), and the reward functions checked against the data's columns."""
     from ray_trainer._objectives.grpo import config_of
     from ray_trainer._rollout.rewards import resolve_reward_fns
 
@@ -136,8 +174,7 @@ def _plan_prompts(field: str, source: Source, tokenizer: Any, args: TrainingArgs
         )  # fmt: skip
     except (ChatTemplateError, ValueError) as e:
         raise TrainingArgsError(f"{field}: {e}") from None
-    encoded: list[Any] = []
-    scan(source, args.text_field, args.train_on, prompt_encoder=encoder, encoded=encoded)
+    encoded = kind.prompts(source, encoder, args)
     columns = sorted({k for p in encoded for k in p.columns})
     resolve_reward_fns(args.reward_fns, columns=columns)
     return encoded
@@ -264,10 +301,48 @@ def prepare_data(plans: dict[str, DataPlan], args: TrainingArgs) -> dict[str, st
 
 
 def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
+    started = time.perf_counter()
+    results = plan.kind.build(plan.source, plan.settings, plan.cache, args)
+    return finish_cache(plan, args, results, time.perf_counter() - started)
+
+
+class Files:
+    """The source kind of files, globs, folders and buckets (and of an in-memory
+    ``datasets.Dataset``, cut into pieces of its table): resolved and checked in the driver
+    before Ray starts, encoded by one Ray task per piece (see the module's docstring). It takes
+    any value: the last of `SOURCE_KINDS`."""
+
+    def takes(self, value: Any) -> bool:
+        return True
+
+    def resolve(self, value: Any, field: str, text_field: str) -> Source | None:
+        return resolve(value, field, text_field)
+
+    def check(self, source: Source, args: TrainingArgs) -> None:
+        scan(source, args.text_field, args.train_on)
+
+    def prompts(self, source: Source, encoder: PromptEncoder, args: TrainingArgs) -> list[Any]:
+        encoded: list[Any] = []
+        scan(source, args.text_field, args.train_on, prompt_encoder=encoder, encoded=encoded)
+        return encoded
+
+    def build(
+        self, source: Source, settings: EncodeSettings, cache: Location, args: TrainingArgs
+    ) -> list[PieceResult]:
+        return _encode_in_tasks(source, settings, cache, args)
+
+
+#: The kinds of source `data` and `val_data` may be, asked in order (the files' last).
+SOURCE_KINDS: tuple[SourceKind, ...] = (RayDatasets(), Files())
+
+
+def _encode_in_tasks(
+    source: Source, settings: EncodeSettings, cache_location: Location, args: TrainingArgs
+) -> list[PieceResult]:
+    """One Ray task per piece of `source` (at most `pieces_in_flight` at once), each writing
+    its piece of the cache; their results, as they come."""
     import ray
 
-    started = time.perf_counter()
-    source = plan.source
     ship = ships_content(source)
     # One CPU per task, on whichever node has one: never pinned to the driver's node.
     task = ray.remote(_encode_task).options(num_cpus=1, max_retries=1)
@@ -276,7 +351,7 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
     bare = ray.put(Source(**{**source.__dict__, "table": None, "pieces": []}))
     table_ref = ray.put(source.table) if source.table is not None else None
     limit = pieces_in_flight(ship, ray.cluster_resources().get("CPU", 0), len(source.pieces))
-    fs, settings, cache = args.storage_filesystem, plan.settings, plan.cache.name
+    fs, cache = args.storage_filesystem, cache_location.name
     todo = iter(enumerate(source.pieces))
     running: set[Any] = set()
     results: list[PieceResult] = []
@@ -298,7 +373,7 @@ def _build(plan: DataPlan, args: TrainingArgs) -> dict[str, Any]:
                 if isinstance(cause, DataFileError):
                     raise DataFileError(str(cause)) from None
                 raise
-    return finish_cache(plan, args, results, time.perf_counter() - started)
+    return results
 
 
 def ships_content(source: Source) -> bool:

@@ -12,6 +12,14 @@ Runs in the driver, before ``ray.init()``: `fingerprint` is recorded in the run 
   Line numbers and comments do not count, so editing the script elsewhere does not change it;
 * a ``datasets.Dataset`` by its content fingerprint (what ``datasets`` keeps, else a digest of
   its table);
+* a ``ray.data.Dataset`` by its plan (`ray_dataset_digest`): each operator by its kind and
+  parameters, each function it applies by its code (as a factory above), and what the plan
+  reads: the files' names, sizes and modification times (as a file source's token cache is
+  fingerprinted), or the content of blocks it holds in memory (``from_items``, a materialized
+  dataset), digested by Ray tasks where the blocks are. Nothing reads the dataset itself: a
+  second run on the same files reuses the token cache with no pass over the data. A plan that
+  reads neither files nor blocks (a database, a custom ``Datasource``) is fingerprinted by its
+  parameters alone, so its token cache is built again at every start (``Source.stable``);
 * another Dataset (torch's) by its class's code, its length and a digest of a few sampled items
   (the first, the last and evenly spaced ones between; `SAMPLED_ITEMS` in all).
 """
@@ -27,6 +35,8 @@ import types
 from typing import Any
 
 from ray_trainer._config.args import TrainingArgs
+from ray_trainer._config.rules import is_ray_dataset
+from ray_trainer._data.sources import table_digest
 
 #: How many items of a map-style Dataset its fingerprint reads.
 SAMPLED_ITEMS = 8
@@ -71,6 +81,8 @@ def describe(value: Any) -> str:
     if value is None or isinstance(value, str):
         return str(value)
     name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    if is_ray_dataset(value):
+        return f"{name}#{ray_dataset_digest(value)[0]}"
     return f"{name}#{content_digest(value)}"
 
 
@@ -230,3 +242,168 @@ def _names(code: types.CodeType) -> list[str]:
 
 def _same_module(target: Any, module: str) -> bool:
     return isinstance(target, (type, types.FunctionType)) and target.__module__ == module
+
+
+# ---- a ray.data.Dataset ---------------------------------------------------------------------
+
+#: Attributes of a Ray Data operator that say how it runs (its resources, its parallelism), not
+#: what it yields, named without their leading underscore: left out, so that a run given more
+#: CPUs is still the same run.
+_RAY_RUNTIME = frozenset(
+    {
+        "input_dependencies",
+        "output_dependencies",
+        "ray_remote_args",
+        "ray_remote_args_fn",
+        "compute",
+        "concurrency",
+        "parallelism",
+        "num_outputs",
+        "min_rows_per_bundled_input",
+        "target_num_rows_per_block",
+    }
+)
+_HOLDERS = ("_datasource", "datasource")  # where a read keeps its paths in other Ray versions
+
+
+def ray_dataset_digest(dataset: Any) -> tuple[str, bool]:
+    """The digest of a ``ray.data.Dataset``'s plan (`_DIGITS` hex digits), and whether it covers
+    the records' content: True when every source the plan reads is files (their names, sizes
+    and modification times) or blocks in memory (their content). Runs in the driver, with Ray
+    initialised; reads no record (a block held in memory is digested where it is, by a task).
+    A Ray version whose Dataset has no logical plan is digested by the plan's text: not
+    covered."""
+    plan = getattr(dataset, "_logical_plan", None)
+    if plan is None or not hasattr(plan, "dag"):
+        return hashlib.sha256(repr(dataset).encode()).hexdigest()[:_DIGITS], False
+    h = hashlib.sha256()
+    covered = True
+    for op in _operators(plan.dag):
+        h.update(f"op:{type(op).__module__}.{type(op).__qualname__};".encode())
+        state = vars(op)
+        for name in sorted(state):
+            if name.lstrip("_") not in _RAY_RUNTIME:
+                h.update(f"{name}=".encode())
+                _feed_ray_value(state[name], h)
+        if not op.input_dependencies:
+            content = _leaf_content(op)
+            covered = covered and content is not None
+            h.update(f"leaf:{content};".encode())
+    return h.hexdigest()[:_DIGITS], covered
+
+
+def _operators(sink: Any) -> list[Any]:
+    """The plan's operators, each once, inputs before their users (depth first, in order)."""
+    ordered: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(op: Any) -> None:
+        if id(op) in seen:
+            return
+        seen.add(id(op))
+        for parent in op.input_dependencies:
+            visit(parent)
+        ordered.append(op)
+
+    visit(sink)
+    return ordered
+
+
+def _feed_ray_value(value: Any, h: Any, depth: int = 0) -> None:
+    """An operator's parameter: plain values as they are, functions (the UDFs) by their code,
+    blocks held in memory left to `_leaf_content`, anything else by its text (a scanner's
+    columns and filters, a schema, an expression), without memory addresses."""
+    if _block_refs(value):
+        h.update(b"<blocks>;")
+    elif isinstance(value, (str, bytes, int, float, bool, complex, type(None))) or depth > _DEPTH:
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}[{len(value)}];".encode())
+        for item in value:
+            _feed_ray_value(item, h, depth + 1)
+    elif isinstance(value, dict):
+        h.update(f"dict[{len(value)}];".encode())
+        for key in sorted(value, key=repr):
+            h.update(f"{key!r}:".encode())
+            _feed_ray_value(value[key], h, depth + 1)
+    elif isinstance(value, (types.FunctionType, types.MethodType, functools.partial, type)) or (
+        callable(value) and not type(value).__module__.startswith(("ray.", "pyarrow"))
+    ):
+        h.update(f"code:{content_digest(value)};".encode())
+    else:
+        h.update(f"repr:{_ADDRESS.sub('', repr(value))};".encode())
+
+
+def _leaf_content(op: Any) -> str | None:
+    """What a source operator of the plan reads: its blocks in memory (digested by Ray tasks
+    where they are) or its files (names, sizes, modification times); None for anything else."""
+    import ray
+
+    refs = [ref for value in vars(op).values() for ref in _block_refs(value)]
+    if refs:
+        digest = ray.remote(_block_digest).options(num_cpus=0.25, max_retries=1)
+        return "blocks:" + ",".join(ray.get([digest.remote(ref) for ref in refs]))
+    for holder in (op, *(getattr(op, name, None) for name in _HOLDERS)):
+        paths = _first_attr(holder, ("paths", "_paths"))
+        if callable(paths):  # a file datasource's expanded paths, kept in the object store
+            paths = paths()
+        filesystem = _first_attr(holder, ("filesystem", "_filesystem"))
+        if isinstance(paths, str):
+            paths = [paths]
+        if isinstance(paths, (list, tuple)) and paths and hasattr(filesystem, "get_file_info"):
+            listed = _listed(filesystem, list(paths))
+            return "files:" + ";".join(listed)
+    return None
+
+
+def _first_attr(holder: Any, names: tuple[str, ...]) -> Any:
+    if holder is None:
+        return None
+    return next((v for n in names if (v := getattr(holder, n, None)) is not None), None)
+
+
+def _listed(filesystem: Any, paths: list[str]) -> list[str]:
+    """Every file at or under `paths` (a folder is listed whole, recursively): ``name|size|mtime``,
+    sorted; a missing path is listed as such."""
+    import pyarrow.fs as pafs
+
+    found = []
+    for path in paths:
+        info = filesystem.get_file_info(path)
+        if info.type == pafs.FileType.Directory:
+            infos = filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
+        elif info.type == pafs.FileType.NotFound:
+            found.append(f"{path}|missing")
+            continue
+        else:
+            infos = [info]
+        found += [f"{i.path}|{i.size}|{i.mtime_ns}" for i in infos if i.type == pafs.FileType.File]
+    return sorted(found)
+
+
+def _block_refs(value: Any, depth: int = 0) -> list[Any]:
+    """The object references of blocks inside an operator's parameter (a list of Ray Data's
+    ``RefBundle`` s: ``from_items``, a materialized dataset), in order; none elsewhere."""
+    import ray
+
+    if isinstance(value, ray.ObjectRef):
+        return [value]
+    if depth > 3 or isinstance(value, (str, bytes, dict)):
+        return []
+    if isinstance(value, (list, tuple)):
+        return [ref for item in value for ref in _block_refs(item, depth + 1)]
+    for name in ("blocks", "ref"):  # a RefBundle's blocks; a block entry's reference
+        inner = getattr(value, name, None)
+        if isinstance(inner, (list, tuple, ray.ObjectRef)):
+            return _block_refs(inner, depth + 1)
+    return []
+
+
+def _block_digest(block: Any) -> str:
+    """A Ray task, on the node that holds the block: the digest of one block's rows (a pyarrow
+    Table, or a pandas DataFrame as some sources make)."""
+    import pyarrow as pa
+
+    if not isinstance(block, pa.Table):
+        block = pa.Table.from_pandas(block, preserve_index=False)
+    return table_digest(block)

@@ -124,7 +124,7 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
     if train is not None:
         records = train.samples if train.samples is not None else train.source.records
     held_out = args.eval_every_steps is not None and args.val_data is None
-    if records is None:
+    if records is None and train is None:  # a planned source's size is known once encoded
         records = _known_length(args)
         if args.data is None:
             held_out = False  # the demo has its own validation set
