@@ -294,6 +294,19 @@ BENCHES: dict[str, Bench] = {
         shares_ray=True,
         smoke_s=7,
     ),
+    "ray_data": Bench(
+        "data/bench_ray_data.py",
+        "A Ray Dataset as the data: encoding time and driver memory against the same files",
+        "the same records as a folder of Parquet files (`data=<folder>`, ~1 KiB text records), "
+        "encoded into the token cache by a fresh driver on an embedded Ray: `plan_data` then "
+        "`prepare_data`, Ray's start left out; the driver's RSS sampled every 10 ms",
+        quick=["--sizes", "0.01", "0.05"],
+        smoke=["--sizes", "0.002", "--dir", "{work}/ray_data"],
+        target_note="none: the ratios say what reading through Ray Data costs over the files "
+        "(time) and that the driver's memory does not grow with the data",
+        shares_ray=True,
+        smoke_s=30,
+    ),
     "dpo": Bench(
         "baselines/bench_dpo.py",
         "DPO against TRL's DPOTrainer: tokens/s padded and packed, the reference pass, memory",

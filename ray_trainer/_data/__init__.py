@@ -12,6 +12,7 @@ data flows:
   ``template``: the chat template resolved, rendered and probed; ``encode``: one record to
   tokens and labels, the one adapter over a run's tokenizer.
 - ``prepare``: a preparation task's body, one piece encoded into ``cache``, the run's token
-  cache on storage, which the workers read sample by sample.
+  cache on storage, which the workers read sample by sample; ``batches``: the same for a batch
+  of a ``ray.data.Dataset`` that Ray Data hands a task (checked as ``records`` checks a file's).
 - ``packing``: which samples each rank trains on at each step, and a packed row's layout.
 """

@@ -6,7 +6,8 @@ samples, its chosen then its rejected sequence (``EncodedPair.sequences``), so t
 
 :func:`encode_piece` is the body of the preparation tasks the driver launches
 (``ray_trainer._driver.data`` wraps it in the Ray task), one per piece, on any node; the tests
-of the encoding run it in their own process. It needs the source's records (read from its files
+of the encoding run it in their own process. :func:`encode_records` is its encoding of records
+already read, which a Ray Data task also calls for its batch (``batches.py``). It needs the source's records (read from its files
 or its table through ``pyarrow.fs``, or the piece's content as the driver read it), the run's
 tokenizer (built as the workers build it) and the storage the cache lives on. Nothing here
 imports Ray.

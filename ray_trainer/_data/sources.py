@@ -3,7 +3,8 @@
 ``data`` and ``val_data`` name a source: a JSONL, JSON or Parquet file, a glob of them, a folder of
 them, a folder written by ``datasets.Dataset.save_to_disk``, local or on a bucket (``s3://``,
 ``gs://``: read through ``pyarrow.fs``, never assuming a shared disk), or an in-memory
-``datasets.Dataset``. :func:`resolve` (driver, before Ray starts) finds the files and detects the
+``datasets.Dataset`` (a ``ray.data.Dataset`` is read by Ray Data, ``_driver/ray_dataset.py``;
+its `Source` is made there). :func:`resolve` (driver, before Ray starts) finds the files and detects the
 format from the columns; :func:`scan` (driver) checks every record and cuts the source into
 :class:`Piece` s; :func:`read_piece` (a preparation task, on any node) yields a piece's records,
 read from the file, or from the piece's content that the driver read (:func:`piece_content`)

@@ -1,19 +1,24 @@
 """Driver: a run's data, checked before Ray starts and encoded once, in parallel, before training.
 
-Runs in the driver. :func:`plan_data` (before ``ray.init``) resolves ``data`` and ``val_data``
-(files, globs, folders, buckets, an in-memory ``datasets.Dataset``, a ``ray.data.Dataset``:
-each kind of source a plug, a `SourceKind`, registered in `SOURCE_KINDS`), detects their format, loads
-the tokenizer (a chat format needs a chat template: refused here without one), and computes the
-fingerprint of what the workers will train on: the records (files' names, sizes and mtimes, or a
-dataset's fingerprint), the tokenizer, the template and the encoding settings (the objective and
-the pairs' format too, for an objective whose description says so; the record formats each
-objective trains on are in its description, ``ray_trainer._objectives``). When the token
-cache of that fingerprint is complete on storage, nothing is read again; otherwise every record
-is checked here (file and line of the first bad one). :func:`prepare_data` (after ``ray.init``,
-before any worker starts) launches one preparation task per piece, wherever the cluster has a
-free CPU, and completes the cache. Torch ``Dataset`` objects and callables pass through untouched.
+Runs in the driver. :func:`plan_data` (before ``ray.init``) resolves ``data`` and ``val_data``,
+detects their format, loads the tokenizer (a chat format needs a chat template: refused here
+without one), and computes the fingerprint of what the workers will train on: the records
+(files' names, sizes and mtimes, a dataset's fingerprint, a Ray Dataset's plan), the tokenizer,
+the template and the encoding settings (the objective and the pairs' format too, for an
+objective whose description says so; the record formats each objective trains on are in its
+description, ``ray_trainer._objectives``). When the token cache of that fingerprint is complete
+on storage, nothing is read again; otherwise every record is checked (file and line of the first
+bad one). :func:`prepare_data` (after ``ray.init``, before any worker starts) encodes what is
+missing and completes the cache. Torch ``Dataset`` objects and callables pass through untouched.
 
-Where a piece's records come from (`ships_content`): a real cluster shares no disk, so a local
+Each kind of source is a plug (a `SourceKind`, registered in `SOURCE_KINDS`) that says how it
+is resolved, checked and encoded; `plan_data` and `prepare_data` ask the plug, never which kind
+it is. `Files` (files, globs, folders, buckets, an in-memory ``datasets.Dataset``) checks every
+record here before Ray starts and encodes with one preparation task per piece, wherever the
+cluster has a free CPU (below); ``RayDatasets`` (``ray_dataset.py``) has Ray Data read, check
+and encode a ``ray.data.Dataset`` in one ``map_batches`` pass.
+
+Where a file piece's records come from (`ships_content`): a real cluster shares no disk, so a local
 file may exist on the driver's machine only, and the driver's node may offer no CPU (a head
 node with ``CPU: 0``, where a submitted job's driver runs). The driver reads each piece of a
 local file itself (it takes no CPU: it is the driver process, which has already read every
@@ -189,9 +194,9 @@ def check_objective(field: str, value: Any, source: Source | None, args: Trainin
     if source is None:
         if value is not None and not objective.takes_datasets:
             raise TrainingArgsError(
-                f"{field}: objective={objective.name!r} reads {objective.data_noun} from files "
-                f"or a datasets.Dataset, got a {type(value).__name__}; write them to a JSONL or "
-                f"Parquet file{example}, and pass its path"
+                f"{field}: objective={objective.name!r} reads {objective.data_noun} from files, "
+                f"a datasets.Dataset or a ray.data.Dataset, got a {type(value).__name__}; write "
+                f"them to a JSONL or Parquet file{example}, and pass its path"
             )
         return
     if objective.takes(source.fmt):

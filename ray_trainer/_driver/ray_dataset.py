@@ -4,8 +4,8 @@ Ray users keep their data in Ray Datasets (``ray.data.read_parquet("s3://...")``
 ``ray.data.llm`` batch inference). :class:`RayDatasets` is their source kind, registered beside
 the files' in ``data.py``:
 
-- `resolve`: the format from the dataset's first record (``take_batch(1)``: Ray Data reads only
-  what that record needs), the fingerprint from its plan (``run_fingerprint.ray_dataset_digest``:
+- `resolve`: the format from the dataset's first record (``limit(1)``: Ray Data reads only what
+  that record needs), the fingerprint from its plan (``run_fingerprint.ray_dataset_digest``:
   the files it reads by name, size and modification time, its blocks in memory by content, its
   functions by code), so that a second run on the same dataset reuses the token cache without
   reading the data;
@@ -73,16 +73,15 @@ class RayDatasets:
     def resolve(self, value: Any, field: str, text_field: str) -> Source:
         """The dataset's columns, format and fingerprint, from its first record and its plan."""
         name = f"{field} (a ray.data.Dataset)"
-        try:
-            batch = value.take_batch(1, batch_format="pyarrow")
-        except ValueError as e:  # Ray Data's "The dataset is empty"
-            raise DataFileError(f"{name} holds no records ({e}); check what it reads") from None
+        try:  # what `take_batch(1)` does, without its error for an empty dataset
+            batches = value.limit(1).iter_batches(batch_size=1, batch_format="pyarrow")
+            batch = next(iter(batches), None)
         except Exception as e:  # a read that fails in Ray Data's tasks (a bucket, a path)
             raise TrainingArgsError(
                 f"{name}: Ray Data could not read its first record ({_last_line(e)}); check "
                 "what the dataset reads and this cluster's access to it"
             ) from e
-        rows = batch.to_pylist()
+        rows = [] if batch is None else batch.to_pylist()
         if not rows:
             raise DataFileError(f"{name} holds no records; check what it reads")
         first = _drop_nulls(rows[0])

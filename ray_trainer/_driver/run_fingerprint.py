@@ -312,7 +312,9 @@ def _operators(sink: Any) -> list[Any]:
 def _feed_ray_value(value: Any, h: Any, depth: int = 0) -> None:
     """An operator's parameter: plain values as they are, functions (the UDFs) by their code,
     blocks held in memory left to `_leaf_content`, anything else by its text (a scanner's
-    columns and filters, a schema, an expression), without memory addresses."""
+    columns and filters, a schema, an expression), without memory addresses, and where that
+    text is only its class (a datasource's), by its attributes that are plain values too (not
+    deeper: a datasource's context holds a name unique to each dataset)."""
     if _block_refs(value):
         h.update(b"<blocks>;")
     elif isinstance(value, (str, bytes, int, float, bool, complex, type(None))) or depth > _DEPTH:
@@ -331,7 +333,23 @@ def _feed_ray_value(value: Any, h: Any, depth: int = 0) -> None:
     ):
         h.update(f"code:{content_digest(value)};".encode())
     else:
-        h.update(f"repr:{_ADDRESS.sub('', repr(value))};".encode())
+        text = _ADDRESS.sub("", repr(value))
+        h.update(f"repr:{text};".encode())
+        state = getattr(value, "__dict__", None)
+        if text.startswith("<") and isinstance(state, dict):  # "<module.Class object>"
+            for name in sorted(state):
+                if _plain(state[name]):
+                    h.update(f"{name}=".encode())
+                    _feed_ray_value(state[name], h, depth + 1)
+
+
+def _plain(value: Any) -> bool:
+    """A number, a string, None, or a list, tuple or dict of them."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, (str, bytes, int, float, bool, type(None)))
 
 
 def _leaf_content(op: Any) -> str | None:

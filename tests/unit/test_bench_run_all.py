@@ -82,6 +82,17 @@ def _shapes() -> dict[str, dict]:
         "ratios": {"0.1 GiB": 1.0, "1 GiB": 1.05},
         "worst_peak_mib": 210,
     }
+    shapes["ray_data"] = {  # bench_ray_data.py: its own ratios, two per size and source
+        "table": "| size, source | encoding (s) | time ratio to files |\n|---|---|---|\n"
+        "| 0.05 GiB, files (baseline) | 10.0 | 1.00x |\n| 0.05 GiB, ray.data | 12.0 | 1.20x |",
+        "ratios": {
+            "0.05 GiB, files (baseline): encoding time": 1.0,
+            "0.05 GiB, files (baseline): peak driver RSS": 1.0,
+            "0.05 GiB, ray.data: encoding time": 1.2,
+            "0.05 GiB, ray.data: peak driver RSS": 1.05,
+        },
+        "worst_ray_peak_mib": 280.0,
+    }
     shapes["host_step"] = _host_step_report()
     shapes["grpo"] = _grpo_report()
     shapes["async_rl"] = _async_rl_report()

@@ -203,3 +203,25 @@ def test_a_bad_elastic_size_is_refused_with_the_fix(fields, needle):
     with pytest.raises(TrainingArgsError) as e:
         TrainingArgs.coerce(**fields)
     assert needle in str(e.value)
+
+
+def test_a_ray_dataset_is_data_told_by_its_class_without_importing_ray(monkeypatch):
+    """`data` takes a ray.data.Dataset (not indexable, not callable), told by its class through
+    the `ray.data` module a process that made one has imported: checking args imports nothing."""
+    import sys
+    import types
+
+    class Dataset:  # stands for ray.data.Dataset (and its subclass MaterializedDataset)
+        pass
+
+    class MaterializedDataset(Dataset):
+        pass
+
+    module = types.ModuleType("ray.data")
+    module.Dataset = Dataset
+    monkeypatch.setitem(sys.modules, "ray.data", module)
+    dataset = MaterializedDataset()
+    assert TrainingArgs(data=dataset, val_data=Dataset()).data is dataset
+    monkeypatch.delitem(sys.modules, "ray.data")  # no ray.data: not a Ray Dataset
+    with pytest.raises(TrainingArgsError, match=r"got Dataset; pass .*a ray\.data\.Dataset"):
+        TrainingArgs.coerce(data=Dataset())

@@ -133,7 +133,8 @@ def check_inputs(args: TrainingArgs) -> dict[str, Any]:
     if args.packing and args.data is not None and train is None:
         raise TrainingArgsError(
             "packing=True needs data that ray-trainer tokenizes (a JSONL/JSON/Parquet file or "
-            "glob, a save_to_disk folder or a datasets.Dataset); a torch Dataset of yours is "
+            "glob, a save_to_disk folder, a datasets.Dataset or a ray.data.Dataset); a torch "
+            "Dataset of yours is "
             "batched as it is: pack it yourself, or set packing=False"
         )
     if args.strategy == "fsdp" or args.activation_checkpointing:
