@@ -263,7 +263,8 @@ _RAY_RUNTIME = frozenset(
         "target_num_rows_per_block",
     }
 )
-_HOLDERS = ("_datasource", "datasource")  # where a read keeps its paths in other Ray versions
+_HOLDERS = ("_datasource", "datasource")
+_BLOCKS_PER_TASK = 256  # blocks in memory digested by one task  # where a read keeps its paths in other Ray versions
 
 
 def ray_dataset_digest(dataset: Any) -> tuple[str, bool]:
@@ -359,8 +360,13 @@ def _leaf_content(op: Any) -> str | None:
 
     refs = [ref for value in vars(op).values() for ref in _block_refs(value)]
     if refs:
-        digest = ray.remote(_block_digest).options(num_cpus=0.25, max_retries=1)
-        return "blocks:" + ",".join(ray.get([digest.remote(ref) for ref in refs]))
+        # A few tasks, each digesting a run of blocks one at a time: a task per block would
+        # start a worker process for each of the hundreds of one-row blocks `from_items` makes.
+        digest = ray.remote(_block_digests).options(num_cpus=1, max_retries=1)
+        runs = [refs[i : i + _BLOCKS_PER_TASK] for i in range(0, len(refs), _BLOCKS_PER_TASK)]
+        return "blocks:" + ",".join(
+            d for run in ray.get([digest.remote(r) for r in runs]) for d in run
+        )
     for holder in (op, *(getattr(op, name, None) for name in _HOLDERS)):
         paths = _first_attr(holder, ("paths", "_paths"))
         if callable(paths):  # a file datasource's expanded paths, kept in the object store
@@ -417,11 +423,17 @@ def _block_refs(value: Any, depth: int = 0) -> list[Any]:
     return []
 
 
-def _block_digest(block: Any) -> str:
-    """A Ray task, on the node that holds the block: the digest of one block's rows (a pyarrow
-    Table, or a pandas DataFrame as some sources make)."""
+def _block_digests(refs: list[Any]) -> list[str]:
+    """A Ray task: the digest of each block's rows (a pyarrow Table, or a pandas DataFrame as
+    some sources make), the blocks fetched one at a time (a task holds one block at once)."""
     import pyarrow as pa
+    import ray
 
-    if not isinstance(block, pa.Table):
-        block = pa.Table.from_pandas(block, preserve_index=False)
-    return table_digest(block)
+    found = []
+    for ref in refs:
+        block = ray.get(ref)
+        if not isinstance(block, pa.Table):
+            block = pa.Table.from_pandas(block, preserve_index=False)
+        found.append(table_digest(block))
+        del block
+    return found

@@ -75,7 +75,7 @@ def _read(bucket, key: str = "chat/train.parquet"):
 def _fields(bucket, **overrides):
     fields = dict(
         model=bucket.model, max_length=128, packing=True, max_tokens_per_batch=256, batch_size=4,
-        num_workers=2, max_steps=2, learning_rate=1e-3, warmup_steps=0,
+        num_workers=1, max_steps=2, learning_rate=1e-3, warmup_steps=0,
         storage_path=str(bucket.root / "storage"), run_name=RUN,
     )  # fmt: skip
     fields.update(overrides)
