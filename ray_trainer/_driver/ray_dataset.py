@@ -121,11 +121,11 @@ class RayDatasets:
                 where = [f"{source.name}[{row + int(w)}]" for w in piece.dropped_where]
                 results.append(dataclasses.replace(piece, index=len(results), dropped_where=where))
                 some_text = some_text or result.some_text
+            source.records = sum(r.records for r in results)
+            check_some_text(source, source.records, some_text, settings.text_field)
         except DataFileError:
             cache.delete()  # nothing half-written: no meta.json was, the pieces go too
             raise
-        source.records = sum(r.records for r in results)
-        check_some_text(source, source.records, some_text, settings.text_field)
         return results
 
 

@@ -155,6 +155,11 @@ def test_a_bad_record_fails_the_run_by_its_row_before_anything_is_written(
     assert not cache.exists() or os.listdir(cache) == []  # rows 0-3's piece deleted with it
     run = storage / "bad"
     assert not run.exists() or not {"run.json"} & set(os.listdir(run))
+    blank = TrainingArgs(**_fields(bucket, data=ray.data.from_items([{"text": ""}] * 3),
+                                   storage_path=str(storage)))  # fmt: skip
+    with pytest.raises(DataFileError, match=r"all 3 record\(s\) have empty text"):
+        prepare_data(plan_data(blank), blank)
+    assert not cache.exists() or os.listdir(cache) == []  # its piece deleted with it too
     empty = ray.data.from_items(records).filter(lambda r: False)
     with pytest.raises(DataFileError, match=r"data \(a ray.data.Dataset\) holds no records"):
         plan_data(TrainingArgs(**_fields(bucket, data=empty, storage_path=str(storage))))
