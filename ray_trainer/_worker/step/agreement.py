@@ -142,3 +142,56 @@ class Agreement:
                 decode(values[_FIRST_FLAG:end]), tuple(values[end:last]), tuple(values[last:]),
             )  # fmt: skip
         return self._agreed
+
+
+class SoloAgreement(Agreement):
+    """One rank on a CPU: nothing to sum over ranks, and the numbers are on the host already,
+    so the step's agreement is the rank's own numbers as they are. No tensor is built, written
+    or read back (what a host-bound step spends on that: ``bench/runner/bench_host_step.py``);
+    the values are those `Agreement` would give: the loss read once, when the result is read."""
+
+    def __init__(
+        self,
+        loss_sum: Any,
+        counts: list[int],
+        requested: TrainerControl,
+        extra: tuple[float, ...] = (),
+        sums: torch.Tensor | None = None,
+    ) -> None:
+        self.requested = requested
+        self.world = 1
+        self.work = None
+        self._loss_sum, self._counts, self._extra, self._sums = loss_sum, counts, extra, sums
+        self._agreed: Agreed | None = None
+        self.recorded = False
+
+    def scale(self, norm: float) -> torch.Tensor:
+        return torch.tensor(norm / max(self._counts[0], 1), dtype=torch.float32)
+
+    def result(self) -> Agreed:
+        if self._agreed is None:
+            targets, tokens, positions = map(float, self._counts)
+            sums = () if self._sums is None else tuple(self._sums.double().tolist())
+            self._agreed = Agreed(
+                float(self._loss_sum), targets, tokens, positions,
+                decode(encode(self.requested)), tuple(map(float, self._extra)), sums,
+            )  # fmt: skip
+        return self._agreed
+
+
+def agree(
+    loss_sum: Any,
+    counts: list[int],
+    requested: TrainerControl,
+    device: Any,
+    world: int,
+    copy_stream: Any = None,
+    extra: tuple[float, ...] = (),
+    sums: torch.Tensor | None = None,
+) -> Agreement:
+    """The step's agreement: `SoloAgreement` for one rank on a CPU, else the all-reduce. (One
+    GPU rank keeps the all-reduce's host copy: reading a device loss directly would wait for the
+    next step's queued kernels.)"""
+    if world == 1 and torch.device(device).type == "cpu":
+        return SoloAgreement(loss_sum, counts, requested, extra, sums)
+    return Agreement(loss_sum, counts, requested, device, world, copy_stream, extra, sums)

@@ -42,7 +42,7 @@ from ray_trainer._worker.boundary import Schedule, decide
 from ray_trainer._worker.checkpoints.resume import maybe_resume
 from ray_trainer._worker.checkpoints.saving import save
 from ray_trainer._worker.state import WorkerState
-from ray_trainer._worker.step.agreement import Agreement
+from ray_trainer._worker.step.agreement import Agreement, agree
 from ray_trainer._worker.step.micro_batches import MicroBatch
 from ray_trainer._worker.step.validation import evaluate
 from ray_trainer._worker.summary import gather_summary
@@ -129,7 +129,7 @@ def train_step(s: WorkerState, micro_batches: list[MicroBatch]) -> Agreement:
             targets, tokens = targets + micro.targets, tokens + micro.tokens
             positions += micro.positions
             if last:  # every rank starts the step's agreement here; it runs during backward
-                agreement = Agreement(
+                agreement = agree(
                     loss_sum, [targets, tokens, positions], hooks.take_pending(), acc.device,
                     s.world_size, s.copy_stream, *_own_numbers(s),
                 )  # fmt: skip
