@@ -254,7 +254,7 @@ def _fit(
         ),
     )
     if args.elastic:  # the actor's evaluation reservation comes before the workers' request
-        ray.get(launch.actor_ready, timeout=args.callback_timeout_s)
+        wait_for_actor(launch, args)
     # Read by Ray Train's controller (RAY_TRAIN_* variables travel from the driver to it).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(args.worker_start_timeout_s)
     with ray_train_settings():  # read by Ray Train's fit, in this process
@@ -272,6 +272,24 @@ def _fit(
             f"Latest checkpoint: {summary.last_checkpoint}"
         ) from error
     return build_result(args.run_name, run.name, summary)
+
+
+def wait_for_actor(launch: Launch, args: TrainingArgs) -> None:
+    """Until the callback actor is up (an elastic run's workers are asked for after it), at
+    most `callback_timeout_s`; else the actor is removed and the run fails saying why."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        ray.get(launch.actor_ready, timeout=args.callback_timeout_s)
+    except GetTimeoutError:
+        ray.kill(launch.actor, no_restart=True)
+        raise RunFailedError(
+            f"run {args.run_name!r}: its callback actor did not start within "
+            f"callback_timeout_s={args.callback_timeout_s:g} s (a loaded or full head node: "
+            f"`ray status` shows its free CPUs and pending tasks); nothing was trained. Raise "
+            f"callback_timeout_s, or free the head node, and start the run again."
+        ) from None
 
 
 def finish_actor(launch: Launch, args: TrainingArgs, error: BaseException | None) -> ActorSummary:

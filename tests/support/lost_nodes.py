@@ -87,6 +87,9 @@ def _node_loss_fields(tmp: Path, name: str, hold_at: int, **fields: Any) -> dict
         "run_name": name,
         "_hold_at": [str(tmp / f"{name}-hold"), hold_at],
         "_coordinator_tick_s": COORDINATOR_TICK_S,
+        # Five drivers start at once on 2 cores: a callback actor's start took over the 60 s
+        # default in one clean-clone CI run (913006e, the elastic run's).
+        "callback_timeout_s": 180,
         **fields,
     }
 
@@ -137,6 +140,7 @@ def elastic_fields(tmp: Path, name: str, records: Path, **extra: Any) -> dict[st
         "_records": str(records),
         "_eval": {"num_gpus": 0, "num_cpus": 1, "resources": {"eval": 1}},  # one of A's CPUs
         "_coordinator_tick_s": COORDINATOR_TICK_S,
+        "callback_timeout_s": 180,  # as the node-loss runs' (_node_loss_fields)
     }
 
 
