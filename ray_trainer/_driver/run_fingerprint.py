@@ -102,7 +102,9 @@ def _feed(value: Any, h: Any, seen: dict[int, Any], depth: int) -> None:
         h.update(b"<seen>;")
         return
     seen[id(value)] = value  # kept alive: a freed item's id may be reused by the next one
-    if isinstance(value, (list, tuple)) and len(value) > _LONG and _plain_items(value):
+    if isinstance(value, types.ModuleType):  # e.g. `torch` in a local class's closure: by name
+        h.update(f"module:{value.__name__};".encode())
+    elif isinstance(value, (list, tuple)) and len(value) > _LONG and _plain_items(value):
         h.update(f"{type(value).__name__}[{len(value)}]:".encode() + pickle.dumps(value, 4))
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
@@ -224,8 +226,9 @@ def _is_tensor_like(value: Any) -> bool:
 
 
 def _is_map_dataset(value: Any) -> bool:
-    kind = type(value)
-    return hasattr(kind, "__getitem__") and hasattr(kind, "__len__") and not callable(value)
+    # The class's own methods, not its metaclass's (an Enum member's class has both there).
+    own = {name for k in type(value).__mro__ for name in vars(k)}
+    return "__getitem__" in own and "__len__" in own and not callable(value)
 
 
 def _plain_items(items: list | tuple) -> bool:

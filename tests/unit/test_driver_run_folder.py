@@ -311,6 +311,42 @@ def test_factories_are_told_apart_by_code_not_name():
     assert describe(None) == "None" and describe("org/model") == "org/model"
 
 
+def _local_classes(width: int):
+    """A model and a dataset defined inside a function that imports torch itself: their
+    methods close over the `torch` module (and `super()`'s class cell)."""
+    import enum
+
+    import torch as local_torch
+
+    class Kind(enum.Enum):
+        A = 1
+
+    class LocalModel(local_torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.kind = Kind.A
+            self.net = local_torch.nn.Linear(width, 1)
+
+    class LocalRows(local_torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": local_torch.full((width,), float(i)), "kind": Kind.A}
+
+    return LocalModel, LocalRows
+
+
+def test_classes_defined_in_a_function_are_fingerprinted_by_their_code():
+    # Found by bench_host_step's whole runs: the walk went into the torch module's globals
+    # from a closure cell and failed on an Enum member (TypeError: no len()).
+    model, rows = _local_classes(8)
+    assert describe(model) == describe(_local_classes(8)[0])
+    assert describe(rows()) == describe(_local_classes(8)[1]())
+    assert describe(model) != describe(_local_classes(9)[0])
+    assert describe(rows()) != describe(_local_classes(9)[1]())
+
+
 def test_datasets_are_told_apart_by_length_and_sampled_items():
     assert describe(_Rows(10)) == describe(_Rows(10))
     assert describe(_Rows(10)) != describe(_Rows(11))
