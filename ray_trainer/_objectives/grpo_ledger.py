@@ -14,13 +14,17 @@ Per-prompt states, as a run goes (``_worker/objectives/grpo_states.py`` writes t
 per rank and worker-group start in ``<run>/ledger/``): :func:`read_states` reads them back and
 :func:`audit` checks that every prompt each epoch's steps dealt was trained exactly once in the
 run's final lineage (the steps a resume rolled back do not count), counting what was dropped for
-staleness and asked for again. The epoch the run ended in is checked too when the run's last
-start wrote its ``end`` line (:class:`End`: the run ended cleanly, at its last step or at a stop);
-without one (the run failed, or is still running) only for prompts trained twice.
+staleness and asked for again. An epoch's remainder (the prompts past its last whole step,
+which the run's loader drops: its ``remainder`` line) is not due. The epoch the run ended in is
+checked too when the run's last start wrote its ``end`` line (:class:`End`: the run ended
+cleanly, at its last step or at a stop); without one (the run failed, or is still running) only
+for prompts trained twice.
 
 A position is what ``Completion.prompt_index`` records (``ray_trainer/_rollout/types.py``);
-:meth:`PromptLedger.row` turns it into the data row. Steps take positions across an epoch's end
-(the last prompts of one epoch and the first of the next may share a step), so none is dropped.
+:meth:`PromptLedger.row` turns it into the data row. :class:`PromptLedger`'s steps take
+positions across an epoch's end (the last prompts of one epoch and the first of the next may
+share a step), so none is dropped; a run's step loader, which the per-prompt states record,
+drops an epoch's remainder instead.
 """
 
 from __future__ import annotations
@@ -177,8 +181,11 @@ class PromptLedger:
 
 #: What a prompt goes through, in order (``requeued`` and ``dropped`` send it back to
 #: ``in_flight``; ``training``: its step given to the optimizer, ``trained``: that step done);
-#: ``start`` begins a worker-group start's lines.
-STATES = ("queued", "in_flight", "requeued", "dropped", "scored", "training", "trained")
+#: ``remainder``: past its epoch's last whole step, no step deals it (rank 0 notes it);
+#: ``start`` begins a worker-group start's lines, ``end`` closes a run that ended cleanly.
+STATES = (
+    "queued", "in_flight", "requeued", "dropped", "scored", "training", "trained", "remainder",
+)  # fmt: skip
 
 
 @dataclass
@@ -284,8 +291,9 @@ class Audit:
     """What :func:`audit` found: per (epoch, row), the times trained in the final lineage,
     dropped for staleness and asked for again after a lost request, and the step that took it
     to the optimizer (its ``training`` line in the final lineage: what the steps dealt); the
-    prompts whose training a resume rolled back (trained again after it); and how the run
-    ended (None: its last start wrote no end line)."""
+    prompts whose training a resume rolled back (trained again after it); how the run ended
+    (None: its last start wrote no end line); and per epoch the rows its order left past its
+    last whole step (``remainder`` lines: no step deals them)."""
 
     trained: dict[tuple[int, int], int]
     dropped: dict[tuple[int, int], int]
@@ -294,6 +302,7 @@ class Audit:
     num_prompts: int = 0  # the data's prompts, as the starts recorded them
     dealt: dict[tuple[int, int], int] = field(default_factory=dict)
     end: End | None = None
+    remainder: dict[int, set[int]] = field(default_factory=dict)
 
     @property
     def last_epoch(self) -> int:
@@ -307,9 +316,9 @@ class Audit:
         """How many prompts epoch `epoch`'s steps dealt, each due to be trained exactly once
         (None: not known, so that epoch is checked for repeats only). The rule:
 
-        - an epoch the run went past, or ended at the last step of: every prompt of the data
-          (the remainder too few for a step, which no step deals, is counted as due here for
-          now: once the ledger records an epoch's dropped remainder, this rule takes it out);
+        - an epoch the run went past, or ended at the last step of: every prompt of the data but
+          the epoch's remainder (too few for a step: no step deals it; its ``remainder`` line;
+          a ledger without one, or an older one, counts every prompt);
         - the epoch the run ended in before its last step (``max_steps`` inside it, or a stop
           at a step boundary): ``per_step`` prompts for each rollout it trained (its steps
           taken, over ``iterations``): the rows its steps noted ``training``; prompts no step
@@ -318,15 +327,26 @@ class Audit:
           older ray-trainer wrote the ledger): not known; nor a whole epoch's where the starts
           did not record the data's prompts (an older ledger).
         """
-        whole = self.num_prompts or None
-        if epoch < self.last_epoch:
+        whole = self.num_prompts - len(self.remainder.get(epoch, ())) if self.num_prompts else None
+        if self.whole(epoch):
             return whole
-        if self.end is None:
+        if self.end is None or epoch > self.last_epoch:
             return None
-        _, taken = self.end.ended_in
-        if taken >= self.end.steps_per_epoch:
-            return whole
-        return taken // self.end.iterations * self.end.per_step
+        return self.end.ended_in[1] // self.end.iterations * self.end.per_step
+
+    def whole(self, epoch: int) -> bool:
+        """Whether every step of epoch `epoch` was taken: the run went past it, or ended at its
+        last step (then all its prompts but its remainder are due)."""
+        if epoch < self.last_epoch:
+            return True
+        if self.end is None or epoch > self.last_epoch:
+            return False
+        return self.end.ended_in[1] >= self.end.steps_per_epoch
+
+    def left_out(self, epoch: int) -> list[int]:
+        """The rows of epoch `epoch`'s remainder (no step deals them) where the epoch is due
+        whole; none where it is not (its steps not all taken), or no line recorded them."""
+        return sorted(self.remainder.get(epoch, ())) if self.whole(epoch) else []
 
     def report(self) -> tuple[list[str], bool]:
         """How the run ended, one line per epoch (its prompts trained once, more than once,
@@ -335,8 +355,10 @@ class Audit:
         steps dealt (:meth:`due`) trained once."""
         lines, ok = [self._ending()], True
         for epoch in range(self.last_epoch + 1):
-            rows = {row: n for (e, row), n in self.trained.items() if e == epoch}
-            twice = sorted(row for row, n in rows.items() if n > 1)
+            left = self.left_out(epoch)
+            trained = {row: n for (e, row), n in self.trained.items() if e == epoch}
+            rows = {row: n for row, n in trained.items() if row not in left}
+            twice = sorted(row for row, n in trained.items() if n > 1)
             due = self.due(epoch)
             line = f"epoch {epoch}: {sum(n == 1 for n in rows.values())} of "
             if due is None:
@@ -345,9 +367,14 @@ class Audit:
             elif epoch == self.last_epoch:
                 line += f"the {due} prompts its steps dealt trained once (the run's last epoch)"
             else:
-                line += f"{self.num_prompts} prompts trained once"
+                line += f"{due} prompts trained once"
+            if left:
+                line += f"; dropped (epoch remainder) {len(left)}: rows {left[:10]}, no step deals"
             if twice:
                 line += f"; trained more than once: rows {twice[:10]}"
+            beyond = sorted(row for row in left if row in trained)
+            if beyond:
+                line += f"; trained though in the epoch's remainder: rows {beyond[:10]}"
             lost = sorted(
                 (s, r) for (e, r), s in self.dealt.items() if e == epoch and r not in rows
             )
@@ -358,7 +385,7 @@ class Audit:
                 line += f" ({named})" if named else ""
             if missing < 0:
                 line += f"; trained beyond what its steps dealt: {-missing}"
-            ok = ok and not twice and (due is None or (missing == 0 and not lost))
+            ok = ok and not twice and not beyond and (due is None or (missing == 0 and not lost))
             drops = sum(n for (e, _), n in self.dropped.items() if e == epoch)
             again = sum(n for (e, _), n in self.requeued.items() if e == epoch)
             lines.append(f"{line}; dropped as stale {drops}, asked for again {again}")
@@ -375,13 +402,16 @@ class Audit:
         )
 
     def problems(self, num_prompts: int, epochs: Iterable[int]) -> list[str]:
-        """Every prompt of each of `epochs` not trained exactly once (empty: none)."""
+        """Every prompt of each of `epochs` not trained exactly once, or trained though in the
+        epoch's remainder (no step deals it: due 0 times); empty: none."""
         out = []
         for epoch in epochs:
+            left = self.remainder.get(epoch, set())
             for row in range(num_prompts):
-                times = self.trained.get((epoch, row), 0)
-                if times != 1:
-                    out.append(f"epoch {epoch}, prompt row {row}: trained {times} times")
+                times, due = self.trained.get((epoch, row), 0), 0 if row in left else 1
+                if times != due:
+                    why = " (in the epoch's remainder, which no step deals)" if due == 0 else ""
+                    out.append(f"epoch {epoch}, prompt row {row}: trained {times} times{why}")
         return out
 
 
@@ -395,6 +425,7 @@ def audit(segments: list[Segment]) -> Audit:
     dropped: dict[tuple[int, int], int] = {}
     requeued: dict[tuple[int, int], int] = {}
     dealt: dict[tuple[int, int], int] = {}
+    remainder: dict[int, set[int]] = {}
     rolled_back = 0
     starts: dict[tuple[str, int], tuple[float, int]] = {}  # its first start time, restored step
     for seg in segments:
@@ -409,6 +440,9 @@ def audit(segments: list[Segment]) -> Audit:
             end = seg.end
         for r in seg.records:
             keys = [(r.get("epoch", 0), row) for row in r["rows"]]
+            if r["state"] == "remainder":  # the epoch's order: the same in every start
+                remainder.setdefault(r.get("epoch", 0), set()).update(r["rows"])
+                continue
             if r["state"] in ("training", "trained") and cut is not None and r["step"] > cut:
                 rolled_back += len(keys) if r["state"] == counts_as else 0
                 continue
@@ -422,4 +456,4 @@ def audit(segments: list[Segment]) -> Audit:
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
     prompts = max((seg.prompts for seg in segments), default=0)
-    return Audit(trained, dropped, requeued, rolled_back, prompts, dealt, end)
+    return Audit(trained, dropped, requeued, rolled_back, prompts, dealt, end, remainder)

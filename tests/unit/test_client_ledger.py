@@ -138,3 +138,82 @@ def test_a_run_ended_inside_an_epoch_checks_what_its_steps_dealt(
     out = capsys.readouterr().out
     assert "epoch 1: 1 of the 2 prompts its steps dealt trained once" in out
     assert "never trained: 1;" in out
+
+
+# ---- prompts that do not divide into steps (issue 74, point 2) ---------------------------------
+
+
+def test_an_epochs_remainder_is_recorded_dropped_and_the_run_is_whole(tmp_path, capsys):
+    """25 prompts at 4 a step (2 ranks of 2): 6 steps an epoch, the loader drops one prompt of
+    each epoch's order; rank 0 records it (`remainder`), and `ray-trainer ledger` counts it out
+    of what is due: the run is whole, naming the row it dropped each epoch."""
+    from ledger_runs import loaders, write_run
+
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+
+    run = tmp_path / "rl"
+    assert write_run(run / "ledger", 25) == 6
+    code = main(["ledger", str(run)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    loader = loaders(25, 2, 2)[0]
+    for epoch in (0, 1):
+        dealt = {
+            r for step in loaders(25, 2, 2) for b in step.steps(epoch) for m in b
+            for r in m.batch["prompt_index"].tolist()
+        }  # fmt: skip
+        (left,) = loader.left_out(epoch)  # the one row no step deals
+        assert dealt == set(range(25)) - {left}
+        assert f"epoch {epoch}: 24 of " in out
+        assert f"dropped (epoch remainder) 1: rows [{left}], no step deals" in out
+    assert "the run ended after step 12 of 12, the last step of epoch 1" in out
+    assert "whole: every prompt trained once per epoch" in out
+    found = audit(read_states(locate(str(run / "ledger"))))
+    assert found.problems(25, [0, 1]) == []
+
+
+def test_a_remainder_run_with_a_fault_still_fails(tmp_path, capsys):
+    """The same data, a crash after step 8 with the checkpoint at step 5 and the restart
+    resuming there (it records the remainders again): whole; then a `trained` line taken from
+    the last start fails it, naming the row and the step; and a ledger whose remainder line is
+    gone (an older writer) counts the dropped prompt as never trained."""
+    from ledger_runs import Start, delete_line, write_run
+
+    run = tmp_path / "rl"
+    write_run(run / "ledger", 25, starts=(Start(0, crashed_after=8), Start(5)))
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "2 worker-group start(s)" in out
+    assert "rolled back by a resume and trained again: 12" in out
+    delete_line(run / "ledger", 1, 1, "trained", 9)
+    assert main(["ledger", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "epoch 1: 22 of the 24 prompts its steps dealt trained once" in out
+    assert "never trained: 2 (row" in out and "of step 9" in out and "NOT whole" in out
+    older = tmp_path / "older"
+    write_run(older / "ledger", 25)
+    delete_line(older / "ledger", 0, 0, "remainder", 1)
+    assert main(["ledger", str(older)]) == 1
+    out = capsys.readouterr().out
+    assert "epoch 0: 24 of 25 prompts trained once; never trained: 1;" in out
+
+
+def test_a_remainder_run_ended_inside_an_epoch_checks_its_steps_only(tmp_path, capsys):
+    """max_steps=8 (epoch 1's second step) and a stop after step 9 of 12: epoch 0 whole but for
+    its remainder; epoch 1's due are its steps' prompts, its remainder not named (no step of it
+    would deal it before the epoch's end anyway)."""
+    from ledger_runs import write_run
+
+    for name, kwargs, heading in (
+        ("max", {"total": 8}, "the run ended after step 8 of 8 (its max_steps)"),
+        ("stop", {"stopped_at": 9}, "the run stopped early after step 9 of 12 (a stop request)"),
+    ):
+        run = tmp_path / name
+        write_run(run / "ledger", 25, **kwargs)
+        assert main(["ledger", str(run)]) == 0
+        out = capsys.readouterr().out
+        assert heading in out
+        assert "epoch 0: 24 of 24 prompts trained once; dropped (epoch remainder) 1" in out
+        due = 4 * ((kwargs.get("total") or kwargs.get("stopped_at")) - 6)
+        assert f"epoch 1: {due} of the {due} prompts its steps dealt trained once (the run" in out
+        assert out.count("dropped (epoch remainder)") == 1

@@ -182,7 +182,8 @@ def _run(
         steps_per_epoch=rows // per_step, stop_reason=None,
         args=SimpleNamespace(seed=3, packing=False, reward_weights=None),
         workload=SimpleNamespace(pad_id=0, tokenizer=SimpleNamespace(decode=lambda ids, **k: "x")),
-        loader=SimpleNamespace(steps=loader_steps, per_step=per_step, pad_to=1, layout=False),
+        loader=SimpleNamespace(steps=loader_steps, per_step=per_step, pad_to=1, layout=False,
+                               left_out=lambda epoch: order[rows // per_step * per_step :]),
     )  # fmt: skip
     objective.state = state
     now = [0.0]  # the loop's clock: each step trains for 10 s
@@ -364,6 +365,27 @@ def test_the_ledger_command_checks_the_epoch_the_run_ended_in(
     out = capsys.readouterr().out
     named = ", ".join(f"row {r} of step {last}" for r in run.steps[last - 1])
     assert f"never trained: 2 ({named})" in out and "NOT whole" in out
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_the_objective_records_its_epochs_remainder_and_the_ledger_is_whole(
+    monkeypatch, tmp_path, capsys, max_staleness
+):
+    """13 prompts at 2 a step (issue 74, point 2): 6 steps, and the loader's order leaves its
+    last prompt out; the objective's rank 0 notes it (`remainder`, the loader's `left_out`)
+    at the epoch's first step, so `ray-trainer ledger` finds the run whole."""
+    from ray_trainer.cli import main
+
+    run_dir = tmp_path / "rl"
+    run = _run(monkeypatch, rows=13, per_step=2, max_staleness=max_staleness,
+               ledger=(run_dir / "ledger", 0, []))  # fmt: skip
+    found = audit(read_states(locate(str(run_dir / "ledger"))))
+    (left,) = set(range(13)) - {r for rows in run.steps for r in rows}
+    assert found.remainder == {0: {left}} and found.problems(13, epochs=[0]) == []
+    assert main(["ledger", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 0: 12 of the 12 prompts its steps dealt trained once (the run's last" in out
+    assert f"dropped (epoch remainder) 1: rows [{left}]" in out and "whole: every" in out
 
 
 def test_no_rollout_is_requested_past_the_runs_last_step(monkeypatch):

@@ -4,6 +4,7 @@ a prompt, even with completions in flight or trained out of order when it was sa
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -225,3 +226,100 @@ def test_the_last_epoch_is_due_by_how_the_run_ended(tmp_path):
     lines, ok = found.report()
     assert ok and "wrote no end line" in lines[0]
     assert found.dealt[(1, 2)] == 4  # step 4 took it to the optimizer, never done
+
+
+# ---- generated ledgers (issue 74, point 2) ----------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _runs(draw):
+    """A run's shape: prompts, ranks and prompts per rank a step (prompts that may not divide
+    into steps), its steps (up to 3 epochs: a max_steps inside an epoch, or a stop), and a crash
+    with its resume (the checkpoint at or before the crash)."""
+    world, batch_size = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    prompts = draw(st.integers(world * batch_size, 23))
+    per_epoch = prompts // (world * batch_size)
+    total = draw(st.integers(1, 3 * per_epoch))
+    stopped_at = draw(st.one_of(st.none(), st.integers(1, total)))
+    ends = stopped_at or total
+    crash = draw(st.one_of(st.none(), st.integers(1, ends)))
+    restored = None if crash is None else draw(st.integers(0, min(crash, ends - 1)))
+    return world, batch_size, prompts, total, stopped_at, crash, restored
+
+
+def _written(folder, run):
+    from ledger_runs import Start, write_run
+
+    world, batch_size, prompts, total, stopped_at, crash, restored = run
+    starts = (Start(),) if crash is None else (Start(0, crash), Start(restored))
+    return write_run(folder, prompts, world=world, batch_size=batch_size, total=total,
+                     stopped_at=stopped_at, starts=starts)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(run=_runs(), data=st.data())
+def test_a_complete_ledger_is_whole_and_one_without_a_trained_line_never(run, data):
+    """Whatever the prompts, the step, the epochs and the ending (the run's last step, a
+    max_steps inside an epoch, a stop, with or without a crash and its resume): the ledger
+    its workers wrote is whole, every prompt of each epoch it went past trained once but its
+    remainder; taken out, any `trained` line of the last start makes it not whole."""
+    import tempfile
+    from pathlib import Path
+
+    from ledger_runs import delete_line
+
+    from ray_trainer._objectives.grpo_ledger import audit, read_states
+    from ray_trainer._storage import locate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "ledger"
+        per_epoch = _written(folder, run)
+        found = audit(read_states(locate(str(folder))))
+        lines, ok = found.report()
+        assert ok, lines
+        past = range(found.last_epoch + (found.whole(found.last_epoch)))
+        assert found.problems(run[2], past) == []
+        assert all(len(found.remainder.get(e, ())) == run[2] - per_epoch * run[0] * run[1]
+                   for e in past)  # fmt: skip
+        last = 0 if run[5] is None else 1
+        trained = [
+            (rank, json.loads(line)["step"])
+            for rank in range(run[0])
+            for line in (folder / f"attempt{last}-rank{rank}.jsonl").read_text().splitlines()
+            if json.loads(line)["state"] == "trained"
+        ]
+        rank, step = data.draw(st.sampled_from(trained))
+        delete_line(folder, last, rank, "trained", step)
+        lines, ok = audit(read_states(locate(str(folder)))).report()
+        assert not ok, (rank, step, lines)
+
+
+# capsys is read (emptied) in each example.
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(run=_runs(), data=st.data())
+def test_a_truncated_ledger_file_is_read_or_refused_never_a_raw_error(run, data, capsys):
+    """Any ledger file cut at any byte (a worker killed in a write, a partial copy):
+    `ray-trainer ledger` exits 0, 1 or 2 (a line it cannot read: exit 2, naming the folder),
+    never with another exception."""
+    import tempfile
+    from pathlib import Path
+
+    from ray_trainer.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "rl" / "ledger"
+        _written(folder, run)
+        path = data.draw(st.sampled_from(sorted(folder.iterdir())))
+        text = path.read_bytes()
+        path.write_bytes(text[: data.draw(st.integers(0, len(text)))])
+        code = main(["ledger", str(folder.parent)])
+        captured = capsys.readouterr()
+        assert code in (0, 1, 2)
+        if code == 2:
+            assert "ledger" in captured.err

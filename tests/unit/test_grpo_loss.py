@@ -456,7 +456,7 @@ def test_a_second_pass_takes_the_first_passs_log_probs_as_old_ones_as_trl(tiny, 
         return iter([["the step's prompts"]] * (1 - start))
 
     state = SimpleNamespace(progress=progress, loader=SimpleNamespace(steps=loader_steps,
-                            per_step=4), args=SimpleNamespace(seed=0))  # fmt: skip
+                            left_out=lambda e: [], per_step=4), args=SimpleNamespace(seed=0))  # fmt: skip
     policy = load(path)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.Adam(policy.parameters(), lr=0.05)

@@ -251,7 +251,7 @@ def test_num_iterations_repeats_a_rollout_and_a_resume_inside_it_takes_the_rest(
         return iter([[f"prompts of step {i}"] for i in range(start, 3)])
 
     state = SimpleNamespace(progress=progress, loader=SimpleNamespace(steps=loader_steps,
-                            per_step=2), args=SimpleNamespace(seed=0))  # fmt: skip
+                            left_out=lambda e: [], per_step=2), args=SimpleNamespace(seed=0))  # fmt: skip
     model, passes = _Toy(), []
     for batches in objective.steps(state, iter([])):  # resumed at step 5: loader step 1, pass 2
         objective.step_loss(_Workload(), model, batches[0].batch, batches[0].targets)

@@ -184,6 +184,7 @@ class GrpoObjective(WorkerObjective):
         those of the policy that sampled them, read in the first pass (:meth:`step_loss`)."""
         self._start(state)
         k, p = self.iterations, state.progress
+        self.states.remainder(state.loader, p.global_step + 1, p.epoch)  # rows no step deals
         first = 0
         if k > 1:  # the loader's step of this optimizer step, and the passes it has had
             start, first = iteration_start(p.step_in_epoch, k)

@@ -5,11 +5,14 @@ Each rank notes the states its prompts go through (``_objectives/grpo_ledger.STA
 goes to an engine (its slot), ``requeued`` when that request is lost (its engine died) and they
 are asked for again, ``dropped`` when their completions were sampled more than
 ``max_staleness`` versions ago (sampled again at once), ``scored`` once their rewards are in, and
-``trained`` once the optimizer step that took them is done. A worker-group start notes
-``start``, with the step its checkpoint restored and the steps whose rollouts the checkpoint's
-queue had in flight (asked for again now); its run's clean end (the last step, or a stop at a
-step boundary; never a failure) notes ``end``: where the run stopped and why, which is what
-lets ``audit`` check the epoch the run ended in.
+``trained`` once the optimizer step that took them is done; rank 0 notes ``remainder`` at an
+epoch's first step in a start: the rows of the epoch's order past its last whole step, which no
+step deals (the loader drops an epoch's remainder too few for a step, as a ``DataLoader`` with
+``drop_last`` does), so that ``audit`` knows which prompts the epoch left out. A worker-group
+start notes ``start``, with the step its checkpoint restored and the steps whose rollouts the
+checkpoint's queue had in flight (asked for again now); its run's clean end (the last step, or
+a stop at a step boundary; never a failure) notes ``end``: where the run stopped and why, which
+is what lets ``audit`` check the epoch the run ended in.
 
 The lines of a step are written together, once per step (before it trains; its ``trained``
 line with the next step's, or at the run's end), to ``<run>/ledger/attempt<a>-rank<r>.jsonl`` on
@@ -81,6 +84,13 @@ class PromptStates:
         if rows:
             record = {"state": state, "step": step, "epoch": epoch, "rows": list(rows), **extra}
             self.lines.append(json.dumps(record, separators=(",", ":")))
+
+    def remainder(self, loader: Any, step: int, epoch: int) -> None:
+        """Rank 0, at epoch `epoch`'s first step in this start (`step`, 1-based): the rows the
+        epoch's order puts past `loader`'s last whole step (``StepLoader.left_out``), which no
+        step deals (nothing when the prompts divide into steps, or on another rank)."""
+        if self.rank == 0:
+            self.note("remainder", step, epoch, loader.left_out(epoch))
 
     def flush(self) -> None:
         """Write the lines noted since the last flush (nothing when there are none)."""

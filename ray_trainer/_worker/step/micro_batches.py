@@ -128,6 +128,12 @@ class StepLoader:
     def steps_per_epoch(self) -> int:
         return steps_per_epoch(len(self.dataset), self.per_step)
 
+    def left_out(self, epoch: int) -> list[int]:
+        """The samples `epoch`'s order puts past its last whole step: too few for a step, no
+        step takes them (the epoch's remainder, dropped as ``drop_last`` does)."""
+        order = epoch_order(len(self.dataset), self.seed, epoch)
+        return order[self.steps_per_epoch * self.per_step :].tolist()
+
     def steps(self, epoch: int, start: int = 0) -> Iterator[list[MicroBatch]]:
         """The micro-batches of each step of `epoch`, from step `start` (a resumed run)."""
         steps = self._steps(epoch, start)
