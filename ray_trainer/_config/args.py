@@ -256,6 +256,11 @@ class TrainingArgs(BaseModel):
     def _check_run_name(cls, v: str | None) -> str | None:
         return rules.run_name(v)
 
+    @field_validator("ray_address")
+    @classmethod
+    def _check_ray_address(cls, v: str | None) -> str | None:
+        return rules.ray_address(v)
+
     @field_validator("num_workers", mode="before")
     @classmethod
     def _check_num_workers(cls, v: Any) -> Any:

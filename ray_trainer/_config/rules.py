@@ -53,6 +53,37 @@ def run_name(v: str | None) -> str | None:
     return v
 
 
+#: A host name or IPv4 address (letters, digits, '.', '-', '_'), or an IPv6 one in brackets.
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+#: What ``ray_address`` (and ``RAY_ADDRESS``) takes, as a refusal lists it.
+RAY_ADDRESS_FORMS = (
+    "'auto' (the Ray cluster this machine belongs to), 'local' (a new local Ray), "
+    "'host:port' (a cluster's head node, its GCS port: e.g. '10.0.0.1:6379', as `ray start "
+    "--head` prints it) or 'ray://host:port' (Ray Client, e.g. 'ray://10.0.0.1:10001')"
+)
+
+
+def ray_address(v: str | None, name: str = "ray_address") -> str | None:
+    """``ray_address`` (or the ``RAY_ADDRESS`` variable, `name`): None, or one of the forms
+    `ray.init` connects with (:data:`RAY_ADDRESS_FORMS`), checked before Ray is started or
+    joined (``"CPU:0"`` made `ray.init` retry a GCS connection for minutes)."""
+    if v is None or v in ("auto", "local") or address_host_port(v) is not None:
+        return v
+    raise ValueError(
+        f"{name}={v!r} is not a Ray address; give {RAY_ADDRESS_FORMS}, or leave {name} unset "
+        "to train on an embedded local Ray"
+    )
+
+
+def address_host_port(v: str) -> tuple[str, int] | None:
+    """The host and port of a ``host:port`` or ``ray://host:port`` address (an IPv6 host
+    without its brackets), or None when `v` is not of that form (a port is 1-65535)."""
+    host, sep, port = v.removeprefix("ray://").rpartition(":")
+    if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host.strip("[]"), int(port)
+
+
 def num_workers(v: Any) -> Any:
     """A number of workers, or ``(min, max)`` for an elastic group (``(n, n)`` is ``n``)."""
     if isinstance(v, list | tuple):

@@ -58,6 +58,15 @@ class TinyLMConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"TinyLMConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
+    def parameter_count(self) -> int:
+        """The parameters :class:`TinyCausalLM` holds with this shape (the embeddings, each
+        block's attention, MLP and LayerNorms, the final LayerNorm, the head unless tied),
+        counted without building it: what a setting like ``d_model=10**8`` would ask for."""
+        d, hidden = self.d_model, self.mlp_ratio * self.d_model
+        block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (2 * d * hidden + hidden + d)
+        head = 0 if self.tie_weights else d * self.vocab_size
+        return (self.vocab_size + self.max_len) * d + self.n_layers * block + 2 * d + head
+
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)

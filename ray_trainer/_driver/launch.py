@@ -21,6 +21,7 @@ from callbacks import ALIASES, EVENTS
 from ray_trainer._actor.actor import start_actor
 from ray_trainer._config.args import TrainingArgs
 from ray_trainer._contract import NAMESPACE, ActorSummary, RunSpec, actor_name, forwarded_events
+from ray_trainer._driver.checks.address import check_cluster_address, cluster_address
 from ray_trainer._driver.checks.demand import embedded_cpus, embedded_where, per_worker, run_demand
 from ray_trainer._driver.checks.inputs import (
     check_enough_samples,
@@ -87,6 +88,7 @@ def run_training(args: TrainingArgs | dict | None = None, **fields: Any) -> Trai
         args = args.model_copy(update={"run_name": f"run-{stamp}-{secrets.token_hex(2)}"})
     lists = collect_callbacks(args)
     plans = check_inputs(args)
+    check_cluster_address(args.ray_address)  # RAY_ADDRESS too: its form, and an answer
     run = check_storage(args)
     # One run at a time writes the folder: a live holder refuses this start, before Ray.
     with RunLease(run, args.run_name):
@@ -134,8 +136,9 @@ def _init_ray(args: TrainingArgs, lists: CallbackLists) -> bool:
 
     if ray.is_initialized():
         return False
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
+    joining = cluster_address(args.ray_address)  # checked by run_training: it answered
+    if joining:
+        address, _ = joining
         ray.init(address=address, log_to_driver=True)
         filter_ray_noise()
         print(joined_line(address), flush=True)

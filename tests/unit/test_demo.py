@@ -190,6 +190,17 @@ def test_config_validation_explains_the_fix():
         TinyLMConfig(d_model=30, n_heads=4)
 
 
+UNTIED = {"tie_weights": False, "n_layers": 3, "mlp_ratio": 2, "d_model": 48, "n_heads": 3}
+
+
+@pytest.mark.parametrize("shape", [{}, {**UNTIED, "vocab_size": 300, "max_len": 77}])
+def test_parameter_count_is_the_built_models_without_building_it(shape):
+    """What the driver's size check counts (issue 74, point 4): the module's own parameters
+    (a tied head counted once)."""
+    config = TinyLMConfig(**shape)
+    assert config.parameter_count() == sum(p.numel() for p in TinyCausalLM(config).parameters())
+
+
 def test_backward_and_a_tiny_overfit_lower_the_loss():
     ds = AdditionDataset(32, digits=2, seed=0)
     model = tiny_model(max_len=ds.seq_len)

@@ -3,7 +3,8 @@
 Runs in the driver, before ``ray.init()``, from `inputs.check_inputs`: the built-in model's
 ``demo`` settings and position limit, a ``tokenizer`` it would not use, ``max_length`` against
 a Hugging Face model's ``max_position_embeddings``, and what a model factory returns (built on
-the meta device: no memory, no weights), and ``liger_kernel=True`` against the workers' kind
+the meta device: no memory, no weights), the built-in model's size against this machine's
+memory, and ``liger_kernel=True`` against the workers' kind
 (GPU), the packages it needs and the model's family. Each refusal is a `TrainingArgsError`
 naming the field and the fix; a check that cannot be made cheaply here is left to the workers.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Any
 
 from ray_trainer._config.args import TrainingArgs
@@ -50,12 +52,13 @@ def _check_builtin(args: TrainingArgs) -> None:
             f"({BUILTIN_MAX_LENGTH}: it holds a position table of max_length rows); lower "
             "max_length, or train a Hugging Face model"
         )
-    _check_demo(args.demo, on_text)
+    _check_demo(args.demo, on_text, args.max_length)
 
 
-def _check_demo(demo: dict[str, Any], on_text: bool) -> None:
+def _check_demo(demo: dict[str, Any], on_text: bool, max_length: int) -> None:
     """``demo`` holds settings the built-in model (and, without data, its task) knows, and
-    they make a model: e.g. ``d_model`` divisible by ``n_heads``."""
+    they make a model (e.g. ``d_model`` divisible by ``n_heads``) that fits this machine's
+    memory (`_check_demo_size`)."""
     from ray_trainer._demo import DEMO_DEFAULTS, TinyLMConfig
 
     model_keys = {f.name for f in dataclasses.fields(TinyLMConfig)} - {"vocab_size", "max_len"}
@@ -91,6 +94,43 @@ def _check_demo(demo: dict[str, Any], on_text: bool) -> None:
     for key in ("digits", "n_train", "n_val", "eval_samples"):
         if key in demo and not on_text and demo[key] < 1:
             raise TrainingArgsError(f"demo: {key}={demo[key]} must be at least 1")
+    _check_demo_size(settings, on_text, max_length)
+
+
+def _check_demo_size(settings: dict[str, Any], on_text: bool, max_length: int) -> None:
+    """The built-in model's parameters, counted from its shape (float32: 4 bytes each), within
+    this machine's memory: a ``d_model=10**8`` asked every worker for about 1e17 bytes, an
+    allocation error after Ray had started. On text its vocabulary is the byte tokenizer's and
+    its position table ``max_length`` rows; the demo task's are a few (counted as one row: the
+    estimate is a lower bound)."""
+    from ray_trainer._data.encode import ByteTokenizer
+    from ray_trainer._demo import CharTokenizer, TinyLMConfig
+
+    memory = machine_memory()
+    vocab = ByteTokenizer.vocab_size if on_text else CharTokenizer().vocab_size
+    config = TinyLMConfig(vocab_size=vocab, max_len=max_length if on_text else 1, **settings)
+    need = 4 * config.parameter_count()
+    if memory is None or need <= memory:
+        return
+    shape = ", ".join(
+        f"{k}={getattr(config, k)}" for k in ("d_model", "n_layers", "mlp_ratio", "tie_weights")
+    )
+    rows = f", max_length={max_length} positions" if on_text else ""
+    raise TrainingArgsError(
+        f"demo: the built-in model of {shape}{rows} has {config.parameter_count():,} parameters, "
+        f"{need / 2**30:,.1f} GiB in float32 (training takes about 4 times that: gradients and "
+        f"AdamW's two moments), more than this machine's {memory / 2**30:,.1f} GiB of memory; "
+        "lower demo's d_model or n_layers (its defaults, d_model=128 and n_layers=2, make "
+        "about 0.4 M parameters), or train a Hugging Face model"
+    )
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _check_factory(args: TrainingArgs) -> None:
