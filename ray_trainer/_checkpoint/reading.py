@@ -326,7 +326,11 @@ def load_model(
     Example:
         >>> model = load_model("s3://bucket/runs/my-run/checkpoint_00000400", device="cuda")
         >>> model = load_model(path, model=build_my_model)  # a run whose model was a factory
+
+    A ``device`` that is not a torch device, or that this machine does not have (``"CPU:0"``,
+    ``"cuda:7"`` with fewer GPUs), raises ``ValueError`` naming it, before anything is read.
     """
+    device = existing_device(device)
     with open_checkpoint(locate(path, filesystem)) as checkpoint:
         module = _build(checkpoint.model_spec(model, trust_factory), checkpoint.name)
         lora = checkpoint.state.extra.get("lora")
@@ -348,6 +352,31 @@ def load_model(
     if merge:
         module = module.merge_and_unload()
     return module.to(device).eval()
+
+
+def existing_device(device: Any) -> Any:
+    """`device` as a ``torch.device`` this machine has; else ``ValueError`` naming it and what
+    there is (a device type whose count torch cannot tell here is taken as given)."""
+    import torch
+
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"load_model: device={device!r} is not a torch device; give one as torch names it, "
+            "in lower case: e.g. 'cpu', 'cuda', 'cuda:0' or 'mps'"
+        ) from None
+    counter = getattr(getattr(torch, found.type, None), "device_count", None)
+    if found.type in ("cpu", "meta") or counter is None:
+        return found
+    count = counter()
+    if (found.index or 0) < count:
+        return found
+    has = f"{count} ({found.type}:0 to {found.type}:{count - 1})" if count else "none"
+    raise ValueError(
+        f"load_model: device={device!r} does not exist on this machine ({found.type} devices: "
+        f"{has}); give device='cpu'" + (f" or one of those {found.type} devices" if count else "")
+    )
 
 
 def _build(spec: Any, name: str) -> Any:

@@ -201,14 +201,30 @@ class RunLease:
         return here and silent > 2 * self.heartbeat_s and not _process_alive(other.pid)
 
     def _refusal(self, other: Holder, now: float) -> str:
-        free_at = datetime.datetime.fromtimestamp(other.heartbeat + self.stale_after_s)
+        """The refusal, with when the lease can be taken over as `_stale` decides it: a holder
+        of this machine whose process is gone, two heartbeat periods after its last one (it is
+        refused only until then); any other, `stale_after_s` after it."""
+        gone = other.host == self.holder.host and not _process_alive(other.pid)
+        wait_s = 2 * self.heartbeat_s if gone else self.stale_after_s
+        free_at = datetime.datetime.fromtimestamp(other.heartbeat + wait_s)
+        at = f"the lease is taken over from {free_at.isoformat(timespec='seconds')} on"
+        if gone:
+            takeover = (
+                f"Its process (pid {other.pid}) is gone from this machine: {at} "
+                f"({wait_s:.0f} s after its last heartbeat)"
+            )
+        else:
+            takeover = (
+                f"If that run is gone (its process killed, its machine dead), {at} "
+                f"({wait_s:.0f} s without a heartbeat; for a process of this machine that is "
+                f"gone, {2 * self.heartbeat_s:.0f} s)"
+            )
         return (
             f"run_name {other.run_name or self.run.basename!r}: {self.run.name} is in use by "
             f"another run ({other.describe(now)}); two runs writing one folder delete each "
             "other's checkpoints. Wait for it to end, stop it (Ctrl-C where it runs, or "
-            "`ray-trainer stop` on its cluster), or pick a new run_name. If that run is gone (its machine died), the lease is taken over from "
-            f"{free_at.isoformat(timespec='seconds')} on ({self.stale_after_s:.0f} s without a "
-            f"heartbeat), or at once if you delete {self.file.name}"
+            f"`ray-trainer stop` on its cluster), or pick a new run_name. {takeover}, or at "
+            f"once if you delete {self.file.name}"
         )
 
     # ---- the driver, while the run lives ---------------------------------------------------

@@ -396,7 +396,7 @@ def reward_weights(weights: Sequence[float] | None, fns: Sequence[Any]) -> torch
         return torch.ones(len(fns), dtype=torch.float32)
     if len(weights) != len(fns):
         raise TrainingArgsError(
-            f"grpo.reward_weights has {len(weights)} weight(s) for {len(fns)} reward "
+            f"reward_weights has {len(weights)} weight(s) for {len(fns)} reward "
             "function(s); give one weight per function, in the order of reward_fns"
         )
     return torch.tensor([float(w) for w in weights], dtype=torch.float32)

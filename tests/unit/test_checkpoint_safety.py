@@ -558,3 +558,32 @@ def test_manifests_list_a_sha256_per_file(tmp_path):
             "size": (folder / name).stat().st_size,
             "sha256": sha256_file(str(folder / name)),
         }
+
+
+@pytest.mark.parametrize(
+    "device, said",
+    [
+        ("CPU:0", "device='CPU:0' is not a torch device; give one as torch names it"),
+        ("cuda:7", "device='cuda:7' does not exist on this machine (cuda devices: "),
+        (3.5, "device=3.5 is not a torch device"),
+    ],
+)
+def test_a_device_that_does_not_exist_is_refused_before_the_checkpoint_is_read(
+    tmp_path, monkeypatch, device, said
+):
+    """`load_model(path, device=...)` (issue 74, point 5): a device torch does not name, or one
+    this machine lacks (cuda:7 with fewer GPUs: none here, or up to 7 on a GPU host), is a
+    ValueError naming `device`, raised before the checkpoint is opened or its model built."""
+    from ray_trainer._checkpoint import reading
+
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    folder = tmp_path / STEP
+    write_checkpoint(folder)
+    opened = []
+    monkeypatch.setattr(reading, "open_checkpoint", lambda *a, **k: opened.append(a))
+    with pytest.raises(ValueError, match=r"^load_model: ") as info:
+        ckpt.load_model(str(folder), device=device, model=make_model)
+    assert said in str(info.value) and opened == []
+    monkeypatch.undo()
+    assert ckpt.load_model(str(folder), device="cpu", model=make_model).weight.device.type == "cpu"

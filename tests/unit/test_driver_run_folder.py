@@ -414,3 +414,36 @@ def test_a_start_removes_cut_off_saves_and_temporary_files_never_a_checkpoint(tm
         "run.json",
     ]
     assert remove_crashed_saves(locate(str(run))) == []
+
+
+def test_the_refusal_gives_the_takeover_time_the_code_applies(tmp_path):
+    """Issue 74, point 5: the message's takeover time is `_stale`'s. A holder of this machine
+    whose process is gone is refused only until 30 s (two 15 s heartbeats) after its last
+    heartbeat, and the message says 30 s and that time; a live one (this very process), or one
+    of another host, 120 s, with the 30 s case named."""
+    import datetime
+
+    run = locate(str(tmp_path / "run"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    clock = _Clock()
+    beat = clock() - 10
+    cases = [
+        (socket.gethostname(), int(dead.stdout), 30, "is gone from this machine"),
+        (socket.gethostname(), os.getpid(), 120, "If that run is gone"),
+        ("another-host", int(dead.stdout), 120, "If that run is gone"),
+    ]
+    for host, pid, wait_s, said in cases:
+        left = Holder("other", host, pid, clock() - 300, beat, "r")
+        run.child(LEASE_FILE).write_bytes(left.to_bytes())
+        lease = RunLease(run, "r", heartbeat_s=15, stale_after_s=120, clock=clock)
+        with pytest.raises(RunFolderLeasedError) as refused:
+            lease.acquire()
+        message = str(refused.value)
+        at = datetime.datetime.fromtimestamp(beat + wait_s).isoformat(timespec="seconds")
+        assert said in message and f"taken over from {at} on ({wait_s} s " in message, message
+        assert "for a process of this machine that is gone, 30 s" in message or wait_s == 30
+        clock.now = beat + wait_s + 1  # the time it named: taken over
+        RunLease(run, "r", heartbeat_s=15, stale_after_s=120, clock=clock).acquire()
+        clock.now = beat + 10
+        os.remove(tmp_path / "run" / LEASE_FILE)  # the taker's, never released

@@ -119,7 +119,8 @@ def test_grpo_is_registered_and_owns_its_fields():
     [
         ({"reward_fns": None}, "GRPO needs at least one reward function"),
         ({"reward_fns": "no_such_module:f"}, "module 'no_such_module' does not import"),
-        ({"reward_weights": [1.0, 2.0]}, "2 weight(s) for 1 reward function(s)"),
+        # The top-level field as users write it (issue 74, point 5), not "grpo.reward_weights".
+        ({"reward_weights": [1.0, 2.0]}, "(args): reward_weights has 2 weight(s) for 1 reward"),
         ({"rollout_workers": (2, 1)}, "rollout_workers=(2, 1): elastic rollout engines need"),
         ({"rollout_workers": (0, 2)}, "rollout_workers=(0, 2): elastic rollout engines need"),
         ({"rollout_workers": (1, 2, 3)}, "rollout_workers takes a number of engines or (min"),
