@@ -202,6 +202,7 @@ class Segment:
     prompts: int = 0  # the data's prompts
     records: list[dict[str, Any]] = field(default_factory=list)
     end: End | None = None  # its ``end`` line: the run ended cleanly in this start
+    torn: int = 0  # its files' last lines cut short (a write killed mid-way), not read
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,10 @@ class End:
 
 
 def read_states(folder: Any) -> list[Segment]:
-    """The segments in a run's ``ledger`` folder (a ``Location``), by start time."""
+    """The segments in a run's ``ledger`` folder (a ``Location``), by start time. A file's last
+    line without its newline is a write cut short (its worker killed while appending): it is
+    not read, and its segment counts it (`Segment.torn`); any other line that is not a ledger
+    record is a `LedgerError` naming the file and the line."""
     segments: list[Segment] = []
     current: Segment | None = None
     stem = None
@@ -262,8 +266,10 @@ def read_states(folder: Any) -> list[Segment]:
             continue
         if _stem(name) != stem:  # another worker's (or start's) file
             stem, current = _stem(name), None
-        for line in (folder.child(name).read_text() or "").splitlines():
-            record = json.loads(line)
+        lines = (folder.child(name).read_text() or "").split("\n")
+        torn = lines.pop()  # what follows the last newline: nothing, unless a write was cut
+        for number, line in enumerate(lines, 1):
+            record = _record(line, f"{folder.name}/{name}:{number}")
             if record["state"] == "start":
                 current = Segment(
                     record["launch"], record["rank"], record["attempt"], record["step"], record["time"],
@@ -276,7 +282,20 @@ def read_states(folder: Any) -> list[Segment]:
                 current.end = End.of(record)
             else:
                 current.records.append(record)
+        if torn and current is not None:
+            current.torn += 1
     return sorted(segments, key=lambda seg: (seg.started, seg.rank))
+
+
+def _record(line: str, where: str) -> dict[str, Any]:
+    """One ledger line's record, or `LedgerError` naming `where` (its file and line)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("state"), str):
+        raise LedgerError(f"{where}: not a ledger record: {line[:120]!r}")
+    return record
 
 
 def _stem(name: str) -> str:
@@ -303,6 +322,7 @@ class Audit:
     dealt: dict[tuple[int, int], int] = field(default_factory=dict)
     end: End | None = None
     remainder: dict[int, set[int]] = field(default_factory=dict)
+    torn: int = 0  # files whose last line was cut short (not read)
 
     @property
     def last_epoch(self) -> int:
@@ -369,7 +389,7 @@ class Audit:
             else:
                 line += f"{due} prompts trained once"
             if left:
-                line += f"; dropped (epoch remainder) {len(left)}: rows {left[:10]}, no step deals"
+                line += f"; dropped (epoch remainder) {len(left)}: rows {left[:10]}"
             if twice:
                 line += f"; trained more than once: rows {twice[:10]}"
             beyond = sorted(row for row in left if row in trained)
@@ -390,6 +410,11 @@ class Audit:
             again = sum(n for (e, _), n in self.requeued.items() if e == epoch)
             lines.append(f"{line}; dropped as stale {drops}, asked for again {again}")
         lines.append(f"rolled back by a resume and trained again: {self.rolled_back}")
+        if self.torn:
+            lines.append(
+                f"last line cut short (a worker killed while writing it) in {self.torn} "
+                "file(s): not read, as if never written"
+            )
         return lines, ok
 
     def _ending(self) -> str:
@@ -456,4 +481,5 @@ def audit(segments: list[Segment]) -> Audit:
                 for key in keys:
                     counts[key] = counts.get(key, 0) + 1
     prompts = max((seg.prompts for seg in segments), default=0)
-    return Audit(trained, dropped, requeued, rolled_back, prompts, dealt, end, remainder)
+    torn = sum(seg.torn for seg in segments)
+    return Audit(trained, dropped, requeued, rolled_back, prompts, dealt, end, remainder, torn)

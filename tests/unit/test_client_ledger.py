@@ -165,7 +165,7 @@ def test_an_epochs_remainder_is_recorded_dropped_and_the_run_is_whole(tmp_path, 
         (left,) = loader.left_out(epoch)  # the one row no step deals
         assert dealt == set(range(25)) - {left}
         assert f"epoch {epoch}: 24 of " in out
-        assert f"dropped (epoch remainder) 1: rows [{left}], no step deals" in out
+        assert f"dropped (epoch remainder) 1: rows [{left}];" in out
     assert "the run ended after step 12 of 12, the last step of epoch 1" in out
     assert "whole: every prompt trained once per epoch" in out
     found = audit(read_states(locate(str(run / "ledger"))))
@@ -217,3 +217,20 @@ def test_a_remainder_run_ended_inside_an_epoch_checks_its_steps_only(tmp_path, c
         due = 4 * ((kwargs.get("total") or kwargs.get("stopped_at")) - 6)
         assert f"epoch 1: {due} of the {due} prompts its steps dealt trained once (the run" in out
         assert out.count("dropped (epoch remainder)") == 1
+
+
+def test_a_line_cut_short_by_a_killed_worker_is_not_read_and_said(tmp_path, capsys):
+    """A worker killed while appending leaves its file's last line without its newline: the
+    line is not read (as if never written), the report says so, and the rest of the ledger is
+    checked as usual: the crashed start's steps after its checkpoint were rolled back anyway."""
+    from ledger_runs import Start, write_run
+
+    run = tmp_path / "rl"
+    write_run(run / "ledger", 25, starts=(Start(0, crashed_after=8), Start(5)))
+    path = run / "ledger" / "attempt0-rank1.jsonl"
+    text = path.read_text()
+    path.write_text(text[: len(text) - 20])  # the last line's end, and its newline, never written
+    assert main(["ledger", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "last line cut short (a worker killed while writing it) in 1 file(s)" in out
+    assert "whole: every prompt trained once per epoch" in out
