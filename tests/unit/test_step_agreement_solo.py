@@ -31,7 +31,8 @@ def test_solo_agreement_gives_what_the_all_reduce_gives(loss, counts, flags, ext
     assert type(solo) is SoloAgreement
     assert solo.result() == summed.result()
     assert solo.result() is solo.result()  # read once
-    assert torch.equal(solo.scale(norm), summed.scale(norm))
+    # A host float that multiplies as the all-reduce's float32 tensor does.
+    assert torch.equal(torch.tensor(solo.scale(norm), dtype=torch.float32), summed.scale(norm))
     assert solo.requested is requested and solo.recorded is False
 
 
@@ -49,3 +50,32 @@ def test_more_ranks_or_a_gpu_keep_the_all_reduce(monkeypatch):
     agree(loss, [1, 1, 1], control, "cpu", 2)
     agree(loss, [1, 1, 1], control, "cuda:0", 1)
     assert picked == [("cpu", 2), ("cuda:0", 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scale=st.sampled_from([1.0, 0.5, 1.0 / 3, 7.25]),
+    max_norm=st.none() | st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_host_float_scale_gives_the_tensor_scales_gradients_and_norm(scale, max_norm, seed):
+    """`scale_and_clip_` with SoloAgreement's float (1.0: nothing multiplied) gives bit for bit
+    the gradients and norm of the all-reduce's float32 tensor scale."""
+    from ray_trainer._worker.model.parallel import scale_and_clip_
+
+    def params() -> list[torch.nn.Parameter]:
+        out = []
+        for shape in ((4, 3), (3,), (2, 5)):
+            p = torch.nn.Parameter(torch.zeros(shape))
+            p.grad = torch.randn(shape, generator=torch.Generator().manual_seed(seed + len(out)))
+            out.append(p)
+        return out
+
+    by_float, by_tensor = params(), params()
+    norm_f = scale_and_clip_(by_float, scale, max_norm, sharded=False)
+    norm_t = scale_and_clip_(by_tensor, torch.tensor(scale, dtype=torch.float32), max_norm, False)
+    for a, b in zip(by_float, by_tensor, strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert (norm_f is None) == (norm_t is None) == (max_norm is None)
+    if norm_f is not None:
+        assert torch.equal(norm_f, norm_t)

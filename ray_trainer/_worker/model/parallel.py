@@ -80,28 +80,35 @@ class Sharded:
 
 
 def scale_and_clip_(
-    params: list[nn.Parameter], scale: torch.Tensor, max_norm: float | None, sharded: bool
+    params: list[nn.Parameter], scale: torch.Tensor | float, max_norm: float | None, sharded: bool
 ) -> torch.Tensor | None:
     """``grad *= scale`` for every parameter, clipped so that the scaled gradients' norm is at
     most `max_norm`: one pass to read the norm, one to multiply (as clipping alone takes).
     Returns the norm of the scaled gradients before clipping, a device tensor (None without
     clipping). Sharded gradients (FSDP's DTensors) are scaled through their local shards, and
-    their norm is summed over the ranks (an all-reduce)."""
+    their norm is summed over the ranks (an all-reduce). A `scale` known on the host (one CPU
+    rank's: `SoloAgreement`) is a float, and a scale of exactly 1 multiplies nothing."""
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     if not local:
         return None
+    unit = isinstance(scale, float) and scale == 1.0
+    if not isinstance(scale, float):
+        scale = scale.to(local[0].device)
     if max_norm is None:
-        torch._foreach_mul_(local, scale.to(local[0].device))
+        if not unit:
+            torch._foreach_mul_(local, scale)
         return None
-    squares = torch.stack([n.float() for n in torch._foreach_norm(local)]).square().sum()
+    norms = torch._foreach_norm(local)
+    squares = torch.stack([n if n.dtype == torch.float32 else n.float() for n in norms])
+    squares = squares.square().sum()
     if sharded:
         import torch.distributed as dist
 
         dist.all_reduce(squares)  # every rank holds a slice of every gradient
-    norm = squares.sqrt() * scale
-    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0) * scale
-    torch._foreach_mul_(local, factor.to(local[0].device))
+    norm = squares.sqrt() if unit else squares.sqrt() * scale
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(local, factor if unit else factor * scale)
     return norm
 
 

@@ -165,8 +165,10 @@ class SoloAgreement(Agreement):
         self._agreed: Agreed | None = None
         self.recorded = False
 
-    def scale(self, norm: float) -> torch.Tensor:
-        return torch.tensor(norm / max(self._counts[0], 1), dtype=torch.float32)
+    def scale(self, norm: float) -> float:  # type: ignore[override]
+        """The gradients' factor as a host float (`scale_and_clip_` multiplies by it as the
+        all-reduce's float32 tensor would, and skips a factor of exactly 1)."""
+        return norm / max(self._counts[0], 1)
 
     def result(self) -> Agreed:
         if self._agreed is None:
