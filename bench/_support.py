@@ -28,9 +28,11 @@ class StepTimer(TrainerCallback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.times: list[float] = []
+        self.cpu: list[float] = []  # the loop thread's CPU time at each step begin
 
     def on_step_begin(self, context, **kwargs):
         self.times.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
 
     def on_train_end(self, context, **kwargs):
         import torch
@@ -39,6 +41,7 @@ class StepTimer(TrainerCallback):
             json.dump(
                 {
                     "times": self.times,
+                    "cpu": self.cpu,
                     "torch_threads": torch.get_num_threads(),
                     "interop_threads": torch.get_num_interop_threads(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),

@@ -10,7 +10,18 @@ linear decay, grad clip 1.0, seed 42, logging every 50 steps, no evaluation or s
 * this runner: `run_training` in a fresh Python process that starts its own embedded Ray, with
   `StepTimer` (rank 0), `LossKeeper` (rank 0) and `ProgressBar` (callback actor); once as it
   comes (the embedded Ray with its dashboard) and once with `dashboard=False` (on 2 cores, the
-  dashboard's processes take CPU time from the two workers).
+  dashboard's processes take CPU time from the two workers);
+* HF Trainer beside an idle Ray: the baseline again while an embedded Ray as `run_training`
+  starts it (the machine's cores, its dashboard) idles in a process of its own: what Ray's
+  daemons alone take from HF Trainer's throughput.
+
+Where the CPU goes (`CpuSampler`: the CPU time of each process of a side, its command and
+everything under it, sampled each 0.5 s while it runs): the training ranks' CPU-seconds per
+steady-state step, and the side's other processes' CPU (Ray's daemons, Ray Train's controller,
+the callback actor, the driver; torchrun's launcher; the idle Ray beside HF Trainer) as a share
+of the machine's cores over the same steps. Where the ranks' CPU per step is the same on both
+sides and the runner's step is slower, the difference is the other processes' share of cores
+the ranks would have used.
 
 Each side runs as a subprocess launched by this script, so both start-up times are measured the
 same way: from launching the command to the first step's begin (`time.perf_counter` is
@@ -23,7 +34,7 @@ Usage: python bench/baselines/bench_hf_trainer.py [--steps 200] [--skip 20] [--r
        [--num-workers 2] [--smoke]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): one round of HF Trainer and `run_training` (the side the
-target reads); no `dashboard=False` side.
+target reads); no `dashboard=False` side, no HF Trainer beside an idle Ray.
 """
 
 from __future__ import annotations
@@ -80,11 +91,114 @@ def runner_side(steps: int, out: str, dashboard: bool, workers: int = NUM_WORKER
         )
 
 
+class CpuSampler:
+    """The CPU time of a side's processes (those `watch` names and every process under them),
+    sampled each `interval_s` in a thread while the side runs: afterwards, the CPU-seconds each
+    kind of process spent inside a time window (the steady-state steps), linearly interpolated
+    between samples. Kinds: the training ranks (HF's torchrun children, the runner's Ray Train
+    workers) and the rest of the side (Ray's daemons, Ray Train's controller, the callback actor,
+    the driver; torchrun's launcher). Nothing else on the machine counts."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self.roots: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def watch(self, pid: int) -> None:
+        """Count `pid` and every process under it (a side's command; the idle Ray)."""
+        self.roots.append(pid)
+
+    def _run(self) -> None:
+        import psutil
+
+        while True:
+            at, seen = time.perf_counter(), {}
+            for proc in self._tree():
+                try:
+                    with proc.oneshot():
+                        cmdline, times = proc.cmdline(), proc.cpu_times()
+                except psutil.Error:  # gone meanwhile
+                    continue
+                kind = rank_kind(" ".join(cmdline))
+                seen[proc.pid] = (kind, times.user + times.system)
+            self.samples.append((at, seen))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _tree(self) -> list:
+        import psutil
+
+        procs = []
+        for pid in list(self.roots):
+            try:
+                root = psutil.Process(pid)
+                procs += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+        return procs
+
+    def window(self, start: float, end: float) -> dict[str, float]:
+        """CPU-seconds by kind between `start` and `end` (perf_counter times)."""
+        spent: dict[str, float] = {"ranks": 0.0, "other": 0.0}
+        for pid in {pid for _, seen in self.samples for pid in seen}:
+            points = [(at, seen[pid]) for at, seen in self.samples if pid in seen]
+            # A Ray worker's title is set after its start: a rank if any sample says so.
+            kind = "ranks" if any(k == "ranks" for _, (k, _) in points) else "other"
+            spent[kind] += _at(points, end) - _at(points, start)
+        return spent
+
+
+def rank_kind(cmdline: str) -> str:
+    """The kind of a process by its command line: a training rank's ("ranks") or not."""
+    if "RayTrainWorker" in cmdline:  # a Ray Train worker's process title
+        return "ranks"
+    if "_hf_trainer_worker.py" in cmdline and "torch.distributed.run" not in cmdline:
+        return "ranks"  # torchrun's children (the launcher runs the same script name)
+    return "other"
+
+
+def _at(points: list[tuple[float, tuple[str, float]]], t: float) -> float:
+    """A process's CPU time at `t`, interpolated between its samples (0 before its first)."""
+    before = [(at, cpu) for at, (_, cpu) in points if at <= t]
+    after = [(at, cpu) for at, (_, cpu) in points if at > t]
+    if not before:
+        return 0.0
+    if not after:
+        return before[-1][1]
+    (t0, c0), (t1, c1) = before[-1], after[0]
+    return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+
+def idle_ray() -> subprocess.Popen:
+    """An embedded Ray as `run_training` starts it (the machine's cores, the dashboard), idle,
+    in a process of its own until killed: the daemons without a run (the `hf_beside_ray` side)."""
+    code = "import os, ray, sys; ray.init(num_cpus=os.cpu_count()); print('up', flush=True); "
+    code += "sys.stdin.read()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    if proc.stdout.readline().strip() != "up":
+        raise RuntimeError("the idle Ray did not start")
+    time.sleep(5)  # its dashboard and agents finish starting: steady daemons from here
+    return proc
+
+
 def launch(
-    side: str, steps: int, out: str, log: str, workers: int = NUM_WORKERS
+    side: str, steps: int, out: str, log: str, workers: int = NUM_WORKERS, sampler=None
 ) -> tuple[list[float], float, float]:
     """Run one side as a subprocess; returns (step-begin times, launch time, exit time)."""
-    if side == "hf":
+    if side.startswith("hf"):
         cmd = [
             sys.executable,
             "-m",
@@ -107,12 +221,22 @@ def launch(
     # The Ray workers the runner side starts inherit PYTHONPATH: they import `_support` (bench/).
     path = [*_bench_path.FOLDERS, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    if side == "hf":  # one compute thread a rank, as a runner rank has (a worker of 1 CPU): what
+    if side.startswith("hf"):  # one compute thread a rank, as a runner rank has (1 CPU): what
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets for 2 ranks, not for 1
-    with open(log, "w") as f:
-        started = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
-        ended = time.perf_counter()
+    beside = idle_ray() if side == "hf_beside_ray" else None
+    if beside is not None and sampler is not None:
+        sampler.watch(beside.pid)
+    try:
+        with open(log, "w") as f:
+            started = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            if sampler is not None:
+                sampler.watch(proc.pid)
+            proc.wait()
+            ended = time.perf_counter()
+    finally:
+        if beside is not None:
+            beside.communicate("", timeout=60)  # its stdin closed: it shuts its Ray down
     if proc.returncode != 0:
         with open(log) as f:
             tail = f.read()[-4000:]
@@ -155,21 +279,33 @@ def main() -> dict:
         "hf": "HF Trainer, torchrun (baseline)",
         "runner": "run_training (this runner; its embedded Ray with the dashboard, the default)",
         "runner_no_dashboard": "run_training, `dashboard=False`",
+        "hf_beside_ray": "HF Trainer, torchrun, beside an idle embedded Ray (its daemons)",
     }
     if opts.smoke:  # the baseline and the side the target reads
         opts.rounds = 1
-        del sides["runner_no_dashboard"]
+        del sides["runner_no_dashboard"], sides["hf_beside_ray"]
     step_s: dict[str, list[float]] = {k: [] for k in sides}
     startup_s: dict[str, list[float]] = {k: [] for k in sides}
     total_s: dict[str, list[float]] = {k: [] for k in sides}
+    # Per side, per round: the ranks' CPU-seconds per step, and the other processes' CPU-seconds
+    # per second of the steady-state steps (cores' worth), from `CpuSampler`.
+    rank_cpu: dict[str, list[float]] = {k: [] for k in sides}
+    other_cores: dict[str, list[float]] = {k: [] for k in sides}
+    cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="bench_hf_") as tmp:
         for r in range(opts.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for side in order:
                 out = os.path.join(tmp, f"{side}-{r}.json")
                 log = os.path.join(tmp, f"{side}-{r}.log")
-                times, started, ended = launch(side, opts.steps, out, log, opts.num_workers)
+                with CpuSampler() as sampler:
+                    times, started, ended = launch(
+                        side, opts.steps, out, log, opts.num_workers, sampler
+                    )
                 step_s[side].append(steady_step_seconds(times, skip=opts.skip))
+                spent = sampler.window(times[opts.skip], times[-1])
+                rank_cpu[side].append(spent["ranks"] / (len(times) - 1 - opts.skip))
+                other_cores[side].append(spent["other"] / (times[-1] - times[opts.skip]))
                 startup_s[side].append(times[0] - started)
                 total_s[side].append(ended - started)
             print(
@@ -193,6 +329,10 @@ def main() -> dict:
                 "tokens/s": f"{tps:,.0f}",
                 "ratio (tokens/s)": f"{tps / base_tps:.3f}",
                 "start-up to first step (s)": f"{statistics.median(startup_s[key]):.1f}",
+                "ranks' CPU per step (ms)": f"{statistics.median(rank_cpu[key]) * 1e3:.1f}",
+                "other processes' CPU (% of the cores)": (
+                    f"{statistics.median(other_cores[key]) / cores:.1%}"
+                ),
             }
         )
     report = {
@@ -205,6 +345,9 @@ def main() -> dict:
         "step_s": step_s,
         "startup_s": startup_s,
         "total_s": total_s,
+        "rank_cpu_s_per_step": rank_cpu,
+        "other_cpu_cores": other_cores,
+        "cores": cores,
         "baseline": sides["hf"],
         "ratios": ratios,
         "higher_is_better": True,

@@ -27,11 +27,23 @@ counted steps of each configuration. A configuration's figure is the mean of its
 the slowest 10%; the ratio is the runner's over bare's. The spread is the lowest and highest
 ratio over the rounds taken four at a time (each quarter of the run: its own ratio).
 
+Whole runs (``--whole-rounds``, after the in-worker rounds): what a user's run sees, start to
+end. A tiny MLP (``HostMLP``: 3 layers of width 128, batch 16, about a millisecond a step on one
+thread) trained by a complete ``run_training`` (its own embedded Ray, one worker, default
+logging) in a fresh process, against a bare PyTorch loop of the same model, samples, AdamW,
+clipping and logging in a fresh process on one thread; the two alternate, each round in a new
+random order. Figures: the wall time between rank 0's step begins and the loop thread's CPU time
+per step (``StepTimer``), mean without the slowest 10% of the steps after the first
+``--whole-skip``, the median over the rounds, ratio runner / bare. With ``--hogs N`` the rounds
+run again beside N busy processes (one spinning Python loop each): a loaded machine, where the
+runner's Ray processes compete with the hogs too.
+
 ``--profile`` runs cProfile over the runner's steps (other configurations unprofiled) and
 prints its top entries by own time, as the report's ``profile``.
 
 Usage: python bench/runner/bench_host_step.py [--rounds 40] [--block 25] [--warmup 50]
-    [--profile] [--json OUT]
+    [--profile] [--whole-rounds 3] [--whole-steps 3000] [--whole-skip 200] [--hogs 2]
+    [--json OUT]
 """
 
 from __future__ import annotations
@@ -39,18 +51,21 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import os
 import pstats
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/: _bench_path adds every bench folder
-import _bench_path  # noqa: E402, F401
-from _support import emit, init_ray, machine, table  # noqa: E402
+import _bench_path  # noqa: E402
+from _support import StepTimer, emit, init_ray, machine, table  # noqa: E402
 from bench_loop import RunnerLoop, trimmed_mean  # noqa: E402
 
 LABELS = {
@@ -63,6 +78,189 @@ DEMO = {"digits": 9, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_train": 20_0
 BATCH_SIZE = 4
 GRAD_ACCUM = 2
 SEED = 42
+
+
+#: The whole runs' model (`HostMLP`, `HostData`): about a millisecond a step on one thread.
+WHOLE = {"width": 128, "layers": 3, "batch_size": 16, "samples": 8192, "lr": 1e-3}
+WHOLE_LABELS = {
+    "bare": "whole run: bare PyTorch loop, fresh process, one thread",
+    "runner": "whole run: run_training, its embedded Ray, one worker",
+    "runner_no_dashboard": "whole run: run_training, dashboard=False",
+}
+
+
+def _host_model():
+    """`HostMLP` and `HostData`, built where torch is imported (the whole runs' processes)."""
+    import torch
+    from torch import nn
+
+    class HostMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            width, layers = WHOLE["width"], WHOLE["layers"]
+            self.net = nn.Sequential(
+                *[m for _ in range(layers - 1) for m in (nn.Linear(width, width), nn.GELU())],
+                nn.Linear(width, 1),
+            )
+
+        def forward(self, input_ids, labels):
+            pred = self.net(input_ids).squeeze(-1)
+            return {"loss": ((pred - labels) ** 2).mean()}
+
+    class HostData(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(SEED)
+            self.x = torch.randn(WHOLE["samples"], WHOLE["width"], generator=g)
+            self.y = self.x[:, :8].sum(-1)
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int):
+            return {"input_ids": self.x[i], "labels": self.y[i]}
+
+    return HostMLP, HostData
+
+
+def runner_side(steps: int, out: str, dashboard: bool = True) -> None:
+    """In its own process: one complete `run_training` of `HostMLP`, one worker, its own Ray
+    (with its dashboard, the default, or without)."""
+    from ray_trainer import run_training
+
+    model, data = _host_model()
+    with tempfile.TemporaryDirectory(prefix="bench_host_run_") as storage:
+        run_training(
+            model=model,
+            data=data,
+            batch_size=WHOLE["batch_size"],
+            learning_rate=WHOLE["lr"],
+            lr_schedule="constant",
+            max_steps=steps,
+            num_workers=1,
+            seed=SEED,
+            save_at_end=False,
+            storage_path=storage,
+            run_name="host-step-run",
+            dashboard=dashboard,
+            callbacks=[StepTimer(out)],
+        )
+
+
+def bare_side(steps: int, out: str) -> None:
+    """In its own process: the same steps as a plain PyTorch loop on one thread (the runner's
+    defaults: AdamW with weight decay 0.01 on matrices, clipping at 1.0, the loss read every 10
+    steps, as the runner's log)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(1)  # as a Ray worker of one CPU
+    torch.manual_seed(SEED)
+    model_class, data_class = _host_model()
+    model = model_class()
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=WHOLE["lr"],
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    g = torch.Generator().manual_seed(SEED)
+    loader = DataLoader(
+        data_class(), WHOLE["batch_size"], shuffle=True, drop_last=True, generator=g
+    )
+    batches = _forever(loader)
+    times, cpu = [], []
+    for step in range(steps):
+        times.append(time.perf_counter())
+        cpu.append(time.thread_time())
+        loss = model(**next(batches))["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % 10 == 0:
+            loss.item()
+    with open(out, "w") as f:
+        json.dump({"times": times, "cpu": cpu, "torch_threads": torch.get_num_threads()}, f)
+
+
+def whole_runs(opts) -> dict[str, dict[str, list[dict]]]:
+    """Each load's (idle; beside `--hogs` busy processes) rounds of both whole runs, in a new
+    random order each round: per side, each run's step wall and CPU times after the skip."""
+    loads = ["idle"] + (["hogs"] if opts.hogs else [])
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
+    env["PYTHONPATH"] = os.pathsep.join([*_bench_path.FOLDERS, env.get("PYTHONPATH", "")])
+    order = random.Random(11)
+    runs: dict[str, dict[str, list[dict]]] = {load: {s: [] for s in WHOLE_LABELS} for load in loads}
+    with tempfile.TemporaryDirectory(prefix="bench_host_whole_") as tmp:
+        for load in loads:
+            hogs = [
+                subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(opts.hogs if load == "hogs" else 0)
+            ]
+            try:
+                for r in range(opts.whole_rounds):
+                    for side in order.sample(list(WHOLE_LABELS), len(WHOLE_LABELS)):
+                        out = os.path.join(tmp, f"{load}-{side}-{r}.json")
+                        cmd = [sys.executable, os.path.abspath(__file__), "--side", side,
+                               "--whole-steps", str(opts.whole_steps), "--out", out]  # fmt: skip
+                        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                        if done.returncode != 0:
+                            raise RuntimeError(f"whole run {side} failed:\n{done.stdout[-3000:]}"
+                                               f"{done.stderr[-3000:]}")  # fmt: skip
+                        with open(out) as f:
+                            data = json.load(f)
+                        wall, cpu = (data[k][opts.whole_skip :] for k in ("times", "cpu"))
+                        runs[load][side].append({
+                            "wall": [b - a for a, b in itertools.pairwise(wall)],
+                            "cpu": [b - a for a, b in itertools.pairwise(cpu)],
+                            "torch_threads": data["torch_threads"],
+                        })  # fmt: skip
+            finally:
+                for hog in hogs:
+                    hog.kill()
+                    hog.wait()
+    return runs
+
+
+def summarize_whole(runs: dict[str, dict[str, list[dict]]]) -> tuple[list[dict], dict]:
+    """The whole runs' table rows and figures: each side's step (median over the rounds of the
+    trimmed mean), its ratio to the bare loop, and the lowest and highest round's ratio."""
+    rows, figures = [], {}
+    for load, sides in runs.items():
+        base = {k: statistics.median(trimmed_mean(run[k]) for run in sides["bare"])
+                for k in ("wall", "cpu")}  # fmt: skip
+        for side in [s for s in WHOLE_LABELS if sides.get(s)]:
+            step = {k: statistics.median(trimmed_mean(run[k]) for run in sides[side])
+                    for k in ("wall", "cpu")}  # fmt: skip
+            ratio = {k: step[k] / base[k] for k in step}
+            spread = {
+                kind: "-" if side == "bare" else "{:.3f}-{:.3f} (rounds)".format(*minmax(
+                    [trimmed_mean(r[kind]) / trimmed_mean(b[kind])
+                     for r, b in zip(sides[side], sides["bare"], strict=True)]))
+                for kind in ("wall", "cpu")
+            }  # fmt: skip
+            label = f"{WHOLE_LABELS[side]}, {load}"
+            figures[label] = {"wall": ratio["wall"], "cpu": ratio["cpu"],
+                              "core_share": step["cpu"] / step["wall"],
+                              "threads": [r["torch_threads"] for r in sides[side]]}  # fmt: skip
+            rows.append({
+                "configuration": label,
+                "step, CPU (ms)": f"{step['cpu'] * 1e3:.3f}",
+                "ratio, CPU": f"{ratio['cpu']:.3f}",
+                "spread over quarters, CPU": spread["cpu"],
+                "step, wall (ms)": f"{step['wall'] * 1e3:.3f}",
+                "ratio, wall": f"{ratio['wall']:.3f}",
+                "spread over quarters, wall": spread["wall"],
+            })  # fmt: skip
+    return rows, figures
+
+
+def minmax(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
 
 
 class BareLoop:
@@ -168,10 +366,24 @@ def main() -> dict:
     parser.add_argument("--warmup", type=int, default=2, help="first rounds of each left out")
     parser.add_argument("--profile", action="store_true", help="cProfile the runner's steps")
     parser.add_argument("--top", type=int, default=30, help="profile entries printed")
+    parser.add_argument("--whole-rounds", type=int, default=3, help="whole runs a side (0: none)")
+    parser.add_argument("--whole-steps", type=int, default=3000, help="steps of a whole run")
+    parser.add_argument("--whole-skip", type=int, default=200, help="first steps not counted")
+    parser.add_argument("--hogs", type=int, default=2, help="busy processes of the loaded rounds")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--side", choices=list(WHOLE_LABELS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.side:  # one whole run, in the process `whole_runs` started
+        if opts.side == "bare":
+            bare_side(opts.whole_steps, opts.out)
+        else:
+            runner_side(opts.whole_steps, opts.out, dashboard=opts.side == "runner")
+        return {}
     if opts.rounds - opts.warmup < 4 or opts.block < 2:
         parser.error("need at least 4 counted rounds and blocks of 2 steps or more")
+    if opts.whole_rounds and opts.whole_steps - opts.whole_skip < 20:
+        parser.error("a whole run needs at least 20 steps after --whole-skip")
 
     import ray
 
@@ -182,6 +394,7 @@ def main() -> dict:
     report = summarize(
         {k: v[opts.warmup :] for k, v in measured["wall"].items()},
         {k: v[opts.warmup :] for k, v in measured["cpu"].items()},
+        whole_runs(opts) if opts.whole_rounds else None,
     )
     if measured["profile"]:
         report["profile"] = measured["profile"]
@@ -189,6 +402,11 @@ def main() -> dict:
     report.update(
         machine=machine(),
         model=dict(DEMO, batch_size=BATCH_SIZE, grad_accum_steps=GRAD_ACCUM, threads=1),
+        whole_model=WHOLE,
+        whole_rounds=opts.whole_rounds,
+        whole_steps=opts.whole_steps,
+        whole_skip=opts.whole_skip,
+        hogs=opts.hogs,
         rounds=opts.rounds,
         block=opts.block,
         warmup_rounds=opts.warmup,
@@ -244,9 +462,14 @@ def measure(opts) -> dict:
             return json.load(f)
 
 
-def summarize(wall: dict[str, list[list[float]]], cpu: dict[str, list[list[float]]]) -> dict:
+def summarize(
+    wall: dict[str, list[list[float]]],
+    cpu: dict[str, list[list[float]]],
+    whole: dict[str, dict[str, list[dict]]] | None = None,
+) -> dict:
     """Each configuration's step (ms) and ratio to bare, in wall time and in the loop thread's
-    CPU time, with the lowest and highest ratio over the quarters of the rounds."""
+    CPU time, with the lowest and highest ratio over the quarters of the rounds; then the whole
+    runs' (`whole_runs`), each load's runner against its bare loop."""
     n = len(wall["bare"])
     quarters = [slice(i * n // 4, (i + 1) * n // 4) for i in range(4)]
 
@@ -274,8 +497,15 @@ def summarize(wall: dict[str, list[list[float]]], cpu: dict[str, list[list[float
                 "spread over quarters, wall": f"{min(wall_parts):.3f}-{max(wall_parts):.3f}",
             }
         )
+    figures: dict[str, dict] = {}
+    if whole is not None:
+        whole_rows, figures = summarize_whole(whole)
+        rows += whole_rows
+        ratios.update({k: v["wall"] for k, v in figures.items()})
+        cpu_ratios.update({k: v["cpu"] for k, v in figures.items()})
     return {
         "steps_per_configuration": len(steps(wall, "bare")),
+        "whole": figures,
         "samples_s": {k: steps(wall, k) for k in wall},
         "cpu_s": {k: steps(cpu, k) for k in cpu},
         "baseline": LABELS["bare"],

@@ -106,7 +106,20 @@ def _host_step_report() -> dict:
     wall = {name: [[0.010 * k, 0.011 * k, 0.012 * k]] * 8 for name, k in
             (("bare", 1.0), ("bare_again", 1.01), ("runner", 1.15))}  # fmt: skip
     cpu = {name: [[0.9 * t for t in block] for block in rounds] for name, rounds in wall.items()}
-    return bench_host_step.summarize(wall, cpu)
+    return bench_host_step.summarize(wall, cpu, _whole_runs())
+
+
+def _whole_runs() -> dict:
+    """`whole_runs`' shape: two rounds a side; idle the runner 1.1x wall and 1.05x CPU, beside
+    the hogs 1.3x wall (one round 1.2x, one 1.4x) and 1.0x CPU."""
+
+    def run(wall_ms: float, cpu_ms: float) -> dict:
+        return {"wall": [wall_ms / 1e3] * 10, "cpu": [cpu_ms / 1e3] * 10, "torch_threads": 1}
+
+    return {
+        "idle": {"bare": [run(1.0, 1.0)] * 2, "runner": [run(1.1, 1.05)] * 2},
+        "hogs": {"bare": [run(2.0, 1.0)] * 2, "runner": [run(2.4, 1.0), run(2.8, 1.0)]},
+    }
 
 
 def _grpo_report() -> dict:
@@ -158,6 +171,47 @@ def test_host_step_ratio_is_the_runners_cpu_time_over_the_bare_loops():
     assert runner == pytest.approx(1.15)
     lo, hi = next(v for k, v in report["spreads"].items() if k.startswith("runner step"))
     assert lo == pytest.approx(1.15) and hi == pytest.approx(1.15)
+
+
+def test_host_step_whole_runs_are_ratios_to_their_own_loads_bare_loop():
+    report = _host_step_report()
+    idle = "whole run: run_training, its embedded Ray, one worker, idle"
+    hogs = "whole run: run_training, its embedded Ray, one worker, hogs"
+    assert report["wall_ratios"][idle] == pytest.approx(1.1)
+    assert report["ratios"][idle] == pytest.approx(1.05)
+    assert report["wall_ratios"][hogs] == pytest.approx(1.3)  # median runner 2.6 / bare 2.0
+    assert report["ratios"][hogs] == pytest.approx(1.0)
+    assert "1.200-1.400 (rounds)" in report["table"]
+    goals = {what: met for what, _, _, met in run_all.host_step_goals(report)}
+    assert goals == {
+        "host step in one worker: wall / bare": True,
+        "host step in one worker: CPU / bare": True,
+        "host step of a whole run, idle: wall / bare": True,
+        "host step of a whole run, idle: CPU / bare": True,
+        "host step of a whole run, hogs: wall / bare": False,
+        "host step of a whole run, hogs: CPU / bare": True,
+    }
+
+
+def test_hf_trainer_cpu_window_interpolates_each_process_by_its_kind():
+    import bench_hf_trainer
+
+    sampler = bench_hf_trainer.CpuSampler()
+    rank, raylet = ("ranks", "other")
+    # A rank from 0 s (0 CPU-s) to 2 s (2 CPU-s); a daemon from 0 s to 2 s (0.2 CPU-s); a
+    # process that appears at 1.5 s counts from its first sample only.
+    sampler.samples = [
+        (0.0, {1: (rank, 0.0), 2: (raylet, 0.0)}),
+        (1.0, {1: (rank, 1.0), 2: (raylet, 0.1)}),
+        (2.0, {1: (rank, 2.0), 2: (raylet, 0.2), 3: (raylet, 5.0)}),
+    ]
+    spent = sampler.window(0.5, 1.5)
+    assert spent["ranks"] == pytest.approx(1.0) and spent["other"] == pytest.approx(0.1)
+    assert bench_hf_trainer.rank_kind("ray::RayTrainWorker.__execute") == "ranks"
+    assert bench_hf_trainer.rank_kind("python _hf_trainer_worker.py --steps 3") == "ranks"
+    launcher = "python -m torch.distributed.run --nproc_per_node 2 _hf_trainer_worker.py"
+    assert bench_hf_trainer.rank_kind(launcher) == "other"
+    assert bench_hf_trainer.rank_kind("/usr/bin/raylet --node_ip_address=1") == "other"
 
 
 def test_every_registered_benchmark_has_a_shape_here_and_a_script():
