@@ -9,9 +9,10 @@ function per step, in parallel (:func:`score_on_ray`). In the order a step uses 
   ``"module:function"`` strings for YAML configs) checked before Ray starts: each importable,
   callable, named once, taking the data's columns;
 - :func:`call_reward`: one function on one step's :class:`RewardBatch`, as TRL calls it
-  (keyword arguments; ``None`` becomes NaN). A function that raises fails with a
-  :class:`RewardError` that names it, the row (found by calling it again row by row) and the
-  traceback;
+  (keyword arguments; ``None`` becomes NaN; what it returned checked by ``reward_checks.py``:
+  ``inf`` is refused). A function that raises fails with a :class:`RewardError` that names
+  it, the row (found by calling it again row by row) and the traceback, and ends with one line
+  of all three;
 - :func:`combine_rewards`: the weighted sum over functions, NaN-aware as TRL's (a completion
   every function returned None for is unscorable: NaN, and advantage 0);
 - :func:`group_advantages`: group-relative advantages (``scale_rewards`` group, batch or none);
@@ -37,17 +38,18 @@ from typing import Any
 import torch
 
 from ray_trainer._errors import TrainingArgsError
+from ray_trainer._rollout.reward_checks import (
+    RewardError,
+    checked_rewards,
+    last_line,
+    raised_summary,
+)
 
 #: The keyword arguments TRL passes besides the data's columns; a column of one of these names
 #: would be shadowed, so it is refused.
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
 #: A reward function's Ray task asks for this unless told otherwise.
 DEFAULT_RESOURCES: dict[str, float] = {"CPU": 1.0}
-
-
-class RewardError(RuntimeError):
-    """A reward function failed on a step's completions: the message names the function, the
-    row (its completion's index in the step, its prompt's ledger position) and the traceback."""
 
 
 @dataclass(frozen=True)
@@ -276,33 +278,15 @@ def call_reward(
 
     Raises:
         RewardError: the function raised (naming the row it raises on, when one alone does,
-            with its traceback), or returned anything but one number or None per completion.
+            with its traceback), or returned anything but one finite number, None or NaN per
+            completion (``reward_checks.checked_rewards``).
     """
     state = state or RewardState()
     try:
         out = _call(fn, batch, state)
     except Exception:
         raise RewardError(_failure(fn, batch, state, traceback.format_exc())) from None
-    if not isinstance(out, (list, tuple)) or len(out) != len(batch):
-        got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
-        raise RewardError(
-            f"reward function {fn.name!r} returned {got} for {len(batch)} completions; return "
-            "a list of one reward (a number, or None to abstain) per completion"
-        )
-    rewards = []
-    for i, value in enumerate(out):
-        if value is None:
-            rewards.append(math.nan)
-        elif (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
-            isinstance(value, torch.Tensor) and value.numel() == 1
-        ):
-            rewards.append(float(value))
-        else:
-            raise RewardError(
-                f"reward function {fn.name!r} returned {value!r} for {batch.where(i)}; a "
-                "reward is a number, or None to abstain"
-            )
-    return rewards
+    return checked_rewards(fn.name, out, len(batch), batch.where)
 
 
 def _call(fn: RewardFunction, batch: RewardBatch, state: RewardState) -> Any:
@@ -316,23 +300,27 @@ def _call(fn: RewardFunction, batch: RewardBatch, state: RewardState) -> Any:
 
 
 def _failure(fn: RewardFunction, batch: RewardBatch, state: RewardState, trace: str) -> str:
-    """Why ``fn`` failed on ``batch``: the first row that fails alone, with its traceback."""
+    """Why ``fn`` failed on ``batch``: the first row that fails alone, with its traceback, then
+    one line of function, error and row (the line a run's final error quotes)."""
     for i in range(len(batch)) if len(batch) > 1 else ():
         try:
             _call(fn, batch.row(i), state)
         except Exception:
             completion = batch.completions[i]
             shown = repr(completion) if len(repr(completion)) < 200 else repr(completion)[:197]
+            row_trace = traceback.format_exc()
             return (
                 f"reward function {fn.name!r} raised on {batch.where(i)}, completion "
-                f"{shown}:\n{traceback.format_exc()}"
+                f"{shown}:\n{row_trace}"
+                f"{raised_summary(fn.name, last_line(row_trace), batch.where(i))}"
             )
     where = (
         f"the step's {len(batch)} completions (no row fails alone)"
         if len(batch) > 1
         else (batch.where(0))
     )
-    return f"reward function {fn.name!r} raised on {where}:\n{trace}"
+    summary = raised_summary(fn.name, last_line(trace), where)
+    return f"reward function {fn.name!r} raised on {where}:\n{trace}{summary}"
 
 
 def score(
