@@ -212,6 +212,12 @@ class CallbackActor:
         record = self.requests.add(kind, source, step)
         return {"accepted": True, "run_name": self.run_name, "step": step, "request": record}
 
+    @ray.method(concurrency_group="control")
+    def stop_requested(self) -> str | None:
+        """The reason of a stop from outside not yet acted on, else None (the control thread:
+        a worker whose reward functions do not return asks it between waits)."""
+        return self.requests.stop_reason()
+
     def finish(self, summary: WorkerSummary) -> None:
         """Called by rank 0 at the end of an attempt, after its last batch: the workers' view of
         the run, which `summary()` hands to the driver."""

@@ -60,6 +60,18 @@ class OutsideRequests:
                     record["delivered_at"] = record["delivered_at"] or now
         return control
 
+    def stop_reason(self) -> str | None:
+        """The reason of a stop asked and not yet acted on (waiting for rank 0, or delivered
+        and not yet seen end the run), else None: what a step stuck in its reward functions
+        asks (``_rollout/reward_wait.py``), without taking the request."""
+        with self._lock:
+            if self._waiting is not None and self._waiting.should_training_stop:
+                return self._waiting.stop_reason
+            for record in reversed(self._log):
+                if record["kind"] == "stop" and not record["took_effect_at"]:
+                    return f"stopped from outside the run: {record['source']}"
+        return None
+
     def saw_save(self, step: int | None) -> None:
         """Rank 0 saved at `step`: the delivered save requests took effect there."""
         self._took_effect("save", step)

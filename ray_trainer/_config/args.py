@@ -107,7 +107,8 @@ class TrainingArgs(BaseModel):
     # nested config with TRL 1.16's GRPOConfig names (a GrpoConfig or a dict; None: defaults);
     # the reward functions (callables with TRL's signature, or "module:function" strings) and
     # one weight per function (None: 1.0 each); the resources of each function's Ray task (one
-    # dict for all, or one per function name; None: one CPU each); the rollout engines:
+    # dict for all, or one per function name; None: one CPU each); how long a step waits for
+    # its reward functions before it fails naming them (None: no limit); the rollout engines:
     # backend, the resources of each engine's Ray actor (None: one CPU) and how many engines;
     # how many policy versions a trained completion may lag the trainer (0: synchronous, the
     # engines generate while the trainer waits; k >= 1: the next k steps' rollouts are sampled
@@ -116,6 +117,7 @@ class TrainingArgs(BaseModel):
     reward_fns: Any = None
     reward_weights: list[float] | None = None
     reward_resources: dict[str, Any] | None = None
+    reward_timeout_s: float | None = Field(600.0, gt=0, allow_inf_nan=False)
     rollout_backend: Literal["hf", "vllm", "auto"] = "auto"
     rollout_resources: dict[str, float] | None = None
     rollout_workers: int | tuple[int, int] = 1

@@ -9,7 +9,8 @@ advantages, and takes TRL 1.16's clipped policy loss on them
 
 :data:`GRPO` is registered beside SFT and DPO (``ray_trainer/_objectives/__init__.py``); its
 ``TrainingArgs`` fields are ``grpo`` (validated by :meth:`GrpoConfig.coerce`), ``reward_fns``,
-``reward_weights`` and the rollout engines' ``rollout_*``; its worker module is
+``reward_weights``, ``reward_resources``, ``reward_timeout_s`` and the rollout engines'
+``rollout_*``; its worker module is
 ``ray_trainer/_worker/objectives/grpo.py`` (the step: rollouts, rewards, the loss).
 """
 
@@ -408,6 +409,7 @@ GRPO = Objective(
         "reward_fns",
         "reward_weights",
         "reward_resources",
+        "reward_timeout_s",
         "rollout_backend",
         "rollout_resources",
         "rollout_workers",

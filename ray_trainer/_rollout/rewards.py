@@ -18,6 +18,8 @@ function per step, in parallel (:func:`score_on_ray`). In the order a step uses 
 - :func:`group_advantages`: group-relative advantages (``scale_rewards`` group, batch or none);
   a group of equal rewards gets 0, never NaN;
 - :func:`reward_metrics`, :func:`completion_metrics`: TRL's names for the step's logs;
+- :func:`score_on_ray`: the functions as Ray tasks, waited for within ``reward_timeout_s``
+  and stopped by a stop from outside (``reward_wait.py``);
 - :func:`score_step`: all of it for one step's ``Completion`` records (the rollout engines'
   records, ``types.py`` beside this module: ``prompt_index``, ``completion_ids``,
   ``truncated``... read by attribute), grouped by prompt.
@@ -42,8 +44,10 @@ from ray_trainer._rollout.reward_checks import (
     RewardError,
     checked_rewards,
     last_line,
+    prompts_of,
     raised_summary,
 )
+from ray_trainer._rollout.reward_wait import wait_for_rewards
 
 #: The keyword arguments TRL passes besides the data's columns; a column of one of these names
 #: would be shadowed, so it is refused.
@@ -337,6 +341,7 @@ def score_on_ray(
     batch: RewardBatch,
     state: RewardState | None = None,
     timeout_s: float | None = None,
+    stop: Callable[[], str | None] | None = None,
 ) -> torch.Tensor:
     """:func:`score`, each function in a Ray task of its own resources, all in parallel (the
     batch put in the object store once). Runs in the process that drives the rollouts, on a
@@ -344,27 +349,21 @@ def score_on_ray(
 
     Raises:
         RewardError: a function failed (its task's :class:`RewardError`, with the row and the
-            traceback), or ``timeout_s`` passed before every function returned: the tasks are
-            cancelled, and the error names the functions still running.
+            traceback), as soon as it did; ``timeout_s`` passed before every function
+            returned, or `stop()` (``reward_wait.StopProbe``) gave a stop reason meanwhile:
+            the tasks still running are cancelled, and the error names them, the step's
+            completions and the time (``reward_wait.wait_for_rewards``).
     """
     import ray
 
     remote = ray.remote(call_reward)
     batch_ref = ray.put(batch)
     refs = {remote.options(**task_options(fn)).remote(fn, batch_ref, state): fn for fn in fns}
-    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        for ref in pending:
-            ray.cancel(ref, force=True)
-        late = ", ".join(repr(refs[r].name) for r in pending)
-        raise RewardError(
-            f"reward function(s) {late} did not return within {timeout_s} s on {len(batch)} "
-            "completions; make them faster, or give them more time"
-        )
-    columns = []
-    for ref in refs:
+    got: dict[Any, list[float]] = {}
+
+    def take(ref: Any) -> None:
         try:
-            columns.append(ray.get(ref))
+            got[ref] = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, RewardError):  # its message has the user's traceback
@@ -372,6 +371,14 @@ def score_on_ray(
             raise RewardError(f"reward function {refs[ref].name!r}'s task failed: {e}") from None
         except ray.exceptions.RayError as e:  # its worker died, the task was cancelled...
             raise RewardError(f"reward function {refs[ref].name!r}'s task failed: {e}") from None
+
+    step = f"step {state.global_step + 1}'s " if state is not None else "the step's "
+    wait_for_rewards(
+        list(refs), {r: fn.name for r, fn in refs.items()}, wait=ray.wait, on_ready=take,
+        cancel=lambda ref: ray.cancel(ref, force=True), timeout_s=timeout_s, stop=stop,
+        what=f"{step}{len(batch)} completions{prompts_of(batch.prompt_index)}",
+    )  # fmt: skip
+    columns = [got[ref] for ref in refs]
     return torch.tensor(columns, dtype=torch.float32).T.reshape(len(batch), len(fns))
 
 
@@ -522,13 +529,15 @@ def score_step(
     state: RewardState | None = None,
     on_ray: bool = True,
     timeout_s: float | None = None,
+    stop: Callable[[], str | None] | None = None,
 ) -> ScoredStep:
     """Score one step's ``Completion`` records: group them (:func:`grouped`), build the
     reward functions' batch (``prompts[c.prompt_index]`` has the record's ``prompt`` and
     ``columns``, e.g. an ``EncodedPrompt``; ``decode`` turns ids into text, skipping special
     tokens as TRL does; a conversational prompt's completion becomes an assistant message),
     call the functions (as Ray tasks with ``on_ray``), and turn their rewards into advantages
-    and metrics. Runs in the process that drives the rollouts."""
+    and metrics (on Ray: within `timeout_s`, `stop` asked while they run: :func:`score_on_ray`).
+    Runs in the process that drives the rollouts."""
     ordered = grouped(completions, num_generations)
     texts = [decode(list(c.completion_ids)) for c in ordered]
     records = [prompts[c.prompt_index] for c in ordered]
@@ -544,7 +553,7 @@ def score_step(
         prompt_index=[c.prompt_index for c in ordered],
     )
     if on_ray:
-        per_function = score_on_ray(fns, batch, state, timeout_s)
+        per_function = score_on_ray(fns, batch, state, timeout_s, stop)
     else:
         per_function = score(fns, batch, state)
     w = reward_weights(weights, fns)
@@ -562,7 +571,9 @@ class StepScorer:
     """A run's scoring of one step's completions, ``scorer(step, completions)``: what
     :func:`score_step` needs besides them, in one picklable object (it travels to the rollout
     queue's actor, which scores each request as it is answered). ``prompts[i]`` is the data's
-    row `i`; `tokenizer` decodes the completions; `max_steps` is the run's last step."""
+    row `i`; `tokenizer` decodes the completions; `max_steps` is the run's last step;
+    `timeout_s` (``reward_timeout_s``) bounds the functions' tasks, and `stop`
+    (``reward_wait.StopProbe``) ends them on a stop from outside."""
 
     prompts: Sequence[Any]
     fns: Sequence[RewardFunction]
@@ -571,13 +582,15 @@ class StepScorer:
     scale_rewards: str = "group"
     weights: Sequence[float] | None = None
     max_steps: int | None = None
+    timeout_s: float | None = None
+    stop: Callable[[], str | None] | None = None
 
     def __call__(self, step: int, completions: Sequence[Any]) -> ScoredStep:
         """Step `step`'s (0-based) completions scored, the reward functions as Ray tasks."""
         return score_step(
             completions, self.prompts, self.fns, num_generations=self.num_generations,
             decode=self.decode, scale_rewards=self.scale_rewards, weights=self.weights,
-            state=RewardState(step, self.max_steps),
+            state=RewardState(step, self.max_steps), timeout_s=self.timeout_s, stop=self.stop,
         )  # fmt: skip
 
     def decode(self, ids: list[int]) -> str:

@@ -47,6 +47,7 @@ from ray_trainer._rollout.actor import RolloutEngineDied
 from ray_trainer._rollout.engine import EngineSpec, SamplingParams
 from ray_trainer._rollout.probe import Probe
 from ray_trainer._rollout.queue import Taken, ages
+from ray_trainer._rollout.reward_wait import StopProbe
 from ray_trainer._rollout.rewards import StepScorer, resolve_reward_fns
 from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
@@ -125,9 +126,8 @@ class GrpoObjective(WorkerObjective):
         #: the engines (``buffer.RemoteQueue``; None: synchronous, or not made yet).
         self.queue: Any = None
         self.scorer: StepScorer | None = None  # a step's completions scored (`_scorer`)
-        self._serving: tuple[tuple[int, int], ...] | None = (
-            None  # the engines the queue last heard of
-        )
+        self._serving: tuple[tuple[int, int], ...] | None = None  # what the queue last heard
+        self._stop: StopProbe | None = None  # asks the callback actor for a stop (`begin`)
         #: The per-prompt ledger of this worker-group start (``grpo_states.py``), and the step
         #: being trained: (its 1-based step, epoch, rows), noted trained once the step is done.
         self.states = PromptStates(None, 0, 0)  # nothing written until a start locates it
@@ -141,6 +141,7 @@ class GrpoObjective(WorkerObjective):
         """Rank 0 creates this worker-group start's engines now, so that each loads its model
         while the ranks load theirs (unless it shares their GPU: ``starts_early``)."""
         self._launch, self._rank, self._attempt = spec.launch_id, rank, attempt
+        self._stop = StopProbe(spec.actor_name, spec.actor_namespace)  # during a stuck reward
         if rank == 0 and starts_early(self.args.rollout_resources):
             self._started = create_engines(
                 self.args, self._engine_spec(), spec.actor_name, attempt, spec.actor_namespace
@@ -382,6 +383,7 @@ class GrpoObjective(WorkerObjective):
                 self.prompts.prompts, self.fns, c.num_generations, s.workload.tokenizer,
                 scale_rewards="none" if c.scale_rewards == "batch" else c.scale_rewards,
                 weights=self.args.reward_weights, max_steps=s.total_steps,
+                timeout_s=self.args.reward_timeout_s, stop=self._stop,
             )  # fmt: skip
         return self.scorer
 
@@ -561,14 +563,9 @@ class GrpoObjective(WorkerObjective):
     def _log_completions(self, s: Any, scored: Any, advantages: torch.Tensor, step: int) -> None:
         """A few of rank 0's completions of the step into ``<run>/rollouts.jsonl``."""
         keep = self.config.num_completions_to_print or len(scored.completions)
+        names = [f.name for f in self.fns]
         lines = completion_lines(
-            scored,
-            advantages,
-            step,
-            self.prompts,
-            self._scorer(s).decode,
-            [f.name for f in self.fns],
-            keep,
+            scored, advantages, step, self.prompts, self._scorer(s).decode, names, keep
         )
         self._log_dir = append_run_file(s.run.child("rollouts.jsonl"), lines, self._log_dir)
 
