@@ -88,7 +88,7 @@ def wait_for_rewards(
 ) -> None:
     """Until every one of `refs` (the step's reward tasks; `names[ref]` its function's name)
     has returned, handing each to `on_ready` as it does (which raises a failed function's
-    error at once). `wait` is ``ray.wait``'s signature, `cancel` one task's cancellation;
+    error at once: the tasks still running are cancelled). `wait` is ``ray.wait``'s signature, `cancel` one task's cancellation;
     `what` names the step's completions (``step 3's 8 completions (prompts 1, 4 of the
     data)``).
 
@@ -122,8 +122,12 @@ def wait_for_rewards(
         if reason is not None:
             left = min(left, seen + stop_grace_s - now)
         ready, pending = wait(pending, num_returns=1, timeout=max(left, 0.0))
-        for ref in ready:
-            on_ready(ref)
+        try:
+            for ref in ready:
+                on_ready(ref)
+        except BaseException:  # a function failed: the step fails, the others are not waited for
+            _cancel(pending, cancel)
+            raise
         if ready or not pending or stop is None or reason is not None:
             continue
         if timeout_s is not None and clock() - started >= timeout_s:

@@ -11,8 +11,8 @@
   a fake clock): past ``reward_timeout_s`` the tasks still running are cancelled and the error
   names them, the completions and the time; a stop seen while they run gives them
   ``STOP_GRACE_S`` more, then cancels them; a slow reward returning within the grace lets the
-  stop act as any stop does; a failed function fails the wait at once; the callback actor is
-  asked only after a whole slice without an answer;
+  stop act as any stop does; a failed function fails the wait at once (the others cancelled);
+  the callback actor is asked only after a whole slice without an answer;
 - the callback actor's answer (``OutsideRequests.stop_reason``) and the probe that asks it.
 """
 
@@ -289,7 +289,7 @@ def test_a_failed_function_fails_the_wait_at_once():
 
     with pytest.raises(RewardError, match="'raises' raised ValueError"):
         tasks.run(timeout_s=600, on_ready=take)
-    assert tasks.now == pytest.approx(0.3)
+    assert tasks.now == pytest.approx(0.3) and tasks.cancelled == ["stuck"]
 
 
 def test_without_a_probe_only_the_timeout_ends_the_wait():
