@@ -4,6 +4,8 @@
 stamped with the policy version it holds), at once or, held, only once released: a request can
 be kept in flight while the test kills the engine. A threaded actor, so that `asked` answers while
 a request waits. `score_where` is a picklable ``score(step, completions)`` that says where it ran.
+`never_returns` is a reward function that notes it started (in the data's ``mark`` file) and
+never returns; `zeros` one that returns at once (``tests/integration/test_grpo_rewards.py``).
 """
 
 from __future__ import annotations
@@ -44,3 +46,15 @@ class HeldEngine:
 def score_where(step, completions):
     """What a scoring saw: the process, the step and the prompt rows."""
     return {"pid": os.getpid(), "step": step, "rows": [c.prompt_index for c in completions]}
+
+
+def never_returns(prompts, completions, completion_ids, mark=(), **kwargs):
+    """A reward function stuck for good: appends its pid to each ``mark`` file, then waits."""
+    for path in sorted(set(mark)):
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    threading.Event().wait()
+
+
+def zeros(prompts, completions, completion_ids, **kwargs):
+    return [0.0] * len(completions)
