@@ -236,7 +236,7 @@ BENCHES: dict[str, Bench] = {
         ],
         target=1.2,
         target_note="the runner's step at most 1.2x the bare loop's, in CPU and in wall time, in "
-        "one worker and in whole runs, idle and beside busy processes (issues 49 and 70)",
+        "one worker and in whole runs, idle and beside busy processes",
         goals=host_step_goals,
         shares_ray=True,
         smoke_s=18,
