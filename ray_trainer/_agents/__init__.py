@@ -1,0 +1,1 @@
+"""Training worker and environment actors: multi-turn GRPO episodes (tools, environments on Ray actors)."""
