@@ -149,6 +149,18 @@ def async_rl_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
                     f"<= {spread:.4f}", gap <= spread)]  # fmt: skip
 
 
+def agents_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """Multi-turn episodes: 256 at once on this machine, and a tool that sleeps 1 s costs the
+    step at most 1.5x the instant tool's (the waits overlap)."""
+    ratio = next(iter(report["ratios"].values()))
+    most = int(report["max_episodes"])
+    return [
+        ("concurrent episodes in one step", str(most), ">= 256", most >= 256),
+        ("step with a tool that sleeps / with an instant tool", f"{ratio:.3f}x", "<= 1.500x",
+         ratio <= 1.5),
+    ]  # fmt: skip
+
+
 def data_scale_goals(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
     """The driver's peak RSS, over every file size, under 500 MiB."""
     worst = float(report["worst_peak_mib"])
@@ -381,6 +393,22 @@ BENCHES: dict[str, Bench] = {
         goals=async_rl_goals,
         shares_ray=True,
         smoke_s=70,
+    ),
+    "agents": Bench(
+        "runner/bench_agents.py",
+        "Multi-turn GRPO episodes (tools): episodes/s against concurrency, a tool that waits",
+        "the same step's episodes with an instant tool, in the same round: one `hf` engine "
+        "actor (a tiny ChatML model warmed up to call `multiply`), one environment actor, the "
+        "`AgentSampler` a training worker uses; no training",
+        quick=["--episodes", "16,64", "--rounds", "1"],
+        smoke=["--smoke"],
+        target=1.5,
+        target_note="256 concurrent episodes reached; at 64 episodes a tool that sleeps 1 s "
+        "costs the step at most 1.5x the instant tool's; episodes/s at 16, 64 and 256 are "
+        "reported, without a target",
+        goals=agents_goals,
+        shares_ray=True,
+        smoke_s=45,
     ),
     "memory": Bench(
         "memory/bench_memory.py",

@@ -5,10 +5,13 @@
 ``build_demo().model_factory()``. ``make_tiny_causal_lm(path)`` writes a tiny random Hugging
 Face GPT-2 and its tokenizer on the spot (needs ``ray-trainer[hf]``), for examples and tests
 that must not download anything; ``make_tiny_chat_model(path)`` a tiny chat model (a real
-tokenizer and chat template) and ``chat_conversations(n)`` conversations it learns.
+tokenizer and chat template) and ``chat_conversations(n)`` conversations it learns;
+``make_tool_model(path)`` one warmed up to call a ``multiply`` tool, and ``product_prompts(n)``
+its GRPO prompts, for multi-turn runs with ``tools``.
 """
 
 from ray_trainer._demo import DEMO_DEFAULTS, AdditionDataset, TinyCausalLM, build_demo, exact_match
+from ray_trainer._demo.agents import make_tool_model, multiply, product_prompts
 from ray_trainer._demo.chat import chat_conversations, make_tiny_chat_model
 from ray_trainer._demo.tiny_hf import TINY_WORDS, make_tiny_causal_lm
 
@@ -22,4 +25,7 @@ __all__ = [
     "exact_match",
     "make_tiny_causal_lm",
     "make_tiny_chat_model",
+    "make_tool_model",
+    "multiply",
+    "product_prompts",
 ]

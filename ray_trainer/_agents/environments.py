@@ -84,8 +84,9 @@ class EnvironmentPool:
         with contextlib.suppress(Exception):  # the episode is gone either way
             self._actor(key).drop.remote(key)
 
-    def get(self, ref: Any, key: str) -> Any:
-        """The value of one reference of `key`'s episode, waited for at most ``tool_timeout_s``.
+    def get(self, ref: Any, key: str, timeout_s: float | None = None) -> Any:
+        """The value of one reference of `key`'s episode, waited for at most ``tool_timeout_s``
+        (or `timeout_s`: what is left of it, for a caller that waited already).
 
         A dead actor, or a call past the timeout (the actor is killed then: a stuck tool holds
         its thread forever), puts a new actor in the key's slot and raises `EnvironmentFault`;
@@ -97,7 +98,7 @@ class EnvironmentPool:
         slot = self.slot(key)
         asked = self._id(self.actor(slot))  # the actor in the slot while this call was waited for
         try:
-            return ray.get(ref, timeout=self.spec.timeout_s)
+            return ray.get(ref, timeout=self.spec.timeout_s if timeout_s is None else timeout_s)
         except GetTimeoutError:
             self._replace(slot, asked)
             raise EnvironmentFault(

@@ -122,6 +122,17 @@ class TrainingArgs(BaseModel):
     rollout_resources: dict[str, float] | None = None
     rollout_workers: int | tuple[int, int] = 1
     max_staleness: int = 0
+    # GRPO agents (docs/rl.md "Tools and environments"), TRL 1.16's names: tool functions
+    # (type hints and a docstring; or "module:function"), an environment factory (a callable or
+    # "module:Class"; a dict of them picks by the row's `environment` field) whose instances'
+    # public methods are tools; the environment actors (how many, the resources of each: None
+    # is a quarter of a CPU) and the longest one tool call may take before its episode starts
+    # again on a fresh environment.
+    tools: Any = None
+    environment_factory: Any = None
+    environment_workers: int = Field(1, ge=1)
+    environment_resources: dict[str, float] | None = None
+    tool_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
 
     # How long and how.
     max_steps: int | None = Field(None, gt=0)

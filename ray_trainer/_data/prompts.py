@@ -144,6 +144,9 @@ class PromptEncoder:
         max_length: the longest prompt + completion, in tokens (``TrainingArgs.max_length``).
         max_completion_length: the longest completion (``grpo.max_completion_length``): a
             prompt may have at most ``max_length - max_completion_length`` tokens.
+        tools: a multi-turn run's tool schemas by environment name (``_agents.tools``): its
+            prompts are conversations rendered with them; `environments` (several
+            environments): the names a record's ``environment`` field picks from.
 
     Example:
         >>> enc = PromptEncoder(tokenizer, max_length=512, max_completion_length=256)  # doctest: +SKIP
@@ -158,6 +161,8 @@ class PromptEncoder:
         max_length: int,
         max_completion_length: int,
         chat_template: str | None = None,
+        tools: dict[str | None, list[dict]] | None = None,
+        environments: tuple[str, ...] = (),
     ) -> None:
         if max_completion_length >= max_length:
             raise ValueError(
@@ -176,6 +181,8 @@ class PromptEncoder:
         self.chat_template_arg = chat_template
         self.max_length = max_length
         self.max_completion_length = max_completion_length
+        self.tools = tools
+        self.environments = environments
         self._backend = backend
 
     @property
@@ -198,6 +205,9 @@ class PromptEncoder:
         """
         fmt = check_prompt(record)
         prompt = record["prompt"]
+        tools = record.get("tools")
+        if self.tools is not None:
+            tools = self._run_tools(record, fmt)
         if fmt == "standard":
             text = prompt
             ids = self._backend.encode(text, add_special_tokens=True).ids
@@ -206,7 +216,7 @@ class PromptEncoder:
                 self.tokenizer,
                 self.chat_template,
                 prompt,
-                record.get("tools"),
+                tools,
                 add_generation_prompt=True,
             )
             # As `apply_chat_template(..., tokenize=True)`: the template wrote the special tokens.
@@ -220,6 +230,24 @@ class PromptEncoder:
                 "lower grpo.max_completion_length"
             )
         return EncodedPrompt(ids, prompt, text, columns_of(record))
+
+    def _run_tools(self, record: dict, fmt: str) -> list[dict] | None:
+        """The tool schemas a multi-turn run renders `record`'s prompt with."""
+        if fmt == "standard":
+            raise RecordError(
+                "a string prompt, but tools need a conversation: write the prompt as "
+                '[{"role": "user", "content": "..."}] so the chat template shows the tools'
+            )
+        name = None
+        if self.environments:
+            name = record.get("environment")
+            if name not in self.environments:
+                raise RecordError(
+                    f"its 'environment' field is {name!r}, which names no environment of "
+                    f"environment_factory (it has {', '.join(map(repr, self.environments))}); "
+                    "set the field to one of them"
+                )
+        return self.tools.get(name) or None
 
 
 def where(index: int, file: str | None = None) -> str:

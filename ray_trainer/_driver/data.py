@@ -169,13 +169,15 @@ def _plan_prompts(
 ) -> list[Any]:
     """Every prompt record checked and tokenized (room left for the completion within
     ``max_length``), and the reward functions checked against the data's columns."""
+    from ray_trainer._agents.tools import agent_prompts
     from ray_trainer._objectives.grpo import config_of
     from ray_trainer._rollout.rewards import resolve_reward_fns
 
+    agent = agent_prompts(args, tokenizer)  # multi-turn: the tools' schemas, the template checked
     try:
         encoder = PromptEncoder(
             tokenizer, max_length=args.max_length, chat_template=args.chat_template,
-            max_completion_length=config_of(args).max_completion_length,
+            max_completion_length=config_of(args).max_completion_length, **agent,
         )  # fmt: skip
     except (ChatTemplateError, ValueError) as e:
         raise TrainingArgsError(f"{field}: {e}") from None

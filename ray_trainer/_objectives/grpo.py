@@ -79,6 +79,20 @@ ASYNC_METRICS = (
     "rollout/overlap_seconds",
 )
 
+#: What a multi-turn run (``tools`` or ``environment_factory``) logs besides: TRL's tool-call
+#: frequency (calls per episode) and failure frequency (calls that raised, per call), then
+#: ours: assistant turns per episode, seconds an episode waited for its environment (mean),
+#: turns whose input did not come back from the engine as sent (must stay 0), and episodes
+#: started again on a fresh environment after an infrastructure fault.
+AGENT_METRICS = (
+    "tools/call_frequency",
+    "tools/failure_frequency",
+    "episodes/turns_mean",
+    "env/seconds",
+    "rollout/prefix_mismatch",
+    "episodes/restarts",
+)
+
 #: TRL ``GRPOConfig`` names that ray-trainer calls otherwise, and the name to use.
 _RENAMED = {
     "vllm_importance_sampling_mode": "importance_sampling",
@@ -131,6 +145,10 @@ class GrpoConfig(BaseModel):
         importance_sampling_cap, importance_sampling_min: its bounds (TRL's
             ``vllm_importance_sampling_clip_max`` and ``..._clip_min``): ``*_mask`` modes zero a
             ratio outside them, ``*_truncate`` modes clamp it.
+        max_tool_calling_iterations: with ``tools`` or ``environment_factory``, the most
+            rounds of tool calls an episode makes (TRL's name; None: no limit but
+            ``max_completion_length``, which bounds an episode's tokens after its prompt, tool
+            results included).
         sync_every: the trainer's weights reach the rollout engines every this many
             optimizer steps (1: before every rollout, on-policy; ours, not TRL's).
         log_completions: write sampled completions (prompt, completion, rewards, advantage) to
@@ -161,6 +179,7 @@ class GrpoConfig(BaseModel):
     ) = "sequence_mask"
     importance_sampling_cap: float | None = Field(3.0, gt=0)
     importance_sampling_min: float | None = Field(None, ge=0)
+    max_tool_calling_iterations: int | None = Field(None, ge=0)
     sync_every: int = Field(1, ge=1)
     log_completions: bool = False
     num_completions_to_print: int | None = Field(None, gt=0)
@@ -177,6 +196,7 @@ class GrpoConfig(BaseModel):
         "top_k",
         "num_iterations",
         "sync_every",
+        "max_tool_calling_iterations",
         mode="before",
     )
     @classmethod
@@ -349,6 +369,8 @@ def check_args(args: Any) -> None:
             "would be a frozen copy of the whole model on every rank; add lora (the reference "
             "is the base with the adapters off), use strategy='ddp', or set grpo.beta=0"
         )
+    if has_agents(args):
+        _check_agents(args)
     # TrainingArgsError naming the function (or its resources)
     fns = resolve_reward_fns(args.reward_fns, args.reward_resources)
     reward_weights(args.reward_weights, fns)
@@ -357,6 +379,23 @@ def check_args(args: Any) -> None:
         resolve_backend(args.rollout_backend)
     except ValueError as e:
         raise ValueError(f"rollout_backend: {e}") from None
+
+
+def _check_agents(args: Any) -> None:
+    """What multi-turn episodes refuse (the tools themselves: ``_agents.tools``)."""
+    from ray_trainer._agents.tools import resolve_agent_tools
+    from ray_trainer._rollout.actor import actor_options
+
+    if args.max_staleness:
+        raise ValueError(
+            f"max_staleness={args.max_staleness} with tools or environment_factory: "
+            "asynchronous multi-turn episodes are not built yet; set max_staleness=0"
+        )
+    resolve_agent_tools(args.tools, args.environment_factory)
+    try:
+        actor_options(args.environment_resources)
+    except ValueError as e:
+        raise ValueError(f"environment_resources: {e}") from None
 
 
 def beside_workers(args: Any) -> list[Beside]:
@@ -371,7 +410,14 @@ def beside_workers(args: Any) -> list[Beside]:
     fns = resolve_reward_fns(args.reward_fns, args.reward_resources)
     largest = {k: v for k, v in task_resources(fns).items() if v > 0}
     engines = tuple(f"rollout engine {i}" for i in range(least))
+    environments = []
+    if has_agents(args):
+        res = dict(args.environment_resources or {"CPU": 0.25})
+        names = tuple(f"environment actor {i}" for i in range(args.environment_workers))
+        at_once = args.environment_workers
+        environments = [Beside("environment actor", res, needed=names, at_once=at_once)]
     return [
+        *environments,
         Beside("rollout engine", engine, needed=engines, at_once=most),
         # What a step waits for; what runs at once is each function's own task, below.
         Beside("reward task", largest, needed=("a reward function's task",), at_once=0),
@@ -387,7 +433,20 @@ def run_metrics(args: Any) -> tuple[str, ...]:
     per_fn = [f"rewards/{f.name}/{m}" for f in resolve_reward_fns(args.reward_fns)
               for m in ("mean", "std")]  # fmt: skip
     more = ASYNC_METRICS if args.max_staleness else ()
-    return (*GRPO.metrics, *per_fn, "rollout/engine_restarts", *more)
+    agents = AGENT_METRICS if has_agents(args) else ()
+    env_fns = ()
+    if agents:
+        from ray_trainer._agents.tools import resolve_agent_tools
+
+        rewarded = resolve_agent_tools(args.tools, args.environment_factory).rewarded
+        env_fns = tuple(f"rewards/{n}/{m}" for n in dict.fromkeys(rewarded.values())
+                        for m in ("mean", "std"))  # fmt: skip
+    return (*GRPO.metrics, *per_fn, *env_fns, "rollout/engine_restarts", *more, *agents)
+
+
+def has_agents(args: Any) -> bool:
+    """Whether a run's episodes are multi-turn (``tools`` or ``environment_factory`` set)."""
+    return args.tools is not None or args.environment_factory is not None
 
 
 def _needs_reference(args: Any) -> bool:
@@ -414,6 +473,11 @@ GRPO = Objective(
         "rollout_resources",
         "rollout_workers",
         "max_staleness",
+        "tools",
+        "environment_factory",
+        "environment_workers",
+        "environment_resources",
+        "tool_timeout_s",
     ),
     check=check_args,
     needs_reference=_needs_reference,

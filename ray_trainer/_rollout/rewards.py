@@ -29,7 +29,6 @@ Tensors are torch on the CPU; nothing here needs a GPU, and only :func:`score_on
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import traceback
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from ray_trainer._errors import TrainingArgsError
+from ray_trainer._named import import_named
 from ray_trainer._rollout.reward_checks import (
     RewardError,
     checked_rewards,
@@ -168,46 +168,10 @@ def resolve_reward_fns(
 
 
 def _resolve(spec: Any, i: int) -> Callable[..., Any]:
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise TrainingArgsError(
-            f"reward_fns[{i}]: got a {type(spec).__name__}; give a function or a "
-            "'module:function' string (e.g. 'my_rewards:exact_match')"
-        )
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise TrainingArgsError(
-            f"reward_fns[{i}]={spec!r} is not a 'module:function' string; write the module's "
-            "dotted name, a colon, and the function's name (e.g. 'my_rewards:exact_match')"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TrainingArgsError(
-            f"reward_fns[{i}]={spec!r}: module {module_name!r} does not import ({e}); put it "
-            "on the Python path of the driver and of the Ray workers (e.g. in runtime_env's "
-            "working_dir or py_modules)"
-        ) from None
-    except Exception as e:  # the user's module raised while being imported
-        raise TrainingArgsError(
-            f"reward_fns[{i}]={spec!r}: importing module {module_name!r} raised "
-            f"{type(e).__name__}: {e}; fix the module"
-        ) from None
-    fn: Any = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise TrainingArgsError(
-                f"reward_fns[{i}]={spec!r}: module {module_name!r} has no {attr!r}; check the "
-                "function's name"
-            )
-    if not callable(fn):
-        raise TrainingArgsError(
-            f"reward_fns[{i}]={spec!r} names a {type(fn).__name__}, not a function; name a "
-            "function that takes (prompts, completions, completion_ids, **kwargs)"
-        )
-    return fn
+    return import_named(
+        spec, f"reward_fns[{i}]", "my_rewards:exact_match",
+        "a function that takes (prompts, completions, completion_ids, **kwargs)",
+    )  # fmt: skip
 
 
 def _check_signature(fn: Any, name: str, i: int, columns: Sequence[str]) -> None:
@@ -542,14 +506,15 @@ def score_step(
     texts = [decode(list(c.completion_ids)) for c in ordered]
     records = [prompts[c.prompt_index] for c in ordered]
     names = sorted({k for r in records for k in r.columns})
+    columns = {k: [r.columns.get(k) for r in records] for k in names}
+    columns.update(episode_columns(ordered))
     batch = RewardBatch(
         prompts=[r.prompt for r in records],
         completions=[
-            [{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t
-            for r, t in zip(records, texts, strict=True)
+            _completion(c, r.prompt, t) for c, r, t in zip(ordered, records, texts, strict=True)
         ],
         completion_ids=[list(c.completion_ids) for c in ordered],
-        columns={k: [r.columns.get(k) for r in records] for k in names},
+        columns=columns,
         prompt_index=[c.prompt_index for c in ordered],
     )
     if on_ray:
@@ -564,6 +529,34 @@ def score_step(
         completion_metrics([len(c.completion_ids) for c in ordered], [c.truncated for c in ordered])
     )
     return ScoredStep(list(ordered), per_function, rewards, advantages, metrics)
+
+
+def _completion(c: Any, prompt: Any, text: str) -> Any:
+    """What reward functions get as a completion: a multi-turn episode's messages (each
+    assistant turn with its tool calls, each tool result: TRL's), an assistant message for a
+    conversational prompt, else the text."""
+    episode = getattr(c, "episode", None)
+    if episode is not None:
+        return list(episode.messages)
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def episode_columns(completions: Sequence[Any]) -> dict[str, list[Any]]:
+    """An environment run's columns besides the data's: ``environments`` (each episode's
+    environment instance as it ended, as TRL passes them; None where it could not be pickled)
+    and ``environment_reward`` (its ``get_reward()``, None where it defines none)."""
+    import cloudpickle
+
+    episodes = [getattr(c, "episode", None) for c in completions]
+    if not any(e is not None and (e.snapshot, e.env_reward) != (None, None) for e in episodes):
+        return {}
+    return {
+        "environments": [
+            None if e is None or e.snapshot is None else cloudpickle.loads(e.snapshot)
+            for e in episodes
+        ],
+        "environment_reward": [None if e is None else e.env_reward for e in episodes],
+    }
 
 
 @dataclass

@@ -96,7 +96,23 @@ def _shapes() -> dict[str, dict]:
     shapes["host_step"] = _host_step_report()
     shapes["grpo"] = _grpo_report()
     shapes["async_rl"] = _async_rl_report()
+    shapes["agents"] = {  # bench_agents.py: one ratio, the sleeping tool's step to the instant's
+        "table": "| setting | step (s) | episodes/s | ratio |\n|---|---|---|---|\n"
+        "| 64 episodes, instant tool | 4.0 | 16.0 | |\n"
+        "| 64 episodes, tool sleeps 1 s | 5.0 | 12.8 | 1.250x |",
+        "ratios": {"64 episodes, tool sleeps 1 s": 1.25},
+        "target": 1.5,
+        "max_episodes": 256,
+    }
     return shapes
+
+
+def test_agents_goals_hold_the_concurrency_and_the_overlap():
+    report = _shapes()["agents"]
+    goals = run_all.agents_goals(report)
+    assert [g[3] for g in goals] == [True, True]
+    report = {**report, "max_episodes": 64, "ratios": {"x": 1.6}}
+    assert [g[3] for g in run_all.agents_goals(report)] == [False, False]
 
 
 def _host_step_report() -> dict:

@@ -128,26 +128,29 @@ class _Workload:
     norm = 4.0
 
 
+def _gradient(comps, advantages, splits, options):
+    """The step's loss and gradient over micro-batches `splits` of `comps`, scaled as the loop
+    scales them (by the targets agreed over the step), and the step's targets."""
+    model = _Toy()
+    objective = _objective(loss_type=options["loss_type"],
+                           max_completion_length=options["max_completion_length"])  # fmt: skip
+    total, targets = 0.0, 0
+    for part in splits:
+        mb = completion_batch([comps[i] for i in part], [advantages[i] for i in part], **options)
+        _, loss = objective.step_loss(_Workload(), model, mb.batch, mb.targets)
+        loss.backward()
+        total, targets = total + loss.item(), targets + mb.targets
+    scale = _Workload.norm / max(targets, 1)  # the loop's scaling by the agreed targets
+    return total * scale, [p.grad * scale for p in model.parameters()], targets
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
 def test_any_split_of_the_step_gives_the_same_loss_and_gradient(loss_type):
     comps = _completions()
     advantages = [0.5, -0.5, 1.0, -1.0]
     options = dict(pad_id=0, loss_type=loss_type, max_completion_length=3, mask_truncated=True)
-
-    def gradient(splits):
-        model, objective = _Toy(), _objective(loss_type=loss_type, max_completion_length=3)
-        total, targets = 0.0, 0
-        for part in splits:
-            mb = completion_batch([comps[i] for i in part], [advantages[i] for i in part],
-                                  **options)  # fmt: skip
-            _, loss = objective.step_loss(_Workload(), model, mb.batch, mb.targets)
-            loss.backward()
-            total, targets = total + loss.item(), targets + mb.targets
-        scale = _Workload.norm / max(targets, 1)  # the loop's scaling by the agreed targets
-        return total * scale, [p.grad * scale for p in model.parameters()]
-
-    whole_loss, whole = gradient([[0, 1, 2, 3]])
-    split_loss, split = gradient([[0], [1, 2], [3]])
+    whole_loss, whole, _ = _gradient(comps, advantages, [[0, 1, 2, 3]], options)
+    split_loss, split, _ = _gradient(comps, advantages, [[0], [1, 2], [3]], options)
     assert split_loss == pytest.approx(whole_loss, abs=1e-6)
     for a, b in zip(whole, split, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
@@ -289,3 +292,42 @@ def test_packed_steps_deal_prompts_by_their_completions_budget_and_fillers_take_
     empty = completion_batch([], [], pad_id=0, loss_type="dapo", max_completion_length=5,
                              mask_truncated=False, packed=True)  # fmt: skip
     assert empty.targets == 0 and empty.batch["token_index"].numel() == 0
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo"])
+def test_tool_result_tokens_take_no_loss_and_any_split_is_exact(loss_type):
+    """Multi-turn episodes: ``env_mask`` 0 on tool-result tokens. Any split gives the same loss
+    and gradient (1e-6, fp32), the loss is TRL's with ``completion_mask * tool_mask``, and the
+    denominator counts sampled tokens only."""
+    specs = [([1, 2], [4, 5, 6, 7, 8], [1, 1, 0, 0, 1]), ([1, 2], [6, 3], [1, 1]),
+             ([7], [8, 9, 1, 2], [1, 0, 0, 1]), ([7], [2, 3, 4], [1, 1, 1])]  # fmt: skip
+
+    def episodes():
+        return [
+            Completion(i // 2, p, c, [-0.2 * (k + 1) * m for k, m in enumerate(mask)], False, 0,
+                       env_mask=mask)
+            for i, (p, c, mask) in enumerate(specs)
+        ]  # fmt: skip
+
+    advantages = [0.5, -0.5, 1.0, -1.0]
+    options = dict(pad_id=0, loss_type=loss_type, max_completion_length=5, mask_truncated=False)
+
+    whole_loss, whole, targets = _gradient(episodes(), advantages, [[0, 1, 2, 3]], options)
+    split_loss, split, _ = _gradient(episodes(), advantages, [[0], [1, 2], [3]], options)
+    assert split_loss == pytest.approx(whole_loss, abs=1e-6)
+    for a, b in zip(whole, split, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    if loss_type in ("dapo", "bnpo"):
+        assert targets == sum(sum(m) for _, _, m in specs)  # sampled tokens only
+    # TRL's loss on the same tokens with its mask: completion_mask * tool_mask.
+    model = _Toy()
+    mb = completion_batch(episodes(), advantages, **options)
+    logps, rows, _ = token_logps(model(mb.batch["input_ids"])["logits"], mb.batch, 1.0)
+    mask = mb.batch["keep"][rows] * flat_per_token(mb.batch["env_mask"], mb.batch["length"])
+    sampling = flat_per_token(mb.batch["sampling_logps"], mb.batch["length"])
+    tokens = CompletionTokens(logps=logps, sequence=rows, advantages=mb.batch["advantages"],
+                              mask=mask, sampling_logps=sampling)  # fmt: skip
+    ratio = importance_ratio(tokens, "sequence_mask", 3.0)
+    expected, _ = grpo_loss(tokens, loss_type=loss_type, max_completion_length=5,
+                            importance_sampling_ratio=ratio)  # fmt: skip
+    assert whole_loss == pytest.approx(expected.item(), abs=1e-6)

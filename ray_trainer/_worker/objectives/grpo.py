@@ -52,6 +52,7 @@ from ray_trainer._rollout.rewards import StepScorer, resolve_reward_fns
 from ray_trainer._worker.model.adaptation import WholeModel
 from ray_trainer._worker.objectives.base import WorkerObjective
 from ray_trainer._worker.objectives.dpo import disable_dropout
+from ray_trainer._worker.objectives.grpo_agents import Sampling
 from ray_trainer._worker.objectives.grpo_batch import (
     MODEL_KEYS,
     PromptDataset,
@@ -102,8 +103,11 @@ class GrpoObjective(WorkerObjective):
     def __init__(self, args: Any) -> None:
         self.args = args
         self.config = config_of(args)
-        # Resolved again here (the driver checked them): functions travel pickled in the args.
-        self.fns = resolve_reward_fns(args.reward_fns, args.reward_resources)
+        # Resolved again here (the driver checked them): functions travel pickled in the args;
+        # one turn per completion, or multi-turn episodes with tools (``grpo_agents.py``).
+        self.sampling = Sampling(args, self.config)
+        own = resolve_reward_fns(args.reward_fns, args.reward_resources)
+        self.fns = self.sampling.reward_fns(own)
         self.model: Any = None
         self.adaptation: Any = None
         self.frozen: Any = None  # beta > 0 without LoRA: the model as it started
@@ -148,7 +152,9 @@ class GrpoObjective(WorkerObjective):
             )
 
     def _engine_spec(self) -> EngineSpec:
-        return EngineSpec(model=_model_spec(self.args), lora=self.args.lora, device=None)
+        from ray_trainer._model.spec import ModelSpec
+
+        return EngineSpec(model=ModelSpec.of(self.args), lora=self.args.lora, device=None)
 
     def prepare(self, model: torch.nn.Module, adaptation: Any) -> None:
         """Dropout off (as TRL), and the model kept for the KL's reference (LoRA: its
@@ -272,6 +278,7 @@ class GrpoObjective(WorkerObjective):
         self.states.flush()
         if self.queue is not None and self._rank == 0:
             self.queue.close()
+        self.sampling.close()
 
     def _start(self, s: Any) -> None:
         """At each epoch's first step; once per worker-group start (after the resume): the
@@ -288,6 +295,7 @@ class GrpoObjective(WorkerObjective):
             )
             self.engines.start(started=self._started)
             self._started = None
+            self.sampling.start(s)
             if self.args.max_staleness:  # the run's rollout queue (rank 0 makes its actor)
                 self.queue = self.engines.queue(self.args.max_staleness, self._scorer(s))
             run = getattr(s, "run", None)
@@ -382,7 +390,7 @@ class GrpoObjective(WorkerObjective):
             self.scorer = StepScorer(
                 self.prompts.prompts, self.fns, c.num_generations, s.workload.tokenizer,
                 scale_rewards="none" if c.scale_rewards == "batch" else c.scale_rewards,
-                weights=self.args.reward_weights, max_steps=s.total_steps,
+                weights=self.sampling.reward_weights(), max_steps=s.total_steps,
                 timeout_s=self.args.reward_timeout_s, stop=self._stop,
             )  # fmt: skip
         return self.scorer
@@ -427,7 +435,6 @@ class GrpoObjective(WorkerObjective):
         the serving set (every rank agrees), and the failed rollouts are tried again on the
         engines left (with none left, on the first to come up: ``grpo_engines.Engines.lost``)."""
         params = self._params(s, step)
-        prompt_ids = [self.prompts[r].prompt_ids for r in rows]
         error = None
         tries = self.engines.max_tries
         epoch = s.progress.epoch
@@ -436,7 +443,11 @@ class GrpoObjective(WorkerObjective):
             if completions is None:
                 self.states.note("in_flight", step + 1, epoch, rows, engine=self.engines.slot())
                 try:
-                    completions = self.engines.of_rank().generate(prompt_ids, params, rows)
+                    key, engine = (
+                        f"{self._attempt}:{step}:{s.rank}:{attempt}",
+                        self.engines.of_rank(),
+                    )
+                    completions = self.sampling.sample(engine, self.prompts, rows, params, key)
                 except RolloutEngineDied as e:
                     error, failed = e, True
                     self.states.note("requeued", step + 1, epoch, rows, why="engine lost")
@@ -475,7 +486,7 @@ class GrpoObjective(WorkerObjective):
     ) -> None:
         """This step's rollout sums and extremes (rank-local), for :meth:`take_sums`;
         asynchronous, the queue's after them (``grpo_metrics.async_sums``)."""
-        self._rollout = rollout_sums(scored, len(self.fns))
+        self._rollout = rollout_sums(scored, len(self.fns), self.sampling.agents)
         self._extremes = rollout_extremes(scored, rollout_s, reward_s, sync, len(self.engines))
         if taken is not None:
             sums, extremes = async_sums(
@@ -501,7 +512,7 @@ class GrpoObjective(WorkerObjective):
                     with self.adaptation.disabled(self.model):
                         ref_logits = _logits(model(**inputs))
                 ref, _, _ = token_logps(ref_logits, batch, c.temperature)
-        keep = batch["keep"][rows]
+        keep = batch["keep"][rows] * flat_per_token(batch["env_mask"], batch["length"])
         old = None  # one pass: the log-probs themselves, detached (TRL's shortcut)
         if self.iterations > 1:  # the first pass's, as TRL's old_per_token_logps
             if self._pass == 0:
@@ -555,7 +566,7 @@ class GrpoObjective(WorkerObjective):
         restarts = self.engines.restarts if self.engines is not None else 0
         return step_metrics(
             list(sums), self._agreed_maxima.popleft(), [f.name for f in self.fns], self.config,
-            restarts, asynchronous=bool(self.args.max_staleness),
+            restarts, asynchronous=bool(self.args.max_staleness), agents=self.sampling.agents,
         )  # fmt: skip
 
     # ---- sampled completions -----------------------------------------------------------
@@ -581,12 +592,6 @@ def iteration_start(step_in_epoch: int, iterations: int) -> tuple[int, int]:
     policy as restored) and the passes over them already taken (the rest are taken, so the
     epoch keeps its count of optimizer steps)."""
     return step_in_epoch // iterations, step_in_epoch % iterations
-
-
-def _model_spec(args: Any) -> Any:
-    from ray_trainer._model.spec import ModelSpec
-
-    return ModelSpec.of(args)
 
 
 def build(args: Any) -> GrpoObjective:

@@ -27,7 +27,7 @@ from ray_trainer._worker.step.micro_batches import MicroBatch, pack_row
 
 #: The keys of a completion micro-batch besides the model's inputs (a packed one adds
 #: ``token_index`` and ``token_sequence``: each completion token's place in the row).
-ROW_KEYS = ("start", "length", "advantages", "keep", "sampling_logps")
+ROW_KEYS = ("start", "length", "advantages", "keep", "sampling_logps", "env_mask")
 #: The model's inputs of a completion micro-batch: padded rows have an attention mask, a
 #: packed row position ids restarting at each completion (and, with our packed attention,
 #: its ``PackedLayout``).
@@ -111,7 +111,9 @@ def completion_batch(
     place in the row, ``token_index``, and its completion, ``token_sequence``); per completion
     ``start`` (its first token's position in its row), ``length``, ``advantages``, ``keep``
     (0: a truncated completion that ``mask_truncated_completions`` drops) and
-    ``sampling_logps`` (the engine's, right-padded with 0)."""
+    ``sampling_logps`` (the engine's, right-padded with 0), and per token ``env_mask`` (0 on
+    a multi-turn episode's tool-result tokens, which take no loss and count in no
+    denominator; 1 elsewhere, right-padded with 1)."""
     n = len(completions)
     seqs = [list(c.prompt_ids) + list(c.completion_ids) for c in completions]
     widest = max([len(c.completion_ids) for c in completions] + [1])
@@ -121,6 +123,13 @@ def completion_batch(
             sampling[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
     lengths = [len(c.completion_ids) for c in completions]
     keep = [not (mask_truncated and c.truncated) for c in completions]
+    # A multi-turn episode's tool-result tokens take no loss (``Completion.env_mask``).
+    env_mask = torch.ones((n, widest), dtype=torch.float32)
+    sampled = list(lengths)
+    for i, c in enumerate(completions):
+        if c.env_mask is not None:
+            env_mask[i, : len(c.env_mask)] = torch.tensor(c.env_mask, dtype=torch.float32)
+            sampled[i] = int(sum(c.env_mask))
     if packed:
         rows = [(np.asarray(s, dtype=np.int64),) * 2 for s in seqs]
         batch, tokens = pack_row(rows, pad_id, pad_to, layout)
@@ -142,9 +151,10 @@ def completion_batch(
                 "advantages": torch.tensor([float(a) for a in advantages], dtype=torch.float32),
                 "keep": torch.tensor(keep, dtype=torch.float32),
                 "sampling_logps": sampling,
+                "env_mask": env_mask,
             }
         )
-        targets = loss_targets(loss_type, lengths, keep, max_completion_length)
+        targets = loss_targets(loss_type, sampled, keep, max_completion_length)
         return MicroBatch(batch, tokens, width, targets)
     width = max([len(s) for s in seqs] + [2])
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -160,8 +170,9 @@ def completion_batch(
         "advantages": torch.tensor([float(a) for a in advantages], dtype=torch.float32),
         "keep": torch.tensor(keep, dtype=torch.float32),
         "sampling_logps": sampling,
+        "env_mask": env_mask,
     }
-    targets = loss_targets(loss_type, lengths, keep, max_completion_length)
+    targets = loss_targets(loss_type, sampled, keep, max_completion_length)
     return MicroBatch(batch, sum(len(s) for s in seqs), n * width, targets)
 
 

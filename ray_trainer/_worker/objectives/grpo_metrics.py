@@ -29,6 +29,10 @@ ROLLOUT_SUMS = (
     "completions", "completion_tokens", "truncated", "zero_std",
     "reward_sum", "reward_sq", "reward_n",
 )  # fmt: skip
+#: Multi-turn episodes (``tools``/``environment_factory``): after the per-function sums, these
+#: sums of the episodes' counts (``types.EpisodeRecord``), then any asynchronous run's.
+AGENT_SUMS = ("tool_calls", "tool_failures", "turns", "prefix_mismatch", "env_seconds", "restarts")
+
 #: The step's extremes, reduced with MAX over the ranks (after the loss's 2).
 MAXIMA = (
     "max_length", "neg_min_length", "rollout/seconds", "reward/seconds", "sync/seconds",
@@ -45,9 +49,10 @@ ASYNC_MAXIMA = (
 )  # fmt: skip
 
 
-def rollout_sums(scored: Any, functions: int) -> list[float]:
+def rollout_sums(scored: Any, functions: int, agents: bool = False) -> list[float]:
     """This rank's sums of :data:`ROLLOUT_SUMS` and each function's, from its scored step
-    (``rewards.ScoredStep``); unscorable (NaN) rewards left out, as TRL."""
+    (``rewards.ScoredStep``); unscorable (NaN) rewards left out, as TRL; with `agents`, the
+    episodes' :data:`AGENT_SUMS` after them."""
     lengths = [len(x.completion_ids) for x in scored.completions]
     rewards = scored.rewards
     ok = rewards[~torch.isnan(rewards)]
@@ -61,6 +66,9 @@ def rollout_sums(scored: Any, functions: int) -> list[float]:
         col = scored.per_function[:, i]
         col = col[~torch.isnan(col)]
         sums += [col.sum().item(), (col**2).sum().item(), float(col.numel())]
+    if agents:
+        episodes = [x.episode for x in scored.completions if x.episode is not None]
+        sums += [float(sum(getattr(e, k) for e in episodes)) for k in AGENT_SUMS]
     return sums
 
 
@@ -99,11 +107,13 @@ def step_metrics(
     config: Any,
     restarts: int = 0,
     asynchronous: bool = False,
+    agents: bool = False,
 ) -> dict[str, float]:
     """The step's metrics, with TRL's names, from its sums over the ranks (the loss's 7, then
     :data:`ROLLOUT_SUMS`, then 3 per reward function) and its extremes (the loss's 2, then
     :data:`MAXIMA`); `restarts`: rollout engines started again so far; `asynchronous`
-    (``max_staleness`` >= 1): the queue's sums and extremes follow."""
+    (``max_staleness`` >= 1): the queue's sums and extremes follow; `agents`: multi-turn
+    episodes, :data:`AGENT_METRICS` added."""
     out = metrics_from_sums(
         list(values[:7]), list(extremes[:2]), beta=config.beta,
         importance_sampling_level=config.importance_sampling_level,
@@ -127,6 +137,10 @@ def step_metrics(
         total, sq, count = values[at + 3 * i : at + 3 * i + 3]
         out[f"rewards/{name}/mean"] = _mean(total, count)
         out[f"rewards/{name}/std"] = _std(total, sq, count)
+    at += 3 * len(functions)
+    if agents:
+        out.update(_agent_metrics(values[at : at + len(AGENT_SUMS)], n))
+        at += len(AGENT_SUMS)
     out["rollout/seconds"] = mx["rollout/seconds"]
     out["rollout/tokens_per_s"] = r["completion_tokens"] / max(mx["rollout/seconds"], 1e-9)
     out["reward/seconds"] = mx["reward/seconds"]
@@ -136,10 +150,23 @@ def step_metrics(
     if restarts:
         out["rollout/engine_restarts"] = float(restarts)
     if asynchronous:
-        out.update(
-            _async_metrics(values[at + 3 * len(functions) :], extremes[2 + len(MAXIMA) :], n)
-        )
+        out.update(_async_metrics(values[at:], extremes[2 + len(MAXIMA) :], n))
     return out
+
+
+def _agent_metrics(values: Sequence[float], n: float) -> dict[str, float]:
+    """A multi-turn step's metrics (``_objectives.grpo.AGENT_METRICS``) from its sums over the
+    ranks (`n`: the step's episodes)."""
+    a = dict(zip(AGENT_SUMS, values, strict=True))
+    calls = a["tool_calls"]
+    return {
+        "tools/call_frequency": calls / n,
+        "tools/failure_frequency": a["tool_failures"] / calls if calls else 0.0,
+        "episodes/turns_mean": a["turns"] / n,
+        "env/seconds": a["env_seconds"] / n,
+        "rollout/prefix_mismatch": a["prefix_mismatch"],
+        "episodes/restarts": a["restarts"],
+    }
 
 
 def _async_metrics(values: Sequence[float], extremes: Sequence[float], n: float) -> dict:
@@ -170,7 +197,9 @@ def completion_lines(
     """The first `keep` completions of a scored step as ``rollouts.jsonl`` lines: the step
     (1-based, as the logs count it), the policy version that sampled it (its first token's, and
     ``[position, version]`` where newer weights took over during its decoding), the prompt, the
-    completion's text, each function's reward (None: it abstained), the reward, the advantage."""
+    completion's text, each function's reward (None: it abstained), the reward, the advantage;
+    a multi-turn episode's messages (its turns with their tool calls, the tool results), turns,
+    tool calls, failed calls and restarts after faults."""
     lines = []
     for i, comp in enumerate(scored.completions[:keep]):
         record = {
@@ -187,6 +216,12 @@ def completion_lines(
             "advantage": float(advantages[i]),
             "truncated": bool(comp.truncated),
         }
+        if comp.episode is not None:  # a multi-turn episode: its whole conversation
+            e = comp.episode
+            record.update(
+                messages=e.messages, turns=e.turns, tool_calls=e.tool_calls,
+                tool_failures=e.tool_failures, restarts=e.restarts,
+            )  # fmt: skip
         lines.append(json.dumps(record, default=str))
     return lines
 
