@@ -377,6 +377,25 @@ BENCHES: dict[str, Bench] = {
         shares_ray=True,
         smoke_s=60,
     ),
+    "grpo_agents": Bench(
+        "baselines/bench_grpo.py",
+        "Multi-turn GRPO (tools) against TRL's GRPOTrainer with the same environment: steps/s",
+        "TRL 1.16's `GRPOTrainer` in one process with `environment_factory` (transformers "
+        "generation, its tool loop in process) on the same tiny chat model warmed up to call "
+        "`multiply`, the same environment, prompts, sampling, turns and reward, against "
+        '`run_training(objective="grpo", environment_factory=..., num_workers=1, '
+        'rollout_backend="hf")` (its environment in an actor); steps per second of the steps '
+        "after the first ones",
+        full=["--agents"],
+        quick=["--agents", "--quick"],
+        smoke=["--agents", "--smoke"],
+        target=0.9,
+        target_note="the runner's synchronous steps/s at least 0.9x TRL's with the same "
+        "environment; the shares of a step are reported, without a target",
+        goals=grpo_goals,
+        shares_ray=True,
+        smoke_s=60,
+    ),
     "async_rl": Bench(
         "runner/bench_async_rl.py",
         "Asynchronous GRPO rollouts (max_staleness) against synchronous ones: steps/s, reward",

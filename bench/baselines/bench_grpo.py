@@ -32,9 +32,16 @@ loss, backward, optimizer); the runner's logged `rollout/seconds`, `reward/secon
 `sync/seconds` and the rest (training). Rounds alternate the order; medians. Target: the
 runner's steps/s >= 0.9x TRL's.
 
+``--agents``: multi-turn episodes on both sides, TRL's `environment_factory` and ours given the
+same environment (`bench_agents.Product`: ``multiply``), the tiny chat model warmed up to call
+it (`make_tool_model`, `--warmup-steps`), "a*b=" prompts, temperature 0.5, at most 2 tool
+rounds, 4 generations of up to 100 tokens (tool results included), 8 steps, the reward
+`tool_answer` (the episode's messages, TRL's shape, on both sides); TRL parses the tool calls
+with the same ChatML response template. Target: the runner's steps/s >= 0.9x TRL's, as without.
+
 Usage: python bench/baselines/bench_grpo.py [--prompts 64] [--steps 12] [--skip 2] [--rounds 1]
        [--batch-prompts 4] [--generations 8] [--completion-length 32] [--threads 1]
-       [--quick | --smoke] [--json OUT]
+       [--agents [--warmup-steps 150]] [--quick | --smoke] [--json OUT]
 
 ``--smoke`` (`run_all.py --smoke`, in CI): a model of width 32, 2 prompts x 2 generations of 4
 tokens, 3 steps, one round.
@@ -94,6 +101,30 @@ def write_inputs(work: str, opts: Any) -> tuple[str, str]:
         for record in prompt_records(opts.prompts):
             f.write(json.dumps(record) + "\n")
     return model, data
+
+
+def write_agent_inputs(work: str, opts: Any) -> tuple[str, str]:
+    """``--agents``: the tiny chat model warmed up to call ``multiply`` (`make_tool_model`) and
+    `opts.prompts` "a*b=" records with their ``answer``, written into `work`: their paths."""
+    from ray_trainer.demo import make_tool_model, product_prompts
+
+    model = make_tool_model(os.path.join(work, "model"), steps=opts.warmup_steps)
+    data = os.path.join(work, "prompts.jsonl")
+    with open(data, "w") as f:
+        for record in product_prompts(opts.prompts):
+            f.write(json.dumps({k: v for k, v in record.items() if k != "id"}) + "\n")
+    return model, data
+
+
+def tool_answer(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
+    """``--agents``: the reward of both sides (TRL's signature; a completion is the episode's
+    messages): 1.0 where the last message's text is the product, else the share of its
+    characters that are digits (so a group's rewards differ)."""
+    out = []
+    for messages, want in zip(completions, answer, strict=True):
+        text = (messages[-1].get("content") or "").strip()
+        out.append(1.0 if text == want else sum(c.isdigit() for c in text) / max(len(text), 1) / 2)
+    return out
 
 
 def letters_share(prompts, completions, completion_ids, **kwargs) -> list[float]:
@@ -236,9 +267,12 @@ class GrpoClock(TrainerCallback):
 # ---- the runner's side -------------------------------------------------------------------------
 
 
-def runner_fields(model: str, data: str, size: dict[str, int], threads: int, storage: str) -> dict:
-    """The `run_training` fields of the runner's side: the same work as TRL's."""
-    return dict(
+def runner_fields(
+    model: str, data: str, size: dict[str, int], threads: int, storage: str, agents: bool = False
+) -> dict:
+    """The `run_training` fields of the runner's side: the same work as TRL's (`agents`: with
+    the ``multiply`` environment, its episodes in an environment actor)."""
+    fields = dict(
         objective="grpo", model=model, data=data, max_length=MAX_LENGTH,
         batch_size=size["batch_prompts"], num_workers=1, resources_per_worker={"CPU": threads},
         max_steps=size["steps"], log_every_steps=1, save_at_end=False, learning_rate=LR,
@@ -248,6 +282,19 @@ def runner_fields(model: str, data: str, size: dict[str, int], threads: int, sto
         grpo={"num_generations": size["generations"],
               "max_completion_length": size["completion_length"], "temperature": 1.0},
     )  # fmt: skip
+    if agents:
+        from bench_agents import Product
+
+        fields.update(environment_factory=Product, reward_fns=[tool_answer],
+                      environment_resources={"CPU": 0.1}, max_length=AGENT_MAX_LENGTH)  # fmt: skip
+        fields["grpo"] = {**fields["grpo"], **AGENT_GRPO}
+    return fields
+
+
+#: ``--agents``: the sampling and turns of both sides (the warmed-up model at temperature 0.5
+#: calls the tool in nearly every episode), and the longest prompt + episode.
+AGENT_GRPO = {"temperature": 0.5, "max_tool_calling_iterations": 2}
+AGENT_MAX_LENGTH = 640
 
 
 def runner_run(fields: dict[str, Any], folder: str, size: dict[str, int]) -> dict[str, Any]:
@@ -301,11 +348,23 @@ def trl_side(opts: argparse.Namespace) -> None:
 
     with open(opts.data) as f:
         records = [json.loads(line) for line in f]
+    tokenizer = AutoTokenizer.from_pretrained(opts.model)
+    extra: dict[str, Any] = {}
+    sampling: dict[str, Any] = {"temperature": 1.0}
+    reward = letters_share
+    if opts.agents:  # the same environment; TRL parses the ChatML tool calls as we do
+        from bench_agents import Product
+
+        from ray_trainer._agents.tools import CHATML_TOOL_CALLS
+
+        tokenizer.response_template = CHATML_TOOL_CALLS
+        extra, reward = {"environment_factory": Product}, tool_answer
+        sampling = dict(AGENT_GRPO)
     with tempfile.TemporaryDirectory(prefix="bench_grpo_trl_") as out:
         config = GRPOConfig(
             output_dir=out, per_device_train_batch_size=opts.batch_prompts * opts.generations,
             gradient_accumulation_steps=1, num_generations=opts.generations,
-            max_completion_length=opts.completion_length, temperature=1.0,
+            max_completion_length=opts.completion_length, **sampling,
             max_steps=opts.steps, learning_rate=LR, lr_scheduler_type="constant",
             warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch", use_vllm=False,
             use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
@@ -313,11 +372,12 @@ def trl_side(opts: argparse.Namespace) -> None:
         )  # fmt: skip
         trainer = Timed(
             model=AutoModelForCausalLM.from_pretrained(opts.model),
-            reward_funcs=[letters_share],
+            reward_funcs=[reward],
             args=config,
             train_dataset=Dataset.from_list(records),
-            processing_class=AutoTokenizer.from_pretrained(opts.model),
+            processing_class=tokenizer,
             callbacks=[Steps()],
+            **extra,
         )
         trainer.train()
     clock["torch_threads"] = torch.get_num_threads()
@@ -325,10 +385,13 @@ def trl_side(opts: argparse.Namespace) -> None:
         json.dump(clock, f)
 
 
-def trl_run(model: str, data: str, folder: str, size: dict[str, int], threads: int) -> dict:
+def trl_run(
+    model: str, data: str, folder: str, size: dict[str, int], threads: int, agents: bool = False
+) -> dict:
     """TRL's side in a fresh subprocess with `threads` compute threads."""
     out = os.path.join(folder, f"trl-{time.time_ns()}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--side", "trl", "--model", model]
+    cmd += ["--agents"] if agents else []
     cmd += ["--data", data, "--out", out, "--steps", str(size["steps"])]
     cmd += ["--batch-prompts", str(size["batch_prompts"]), "--generations",
             str(size["generations"]), "--completion-length", str(size["completion_length"]),
@@ -366,6 +429,10 @@ def main() -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each side")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--agents", action="store_true",
+                        help="multi-turn: the multiply environment and its warmed-up model")  # fmt: skip
+    parser.add_argument("--warmup-steps", type=int, default=150,
+                        help="--agents: the tool model's warm-up steps")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smaller sizes, 1 round")
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest sizes, 3 steps (run_all.py --smoke)")  # fmt: skip
@@ -378,12 +445,14 @@ def main() -> dict:
     if opts.side:
         trl_side(opts)
         return {}
+    if opts.agents:  # an episode: a tool call (~70 tokens), its result, the answer
+        opts.generations, opts.completion_length, opts.steps = 4, 100, 8
     if opts.quick:
         opts.steps, opts.skip, opts.rounds, opts.hidden_size, opts.layers = 8, 2, 1, 128, 2
     if opts.smoke:
         opts.prompts, opts.steps, opts.skip, opts.rounds = 8, 3, 1, 1
         opts.batch_prompts, opts.generations, opts.completion_length = 2, 2, 4
-        opts.hidden_size, opts.layers = 32, 1
+        opts.hidden_size, opts.layers, opts.warmup_steps = 32, 1, 10
 
     started = time.perf_counter()
     work = tempfile.mkdtemp(prefix="bench_grpo_")
@@ -394,17 +463,17 @@ def main() -> dict:
     # (the smoke run's shared Ray sets it too, `run_all.SMOKE_RAY_ENV`).
     os.environ.setdefault("RAY_worker_niceness", "0")
     # The training worker and the rollout engine, a CPU or `threads` each, and the reward task.
-    init_ray(num_cpus=max(3, 2 * opts.threads + 1))
+    init_ray(num_cpus=max(3, 2 * opts.threads + 1) + int(opts.agents))  # agents: environments
     try:  # the model, data and storage: removed at the end (the figures are in the report)
-        model, data = write_inputs(work, opts)
+        model, data = (write_agent_inputs if opts.agents else write_inputs)(work, opts)
         storage = os.path.join(work, "storage")
         rows: dict[str, list[dict]] = {side: [] for side in SIDES}
         for r in range(opts.rounds):
             for side in SIDES if r % 2 == 0 else tuple(reversed(SIDES)):
                 if side == "trl":
-                    run = trl_run(model, data, work, size, opts.threads)
+                    run = trl_run(model, data, work, size, opts.threads, opts.agents)
                 else:
-                    fields = runner_fields(model, data, size, opts.threads, storage)
+                    fields = runner_fields(model, data, size, opts.threads, storage, opts.agents)
                     run = runner_run(fields, work, size)
                 rows[side].append(run)
                 print(f"round {r}, {side}: {run['steps_per_s']:.3f} steps/s, "
@@ -502,11 +571,17 @@ def summarise(rows: dict[str, list[dict]], opts: Any) -> dict[str, Any]:
     ]  # fmt: skip
     ratio = ratios[LABELS["runner"]]
     completions = opts.batch_prompts * opts.generations
+    model = (
+        "the tiny chat model warmed up to call `multiply` (hidden 64, 2 layers), episodes of at "
+        "most 2 tool rounds at temperature 0.5, the environment in an actor on the runner's side"
+        if getattr(opts, "agents", False)
+        else f"model hidden {opts.hidden_size}, {opts.layers} layers"
+    )
     note = (
         f"{opts.prompts} prompts; {opts.batch_prompts} prompts x {opts.generations} generations "
         f"= {completions} completions of at most {opts.completion_length} tokens a step; "
-        f"{opts.steps} steps, the first {opts.skip} left out; model hidden {opts.hidden_size}, "
-        f"{opts.layers} layers, fp32; {opts.threads} torch thread(s) a side; {opts.rounds} "
+        f"{opts.steps} steps, the first {opts.skip} left out; {model}, "
+        f"fp32; {opts.threads} torch thread(s) a side; {opts.rounds} "
         "round(s), medians. Shares: of the median step; TRL's rollout is its `_generate`, its "
         "reward `_calculate_rewards`, in its one process (no sync); the runner's are its logged "
         "`rollout/seconds` (the engine's sampling and log-probs, in its actor), "

@@ -141,9 +141,10 @@ def measure(opts: argparse.Namespace) -> dict[str, Any]:
         order = order[r % len(order) :] + order[: r % len(order)]
         for kind, n in order:
             sampler = instant if kind == "instant" else waiting
-            runs.setdefault(f"{kind}:{n}", []).append(
-                one_step(sampler, engine, prompts[n], opts.generations, 1000 * r + n)
-            )
+            step = one_step(sampler, engine, prompts[n], opts.generations, 1000 * r + n)
+            runs.setdefault(f"{kind}:{n}", []).append(step)
+            print(f"round {r}, {kind} tool, {step['episodes']} episodes: {step['seconds']:.2f} s, "
+                  f"{step['turns']:.2f} turns, {step['calls']:.2f} calls", flush=True)  # fmt: skip
     for s in (instant, waiting):
         s.pool.close()
     engine.close()

@@ -72,6 +72,7 @@ class AgentSampler:
         self._suffixes: dict[tuple, list[int]] = {}
         #: Episodes started again after an infrastructure fault (this rank, the run so far).
         self.restarts = 0
+        self._max_len = 0  # the step's max_completion_length
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -102,6 +103,7 @@ class AgentSampler:
     def _run(
         self, engine: Any, episodes: list[Episode], params: SamplingParams
     ) -> list[Completion]:
+        self._max_len = params.max_completion_length
         tries = {ep.key: 0 for ep in episodes}
         slot_of = {ep.key: i for i, ep in enumerate(episodes)}
         inflight: dict[Any, tuple[str, Any]] = {}  # ref -> (what, episode or episodes)
@@ -111,17 +113,16 @@ class AgentSampler:
         ready: list[Episode] = []
         wave = 0
         while inflight or ready:
-            if ready:
-                for group in _by_room(ready, params.max_completion_length):
-                    room = group[0].room(params.max_completion_length)
-                    turn = replace(
-                        params, num_generations=1, max_completion_length=room,
-                        seed=(params.seed + 7919 * wave) % 2**31,
-                    )  # fmt: skip
-                    ref = engine.submit(
-                        [g.input_ids for g in group], turn, [g.prompt_index for g in group]
-                    )
-                    inflight[ref] = ("turn", [(g, g.input_ids) for g in group])
+            if ready:  # one request: each episode's turn cut to its own room after, as TRL
+                room = max(ep.room(params.max_completion_length) for ep in ready)
+                turn = replace(
+                    params, num_generations=1, max_completion_length=room,
+                    seed=(params.seed + 7919 * wave) % 2**31,
+                )  # fmt: skip
+                ref = engine.submit(
+                    [ep.input_ids for ep in ready], turn, [ep.prompt_index for ep in ready]
+                )
+                inflight[ref] = ("turn", [(ep, ep.input_ids) for ep in ready])
                 ready, wave = [], wave + 1
             for ref in self._ready(inflight, sent):
                 what, held = inflight.pop(ref)
@@ -176,7 +177,8 @@ class AgentSampler:
         """A request's turns added to their episodes; those whose tools now run are sent to
         their environments, those done to be finished."""
         completions, _, _ = engine.result(ref)
-        for (ep, sent), completion in zip(held, completions, strict=True):
+        for (ep, sent), sampled in zip(held, completions, strict=True):
+            completion = cut(sampled, ep.room(self._max_len))
             message = parse_turn(
                 self.tokenizer, self.response_template, list(completion.completion_ids), sent,
                 ep.tools,
@@ -289,12 +291,16 @@ def _env_label(agent: AgentTools) -> str:
     return "of the tools" if not agent.factories else "environment_factory"
 
 
-def _by_room(episodes: list[Episode], max_completion_length: int) -> list[list[Episode]]:
-    """Episodes grouped by how many tokens their next turn may sample (one request each)."""
-    groups: dict[int, list[Episode]] = {}
-    for ep in episodes:
-        groups.setdefault(ep.room(max_completion_length), []).append(ep)
-    return list(groups.values())
+def cut(completion: Completion, room: int) -> Completion:
+    """A turn sampled with more room than its episode has left, cut to `room` tokens (and then
+    truncated, unless it ended right there), as TRL cuts a turn after a tool result."""
+    if len(completion.completion_ids) <= room:
+        return completion
+    return replace(
+        completion, completion_ids=list(completion.completion_ids[:room]),
+        logprobs=list(completion.logprobs[:room]), truncated=True,
+        newer_versions=[(p, v) for p, v in completion.newer_versions if p < room],
+    )  # fmt: skip
 
 
 def _ray_wait(refs: list[Any], timeout: float | None) -> list[Any]:

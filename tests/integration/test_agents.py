@@ -5,7 +5,9 @@ One run: 2 gloo workers of the real local Ray, one ``hf`` rollout engine, the en
 in one environment actor, a tiny ChatML model warmed up to call the tool. Its first tool call
 ends the environment actor's process and its second sleeps past ``tool_timeout_s``: both are
 infrastructure faults, whose episodes start again from their beginning on a fresh actor and are
-never scored as they were. What it shows: episodes have several turns and tool calls from the
+never scored as they were. Once step 1's checkpoint is saved (published at a later step's
+boundary: saves are asynchronous), the next tool call kills rank 1 with that step's episodes in
+flight: the run resumes from its latest checkpoint and samples the lost step again. What it shows: episodes have several turns and tool calls from the
 first step, their tool-result tokens take no loss (``trained_tokens`` below the completion
 tokens), no turn's input came back changed (``rollout/prefix_mismatch`` 0), the faulted episodes
 were started again (``episodes/restarts``), the environment's own reward is logged under its
@@ -23,7 +25,7 @@ import pytest
 
 from callbacks import TrainerCallback
 
-PROMPTS, PER_STEP, STEPS, GENERATIONS = 8, 4, 2, 2
+PROMPTS, PER_STEP, STEPS, GENERATIONS = 12, 4, 3, 2
 
 
 class Logs(TrainerCallback):
@@ -52,7 +54,7 @@ def answered(prompts, completions, completion_ids, answer, **kwargs):
 
 @pytest.fixture(scope="module")
 def run(ray_session, tmp_path_factory):
-    from agent_model import Multiplier, make_tool_model, product_prompts
+    from agent_model import ArmCrash, Multiplier, make_tool_model, product_prompts
 
     from ray_trainer import run_training
 
@@ -72,7 +74,7 @@ def run(ray_session, tmp_path_factory):
         rollout_backend="hf", rollout_resources={"CPU": 0.5}, reward_resources={"CPU": 0.1},
         max_length=460, num_workers=2, batch_size=2, max_steps=STEPS, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
-        callbacks=[Logs(str(root))],
+        save_every_steps=1, max_failures=1, callbacks=[Logs(str(root)), ArmCrash(str(faults))],
     )  # fmt: skip
     logs = [json.loads(line) for line in (root / "logs.jsonl").open()]
     return root, result, logs
@@ -80,7 +82,7 @@ def run(ray_session, tmp_path_factory):
 
 def test_episodes_call_tools_and_their_results_take_no_loss(run):
     _, result, logs = run
-    assert result.global_step == STEPS and [r["step"] for r in logs] == [1, 2]
+    assert result.global_step == STEPS and sorted({r["step"] for r in logs}) == [1, 2, 3]
     for r in logs:
         assert r["tools/call_frequency"] > 0.5  # the warmed-up model calls its tool
         assert r["episodes/turns_mean"] > 1.0
@@ -96,12 +98,17 @@ def test_faulted_episodes_start_again_and_every_prompt_is_trained_once(run):
     from ray_trainer._objectives.grpo_ledger import audit, read_states
     from ray_trainer._storage import locate
 
-    root, _, logs = run
-    assert sorted(os.listdir(root / "faults")) == ["died", "stuck"]  # both faults happened
+    root, result, logs = run
+    faults = sorted(os.listdir(root / "faults"))
+    assert faults == ["armed", "crashed", "died", "rank1.pid", "stuck"]  # every fault happened
+    assert result.attempts == 2  # the crash restarted the worker group, from step 1
     assert sum(r["episodes/restarts"] for r in logs) >= 2
-    found = audit(read_states(locate(str(root / "storage" / "agents" / "ledger"))))
+    segments = read_states(locate(str(root / "storage" / "agents" / "ledger")))
+    starts = sorted({(g.attempt, g.restored) for g in segments})
+    assert [a for a, _ in starts] == [0, 1] and starts[1][1] >= 1  # resumed from a checkpoint
+    found = audit(segments)
     assert found.problems(PROMPTS, epochs=[0]) == []
-    assert sorted(found.trained.values()) == [1] * PROMPTS
+    assert sorted(found.trained.values()) == [1] * PROMPTS  # the final lineage: once each
 
 
 def test_rollouts_jsonl_holds_whole_conversations(run):

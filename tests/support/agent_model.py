@@ -9,18 +9,22 @@ call of an armed run ends its actor's process, the next one sleeps past any
 from __future__ import annotations
 
 import os
+import signal
 import time
 
+from callbacks import TrainerCallback
 from ray_trainer._demo.agents import make_tool_model, multiply, product_prompts
 
-__all__ = ["Multiplier", "make_tool_model", "multiply", "product_prompts"]
+__all__ = ["ArmCrash", "Multiplier", "make_tool_model", "multiply", "product_prompts"]
 
 
 class Multiplier:
     """The ``multiply`` tool as an environment (TRL's shape): ``reset`` keeps the row's answer,
     ``get_reward`` is 1.0 when the tool was called with a product equal to it. With `faults`
     (a folder), the first call of the run ends its actor's process, the second sleeps 60 s
-    (past the test's ``tool_timeout_s``); each fault happens once, marked by a file there."""
+    (past the test's ``tool_timeout_s``), and the first once the folder holds ``armed`` kills
+    the training worker whose pid is in ``rank1.pid`` (a crash with episodes in flight); each
+    fault happens once, marked by a file there."""
 
     def __init__(self, faults: str | None = None):
         self.faults = faults
@@ -51,7 +55,13 @@ class Multiplier:
 
 
 def _fault_once(folder: str) -> None:
-    for name, act in (("died", lambda: os._exit(1)), ("stuck", lambda: time.sleep(60))):
+    for name, act in (
+        ("died", lambda: os._exit(1)),
+        ("stuck", lambda: time.sleep(60)),
+        ("crashed", lambda: _kill_worker(folder)),
+    ):
+        if name == "crashed" and not os.path.exists(os.path.join(folder, "armed")):
+            return
         try:
             fd = os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -59,3 +69,28 @@ def _fault_once(folder: str) -> None:
         os.close(fd)
         act()
         return
+
+
+def _kill_worker(folder: str) -> None:
+    with open(os.path.join(folder, "rank1.pid")) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+
+
+class ArmCrash(TrainerCallback):
+    """Every rank, first attempt: rank 1 writes its pid to `folder`'s ``rank1.pid`` as training
+    begins; rank 0 writes ``armed`` once the checkpoint of step `step` is saved, so the next
+    tool call (step `step` + 1's episodes in flight) kills rank 1 (``Multiplier``)."""
+
+    runs_on = "all_ranks"
+
+    def __init__(self, folder: str, step: int = 1) -> None:
+        self.folder, self.step = folder, step
+
+    def on_train_begin(self, context, **kwargs):
+        if context.rank == 1 and context.attempt == 0:
+            with open(os.path.join(self.folder, "rank1.pid"), "w") as f:
+                f.write(str(os.getpid()))
+
+    def on_save(self, context, **kwargs):
+        if context.rank == 0 and context.attempt == 0 and context.global_step == self.step:
+            open(os.path.join(self.folder, "armed"), "w").close()

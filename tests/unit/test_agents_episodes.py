@@ -344,3 +344,13 @@ def test_the_same_episode_has_the_same_ids_and_mask_as_trls_tool_loop(tokenizer)
     assert logps[0] == ours.logprobs
     assert (calls, failures) == (1, 0)
     assert [m["role"] for m in messages[0]] == [m["role"] for m in ours.episode.messages]
+
+
+def test_a_turn_sampled_with_more_room_than_its_episode_has_is_cut_and_truncated():
+    from ray_trainer._agents.loop import cut
+
+    c = Completion(0, [1], [5, 6, 7, 2], [-0.1, -0.2, -0.3, -0.4], False, 4, [(1, 5), (3, 6)])
+    short = cut(c, 2)
+    assert (short.completion_ids, short.logprobs, short.truncated) == ([5, 6], [-0.1, -0.2], True)
+    assert short.newer_versions == [(1, 5)] and short.version == 4
+    assert cut(c, 4) is c  # room enough: as sampled

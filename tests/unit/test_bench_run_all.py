@@ -96,6 +96,7 @@ def _shapes() -> dict[str, dict]:
     shapes["host_step"] = _host_step_report()
     shapes["grpo"] = _grpo_report()
     shapes["async_rl"] = _async_rl_report()
+    shapes["grpo_agents"] = _grpo_report()  # bench_grpo.py --agents: the same report
     shapes["agents"] = {  # bench_agents.py: one ratio, the sleeping tool's step to the instant's
         "table": "| setting | step (s) | episodes/s | ratio |\n|---|---|---|---|\n"
         "| 64 episodes, instant tool | 4.0 | 16.0 | |\n"
@@ -418,6 +419,7 @@ def test_smoke_fails_on_a_benchmark_without_a_normalised_report(bad, tmp_path, m
 FULL_ARGS = {
     "hf_trainer_1rank": ["--num-workers", "1", "--rounds", "3"],
     "host_step": ["--rounds", "30", "--block", "20"],
+    "grpo_agents": ["--agents"],
 }
 
 
