@@ -1,6 +1,7 @@
 """Multi-turn GRPO with an environment on Ray actors, end to end (``tools``/``environment_factory``).
 
-One run: 2 gloo workers of the real local Ray, one ``hf`` rollout engine, the environment
+One run: 2 gloo workers of the real local Ray (FSDP2, LoRA, packed completions), one ``hf``
+rollout engine (each sync the adapter only), the environment
 ``agent_model.Multiplier`` (TRL's shape: ``reset``, a typed ``multiply`` tool, ``get_reward``)
 in one environment actor, a tiny ChatML model warmed up to call the tool. Its first tool call
 ends the environment actor's process and its second sleeps past ``tool_timeout_s``: both are
@@ -75,6 +76,7 @@ def run(ray_session, tmp_path_factory):
         max_length=460, num_workers=2, batch_size=2, max_steps=STEPS, learning_rate=1e-3,
         log_every_steps=1, storage_path=str(root / "storage"), dashboard=False,
         save_every_steps=1, max_failures=1, callbacks=[Logs(str(root)), ArmCrash(str(faults))],
+        strategy="fsdp", packing=True, lora={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     )  # fmt: skip
     logs = [json.loads(line) for line in (root / "logs.jsonl").open()]
     return root, result, logs
