@@ -130,6 +130,10 @@ class TrainingArgs(BaseModel):
     # again on a fresh environment.
     tools: Any = None
     environment_factory: Any = None
+    # TRL's rollout_func (a callable or "module:function"): your own rollout loop,
+    # fn(prompts, engines) -> {prompt_ids, completion_ids, logprobs, [env_mask], ...}, with
+    # `engines.generate(...)` sampling on the run's rollout engines (docs/rl.md).
+    rollout_func: Any = None
     environment_workers: int = Field(1, ge=1)
     environment_resources: dict[str, float] | None = None
     tool_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)

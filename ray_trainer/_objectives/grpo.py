@@ -369,6 +369,8 @@ def check_args(args: Any) -> None:
             "would be a frozen copy of the whole model on every rank; add lora (the reference "
             "is the base with the adapters off), use strategy='ddp', or set grpo.beta=0"
         )
+    if args.rollout_func is not None:
+        _check_rollout_func(args)
     if has_agents(args):
         _check_agents(args)
     # TrainingArgsError naming the function (or its resources)
@@ -396,6 +398,24 @@ def _check_agents(args: Any) -> None:
         actor_options(args.environment_resources)
     except ValueError as e:
         raise ValueError(f"environment_resources: {e}") from None
+
+
+def _check_rollout_func(args: Any) -> None:
+    """``rollout_func``: importable, and alone (it is the whole rollout)."""
+    from ray_trainer._named import import_named
+
+    if has_agents(args):
+        raise ValueError(
+            "rollout_func with tools or environment_factory: a rollout_func is the whole "
+            "rollout loop (call your tools inside it); drop one or the other"
+        )
+    if args.max_staleness:
+        raise ValueError(
+            f"max_staleness={args.max_staleness} with rollout_func: asynchronous custom "
+            "rollouts are not built yet; set max_staleness=0"
+        )
+    import_named(args.rollout_func, "rollout_func", "my_loop:rollout",
+                 "a function (prompts, engines) -> dict")  # fmt: skip
 
 
 def beside_workers(args: Any) -> list[Beside]:
@@ -475,6 +495,7 @@ GRPO = Objective(
         "max_staleness",
         "tools",
         "environment_factory",
+        "rollout_func",
         "environment_workers",
         "environment_resources",
         "tool_timeout_s",

@@ -542,15 +542,19 @@ def _completion(c: Any, prompt: Any, text: str) -> Any:
 
 
 def episode_columns(completions: Sequence[Any]) -> dict[str, list[Any]]:
-    """An environment run's columns besides the data's: ``environments`` (each episode's
-    environment instance as it ended, as TRL passes them; None where it could not be pickled)
-    and ``environment_reward`` (its ``get_reward()``, None where it defines none)."""
+    """A multi-turn run's columns besides the data's: a ``rollout_func``'s own keys, and with
+    environments ``environments`` (each episode's instance as it ended, as TRL passes them;
+    None where it could not be pickled) and ``environment_reward`` (its ``get_reward()``, None
+    where it defines none)."""
     import cloudpickle
 
     episodes = [getattr(c, "episode", None) for c in completions]
+    extra = sorted({k for e in episodes if e is not None for k in e.extra})
+    columns = {k: [None if e is None else e.extra.get(k) for e in episodes] for k in extra}
     if not any(e is not None and (e.snapshot, e.env_reward) != (None, None) for e in episodes):
-        return {}
+        return columns
     return {
+        **columns,
         "environments": [
             None if e is None or e.snapshot is None else cloudpickle.loads(e.snapshot)
             for e in episodes

@@ -28,6 +28,7 @@ class EpisodeRecord:
         env_reward: its environment's ``get_reward()`` (None: it defines none).
         snapshot: the environment instance when the episode ended (cloudpickled; None when it
             cannot be pickled): what reward functions get as ``environments``.
+        extra: a ``rollout_func``'s other keys for this completion: reward columns by name.
     """
 
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -40,6 +41,7 @@ class EpisodeRecord:
     environment: str | None = None
     env_reward: float | None = None
     snapshot: bytes | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -354,3 +354,24 @@ def test_a_turn_sampled_with_more_room_than_its_episode_has_is_cut_and_truncated
     assert (short.completion_ids, short.logprobs, short.truncated) == ([5, 6], [-0.1, -0.2], True)
     assert short.newer_versions == [(1, 5)] and short.version == 4
     assert cut(c, 4) is c  # room enough: as sampled
+
+
+def test_an_engine_lost_mid_episode_lets_its_instances_go_and_reaches_the_step(tokenizer):
+    """The step's retry on the engines left (``grpo.py``'s ``_generate``) starts the episodes
+    over with new keys: the lost attempt's instances are dropped, none scored."""
+    from ray_trainer._rollout.actor import RolloutEngineDied
+
+    sampler, engine, agent = _sampler(tokenizer)
+    calls = []
+
+    def dying(ref):
+        calls.append(ref)
+        if len(calls) == 2:  # the second turn's request: the engine died
+            raise RolloutEngineDied("the rollout engine died: killed in the test")
+        return ref.value, 0.0, 0.0
+
+    engine.result = dying
+    with pytest.raises(RolloutEngineDied):
+        _run(sampler, engine, _prompt(tokenizer, agent))
+    assert sorted(sampler.pool.dropped) == ["s0:5:0", "s0:5:1"]
+    assert sampler.pool.host.ping() == 0  # no instance left behind

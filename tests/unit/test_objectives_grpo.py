@@ -95,7 +95,8 @@ def test_grpo_is_registered_and_owns_its_fields():
     assert GRPO.fields == (
         "grpo", "reward_fns", "reward_weights", "reward_resources", "reward_timeout_s",
         "rollout_backend", "rollout_resources", "rollout_workers", "max_staleness", "tools",
-        "environment_factory", "environment_workers", "environment_resources", "tool_timeout_s",
+        "environment_factory", "rollout_func", "environment_workers", "environment_resources",
+        "tool_timeout_s",
     ) and not GRPO.needs_reference(None)  # fmt: skip
     assert GRPO.metrics == (*ROLLOUT_METRICS, *LOSS_METRICS, *ROLLOUT_TIMINGS)
     for name in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",

@@ -4,7 +4,8 @@ Runs in each training worker. :class:`Sampling` is what ``GrpoObjective`` asks f
 completions of a step: without tools, one ``generate`` request to the rank's engine; with
 ``tools`` or ``environment_factory``, the episodes of ``_agents/loop.py`` on the same engine,
 their environments in the run's environment actors (``_agents/environments.py``: a pool that
-every rank of a worker-group start shares by name, ended with the run).
+every rank of a worker-group start shares by name, ended with the run); with ``rollout_func``,
+the user's own loop on the engine (``_agents/custom.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,19 @@ class Sampling:
         return with_environment_weights(self.args.reward_weights, extra)
 
     def start(self, s: Any) -> None:
-        """Once per worker-group start (every rank): the environment actors' pool, found by
-        name (the first rank to ask creates them)."""
-        if self.agent is None or self.sampler is not None:
+        """Once per worker-group start (every rank): the user's ``rollout_func``, or the
+        environment actors' pool, found by name (the first rank to ask creates them)."""
+        if self.sampler is not None:
+            return
+        if self.args.rollout_func is not None:
+            from ray_trainer._agents.custom import CustomSampler
+            from ray_trainer._named import import_named
+
+            fn = import_named(self.args.rollout_func, "rollout_func", "my_loop:rollout",
+                              "a function (prompts, engines) -> dict")  # fmt: skip
+            self.sampler = CustomSampler(fn, s.workload.tokenizer)
+            return
+        if self.agent is None:
             return
         from ray_trainer._agents.environments import EnvironmentPool, EnvironmentSpec
         from ray_trainer._agents.loop import AgentSampler
@@ -72,5 +83,6 @@ class Sampling:
 
     def close(self) -> None:
         """The environment actors this rank created, ended."""
-        if self.sampler is not None:
-            self.sampler.pool.close()
+        pool = getattr(self.sampler, "pool", None)
+        if pool is not None:
+            pool.close()
