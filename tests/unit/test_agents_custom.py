@@ -92,7 +92,7 @@ def test_rollout_func_is_grpos_alone_and_synchronous():
         check_fields(TrainingArgs.coerce(**base, rollout_func=two_turns, tools=[two_turns]))
     with pytest.raises(ValueError, match="max_staleness=1 with rollout_func"):
         check_fields(TrainingArgs.coerce(**base, rollout_func=two_turns, max_staleness=1))
-    with pytest.raises(ValueError, match="rollout_func='nope:f'.*does not import"):
+    with pytest.raises(ValueError, match=r"rollout_func='nope:f'.*does not import"):
         check_fields(TrainingArgs.coerce(**base, rollout_func="nope:f"))
     with pytest.raises(ValueError, match="rollout_func set with objective='sft'"):
         check_fields(TrainingArgs.coerce(data="d.jsonl", rollout_func=two_turns))
