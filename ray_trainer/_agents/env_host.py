@@ -153,7 +153,8 @@ class EnvironmentHost:
         for call in calls:
             if call.get("type") != "function":
                 error = f"Unsupported tool call type: {call.get('type')}"
-                answers.append((call.get("name", "unknown"), {"error": error}, True))
+                name = (call.get("function") or {}).get("name") or call.get("name", "unknown")
+                answers.append((name, {"error": error}, True))
                 continue
             function = call.get("function") or {}
             name = function.get("name")

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from ray_trainer._agents.environments import EnvironmentFault
-from ray_trainer._agents.episode import Episode, parse_turn, tool_suffix_ids
+from ray_trainer._agents.episode import Episode, parse_turn, tool_messages, tool_suffix_ids
 from ray_trainer._agents.tools import ENVIRONMENT_FIELD, AgentTools
 from ray_trainer._rollout.engine import SamplingParams
 from ray_trainer._rollout.types import Completion
@@ -69,7 +69,6 @@ class AgentSampler:
         self.wait = wait or _ray_wait
         self.timeout_s = float(getattr(getattr(pool, "spec", None), "timeout_s", 60.0))
         self.eos_id = getattr(tokenizer, "eos_token_id", None)
-        self._suffixes: dict[tuple, list[int]] = {}
         #: Episodes started again after an infrastructure fault (this rank, the run so far).
         self.restarts = 0
         self._max_len = 0  # the step's max_completion_length
@@ -218,7 +217,7 @@ class AgentSampler:
         suffix = tool_suffix_ids(
             self.tokenizer,
             self.chat_template,
-            [{"role": "tool", "name": n, "content": _content(r)} for n, r, _ in results],
+            tool_messages(results),
             self.eos_id,
         )
         appended = ep.add_results(results, suffix, max_completion_length)
@@ -281,10 +280,6 @@ class AgentSampler:
         )  # fmt: skip
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(t) for t in ids]
-
-
-def _content(result: Any) -> str:
-    return result if isinstance(result, str) else str(result)
 
 
 def _env_label(agent: AgentTools) -> str:
