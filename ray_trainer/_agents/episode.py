@@ -60,18 +60,28 @@ def _check_calls(calls: Any) -> None:
 
 
 def tool_suffix_ids(
-    tokenizer: Any, template: str, tool_messages: list[dict], eos_id: int | None
+    tokenizer: Any,
+    template: str,
+    tool_messages: list[dict],
+    eos_id: int | None,
+    heads: dict[str, list[int]] | None = None,
 ) -> list[int]:
     """The ids the chat template writes for `tool_messages` after an assistant turn that ended
     with its end-of-turn token, through the next assistant header: the rendering of a short
     conversation with them, minus its rendering without them (cut after its last `eos_id`,
-    where a sampled turn stops)."""
-    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    where a sampled turn stops). `heads` keeps the rendering without them by tool name (the
+    same for every episode of a run: one template rendering per tool result, not two)."""
+    name = tool_messages[0]["name"]
+    calls = [{"type": "function", "function": {"name": name, "arguments": {}}}]
     head = [
         {"role": "user", "content": "dummy"},
         {"role": "assistant", "content": "", "tool_calls": calls},
     ]
-    before = _ids(tokenizer.apply_chat_template(head, chat_template=template, tokenize=True))
+    before = None if heads is None else heads.get(name)
+    if before is None:
+        before = _ids(tokenizer.apply_chat_template(head, chat_template=template, tokenize=True))
+        if heads is not None:
+            heads[name] = before
     after = _ids(
         tokenizer.apply_chat_template(
             head + tool_messages, chat_template=template, tokenize=True,

@@ -4,9 +4,10 @@
 ``tools`` or an ``environment_factory``. Each of a prompt's ``num_generations`` samples is an
 :class:`~ray_trainer._agents.episode.Episode` with an environment instance of its own (in the
 run's environment actors, ``environments.EnvironmentPool``). The episodes of the step run at
-once: every episode ready to sample goes into the engine's next request, and the tool calls of
-the others run meanwhile in the environment actors, so an episode waiting on a slow tool holds
-back no other episode's generation (it joins a later request).
+once: the episodes ready to sample go into the engine's next request together (one request in
+flight: those that become ready while it runs join the next one), and the tool calls of the
+others run meanwhile in the environment actors, so an episode waiting on a slow tool holds back
+no other episode's generation (it joins a later request).
 
 A tool that raises is the model's outcome: its error is the tool's result. An environment actor
 that dies, or a call past ``tool_timeout_s``, is an infrastructure fault: the episode starts
@@ -72,6 +73,7 @@ class AgentSampler:
         #: Episodes started again after an infrastructure fault (this rank, the run so far).
         self.restarts = 0
         self._max_len = 0  # the step's max_completion_length
+        self._heads: dict[str, list[int]] = {}  # the template's turn before a tool result
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -112,7 +114,10 @@ class AgentSampler:
         ready: list[Episode] = []
         wave = 0
         while inflight or ready:
-            if ready:  # one request: each episode's turn cut to its own room after, as TRL
+            # One request at a time: the engine answers its requests one after another, so the
+            # episodes ready meanwhile wait for it together and go in one batch, not several.
+            busy = any(what == "turn" for what, _ in inflight.values())
+            if ready and not busy:  # each episode's turn cut to its own room after, as TRL
                 room = max(ep.room(params.max_completion_length) for ep in ready)
                 turn = replace(
                     params, num_generations=1, max_completion_length=room,
@@ -219,6 +224,7 @@ class AgentSampler:
             self.chat_template,
             tool_messages(results),
             self.eos_id,
+            self._heads,
         )
         appended = ep.add_results(results, suffix, max_completion_length)
         if appended and ep.room(max_completion_length) <= 0:
