@@ -117,7 +117,10 @@ def test_a_reward_past_reward_timeout_s_fails_the_run_naming_it(stuck_driver, mo
         r"reward_timeout_s=5 s on step 1's 4 completions \(prompts \d+, \d+ of the data\); "
         r"their tasks were cancelled", msg,
     ), msg  # fmt: skip
-    assert (tmp_path / "m").exists()  # it was called, and stuck
+    # It was called, and stuck; unless no task had even started within the 5 s (the quick one
+    # named too: on a loaded machine a reward task's new worker process can take that long, as
+    # in a CI run on 2026-12-02 where neither marked its start before the timeout).
+    assert (tmp_path / "m").exists() or "'zeros', 'never_returns'" in msg, msg
     assert not (tmp_path / "storage" / "stuck-timeout" / "lease.json").exists()
 
 
