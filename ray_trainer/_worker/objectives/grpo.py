@@ -103,8 +103,7 @@ class GrpoObjective(WorkerObjective):
     def __init__(self, args: Any) -> None:
         self.args = args
         self.config = config_of(args)
-        # Resolved again here (the driver checked them): functions travel pickled in the args;
-        # one turn per completion, or multi-turn episodes with tools (``grpo_agents.py``).
+        # Resolved again here (the driver checked them); episodes' sampling: ``grpo_agents.py``.
         self.sampling = Sampling(args, self.config)
         own = resolve_reward_fns(args.reward_fns, args.reward_resources)
         self.fns = self.sampling.reward_fns(own)
@@ -512,7 +511,9 @@ class GrpoObjective(WorkerObjective):
                     with self.adaptation.disabled(self.model):
                         ref_logits = _logits(model(**inputs))
                 ref, _, _ = token_logps(ref_logits, batch, c.temperature)
-        keep = batch["keep"][rows] * flat_per_token(batch["env_mask"], batch["length"])
+        keep = batch["keep"][rows]
+        if "env_mask" in batch:  # a multi-turn episode's tool-result tokens: no loss
+            keep = keep * flat_per_token(batch["env_mask"], batch["length"])
         old = None  # one pass: the log-probs themselves, detached (TRL's shortcut)
         if self.iterations > 1:  # the first pass's, as TRL's old_per_token_logps
             if self._pass == 0:

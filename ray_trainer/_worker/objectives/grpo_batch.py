@@ -113,7 +113,7 @@ def completion_batch(
     (0: a truncated completion that ``mask_truncated_completions`` drops) and
     ``sampling_logps`` (the engine's, right-padded with 0), and per token ``env_mask`` (0 on
     a multi-turn episode's tool-result tokens, which take no loss and count in no
-    denominator; 1 elsewhere, right-padded with 1)."""
+    denominator; 1 elsewhere, right-padded with 1; only where an episode has one)."""
     n = len(completions)
     seqs = [list(c.prompt_ids) + list(c.completion_ids) for c in completions]
     widest = max([len(c.completion_ids) for c in completions] + [1])
@@ -123,13 +123,13 @@ def completion_batch(
             sampling[i, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
     lengths = [len(c.completion_ids) for c in completions]
     keep = [not (mask_truncated and c.truncated) for c in completions]
-    # A multi-turn episode's tool-result tokens take no loss (``Completion.env_mask``).
-    env_mask = torch.ones((n, widest), dtype=torch.float32)
-    sampled = list(lengths)
-    for i, c in enumerate(completions):
-        if c.env_mask is not None:
-            env_mask[i, : len(c.env_mask)] = torch.tensor(c.env_mask, dtype=torch.float32)
-            sampled[i] = int(sum(c.env_mask))
+    # A multi-turn episode's tool-result tokens take no loss (``Completion.env_mask``); a
+    # single-turn batch carries no mask at all (nothing to multiply in its loss).
+    masks = {"env_mask": _env_mask(completions, widest)} if _masked(completions) else {}
+    sampled = [
+        int(sum(c.env_mask)) if c.env_mask is not None else k
+        for c, k in zip(completions, lengths, strict=True)
+    ]
     if packed:
         rows = [(np.asarray(s, dtype=np.int64),) * 2 for s in seqs]
         batch, tokens = pack_row(rows, pad_id, pad_to, layout)
@@ -151,7 +151,7 @@ def completion_batch(
                 "advantages": torch.tensor([float(a) for a in advantages], dtype=torch.float32),
                 "keep": torch.tensor(keep, dtype=torch.float32),
                 "sampling_logps": sampling,
-                "env_mask": env_mask,
+                **masks,
             }
         )
         targets = loss_targets(loss_type, sampled, keep, max_completion_length)
@@ -170,10 +170,23 @@ def completion_batch(
         "advantages": torch.tensor([float(a) for a in advantages], dtype=torch.float32),
         "keep": torch.tensor(keep, dtype=torch.float32),
         "sampling_logps": sampling,
-        "env_mask": env_mask,
+        **masks,
     }
     targets = loss_targets(loss_type, sampled, keep, max_completion_length)
     return MicroBatch(batch, sum(len(s) for s in seqs), n * width, targets)
+
+
+def _masked(completions: Sequence[Any]) -> bool:
+    return any(c.env_mask is not None for c in completions)
+
+
+def _env_mask(completions: Sequence[Any], widest: int) -> torch.Tensor:
+    """``[completions, widest]``: each episode's ``env_mask``, 1 elsewhere."""
+    mask = torch.ones((len(completions), widest), dtype=torch.float32)
+    for i, c in enumerate(completions):
+        if c.env_mask is not None:
+            mask[i, : len(c.env_mask)] = torch.tensor(c.env_mask, dtype=torch.float32)
+    return mask
 
 
 def completion_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
